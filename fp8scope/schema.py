@@ -1,0 +1,101 @@
+"""Column layout shared by the capture side and the store: the contract between them.
+
+Capture packs each monitored tensor's numbers into one float64 vector laid out as
+``STAT_FIELDS`` (so a whole step's stats stack into one device tensor and move to the
+host in one transfer). The store turns those vectors into Arrow record batches with
+``TENSOR_SCHEMA``. Both sides import from here; neither imports the other.
+"""
+
+from __future__ import annotations
+
+import pyarrow as pa
+
+SCHEMA_VERSION = 1
+
+# Tensor roles, Transformer Engine's words.
+ROLES = ("activation", "weight", "gradient", "output")
+DEFAULT_ROLES = ("activation", "weight", "gradient")
+
+# Per-tensor stats vector computed on the device. "merge" says how two captures of the same
+# tensor within one step (gradient-accumulation micro-batches) combine on the host.
+STAT_FIELDS: tuple[tuple[str, str], ...] = (
+    ("amax", "max"),
+    ("min_nonzero", "min"),  # smallest non-zero |x|: lower end of the dynamic range
+    ("numel", "sum"),
+    ("zeros", "sum"),
+    ("nonfinite", "sum"),
+    ("overflow", "sum"),  # |x * scale| > fp8_max, counted before the cast
+    ("underflow", "sum"),  # non-zero before the cast, zero after
+    ("saturated", "sum"),  # quantized to +-fp8_max (clipped or rounded onto the top code)
+    ("sq_err", "sum"),  # sum (dequant(quant(x)) - x)^2 over finite elements
+    ("sq_signal", "sum"),  # sum x^2 over finite elements, for SQNR
+    ("scale", "last"),
+    ("scale_inv", "last"),
+    ("expected_amax", "last"),  # the amax the recipe derived the scale from
+)
+FIELD_INDEX = {name: i for i, (name, _) in enumerate(STAT_FIELDS)}
+N_FIELDS = len(STAT_FIELDS)
+# Fields that only full stats fill; cheap stats leave them NaN (null in the store).
+FULL_ONLY = ("min_nonzero", "zeros", "nonfinite", "overflow", "underflow", "saturated", "sq_err", "sq_signal")
+
+TENSOR_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("rank", pa.int32()),
+        ("layer", pa.string()),
+        ("tensor", pa.string()),  # role: activation / weight / gradient / output
+        ("order", pa.int32()),  # execution order of the first capture within the step
+        ("source", pa.string()),  # emulated / torchao / te / whatif
+        ("fp8_format", pa.string()),  # e4m3 / e5m2 / ...
+        ("full", pa.bool_()),  # full stats (True) or cheap stats (amax and scales only)
+        ("calls", pa.int32()),  # captures merged into this row (micro-batches)
+        ("amax", pa.float64()),
+        ("min_nonzero", pa.float64()),
+        ("scale", pa.float64()),
+        ("scale_inv", pa.float64()),
+        ("expected_amax", pa.float64()),
+        ("fp8_max", pa.float64()),
+        ("numel", pa.int64()),
+        ("zeros", pa.int64()),
+        ("nonfinite", pa.int64()),
+        ("overflow", pa.int64()),
+        ("underflow", pa.int64()),
+        ("saturated", pa.int64()),
+        ("qerr_mse", pa.float64()),
+        ("sqnr_db", pa.float64()),
+    ],
+    metadata={b"fp8scope.table": b"tensors", b"fp8scope.schema_version": str(SCHEMA_VERSION).encode()},
+)
+
+SCALAR_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("rank", pa.int32()),
+        ("name", pa.string()),
+        ("value", pa.float64()),
+        ("time", pa.float64()),  # wall-clock seconds since the epoch when the step ended
+    ],
+    metadata={b"fp8scope.table": b"scalars", b"fp8scope.schema_version": str(SCHEMA_VERSION).encode()},
+)
+
+EVENT_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("rank", pa.int32()),
+        ("rule", pa.string()),
+        ("severity", pa.string()),  # info / warning / critical
+        ("layer", pa.string()),
+        ("tensor", pa.string()),
+        ("value", pa.float64()),
+        ("threshold", pa.float64()),
+        ("message", pa.string()),
+    ],
+    metadata={b"fp8scope.table": b"events", b"fp8scope.schema_version": str(SCHEMA_VERSION).encode()},
+)
+
+TABLE_SCHEMAS = {"tensors": TENSOR_SCHEMA, "scalars": SCALAR_SCHEMA, "events": EVENT_SCHEMA}
+
+
+def register_table(name: str, schema: pa.Schema) -> None:
+    """Let a later stage (shadow steps, detection) add a table the store writes and reads like the others."""
+    TABLE_SCHEMAS[name] = schema
