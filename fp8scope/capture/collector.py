@@ -1,0 +1,176 @@
+"""Collects one training step's stats on the device and hands them over as one batch.
+
+Adapters call :meth:`StepCollector.record` from forward and backward hooks; each call
+appends one stats vector (still on the device) and the id of the tensor it describes.
+:meth:`StepCollector.end_step` stacks the vectors together with the step's scalar
+tensors into a single device tensor and starts one copy to the host (non-blocking into
+pinned memory on CUDA). Nothing here waits for the device.
+
+Sampling: every captured step gets cheap stats (amax and the scales in use, one pass);
+steps where ``step % every == 0`` get full stats. Steps outside ``steps=(lo, hi)`` are
+not captured at all (the hooks return at once).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fp8scope.capture.stats import cheap_stats, full_stats
+from fp8scope.formats import Fp8Format
+from fp8scope.schema import FIELD_INDEX, N_FIELDS
+
+
+@dataclass(frozen=True)
+class TensorKey:
+    """Identity of one monitored tensor; its row in the store carries these strings."""
+
+    layer: str
+    role: str
+    source: str
+    fmt: str
+    fp8_max: float
+    shape: tuple[int, ...]
+
+
+@dataclass
+class StepPayload:
+    """Everything the writer thread needs to turn one step into record batches."""
+
+    step: int
+    full: bool
+    wall_time: float
+    key_ids: list[int]  # one per stats row, in execution order
+    n_rows: int
+    host: torch.Tensor  # flat float64: n_rows * N_FIELDS stats, then the scalar tensors
+    ready: Any  # a CUDA event to wait on, or None when ``host`` is already valid
+    scalar_names: list[str]  # names of the scalar tensors at the tail of ``host``
+    host_scalars: dict[str, float] = field(default_factory=dict)  # scalars given as Python numbers
+
+    def wait(self) -> None:
+        if self.ready is not None:
+            self.ready.synchronize()
+
+
+class StepCollector:
+    """Per-step buffer of on-device stats vectors. One instance per Monitor."""
+
+    def __init__(self, roles: tuple[str, ...], every: int, steps: tuple[int, int] | None, capture_no_grad: bool):
+        self.roles = frozenset(roles)
+        self.every = max(1, int(every))
+        self.steps = steps
+        self.capture_no_grad = capture_no_grad
+        self.keys: list[TensorKey] = []
+        self._key_ids: dict[tuple[str, str], int] = {}
+        self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
+        self._vecs: list[torch.Tensor] = []
+        self._rows: list[int] = []
+        self.step = 0
+        self.full = True
+        self.active = True
+        self.enabled = True
+        self.new_keys = False  # a tensor was seen for the first time this step (manifest update)
+
+    # ---- step boundaries ------------------------------------------------------------
+    def begin_step(self, step: int) -> None:
+        self.step = step
+        self.full = step % self.every == 0
+        lo, hi = self.steps if self.steps is not None else (None, None)
+        self.active = self.enabled and (lo is None or step >= lo) and (hi is None or step < hi)
+
+    def wants(self, role: str, grad_enabled: bool | None = None) -> bool:
+        """Capture this role now? Forwards under no_grad (eval) are skipped unless asked for;
+        gradients only exist in training, so they always pass that test."""
+        if not (self.active and role in self.roles):
+            return False
+        if role == "gradient" or self.capture_no_grad:
+            return True
+        return torch.is_grad_enabled() if grad_enabled is None else grad_enabled
+
+    def _key(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int:
+        kid = self._key_ids.get((layer, role))
+        if kid is None:
+            with self._lock:
+                kid = self._key_ids.get((layer, role))
+                if kid is None:
+                    kid = len(self.keys)
+                    self.keys.append(TensorKey(layer, role, source, fmt.name, fmt.max, tuple(shape)))
+                    self._key_ids[(layer, role)] = kid
+                    self.new_keys = True
+        return kid
+
+    def fail(self, exc: BaseException) -> None:
+        """Replaced by the Monitor (warn once, stop capturing); the default just stops."""
+        self.enabled = False
+        self.active = False
+
+    # ---- called from hooks ------------------------------------------------------------
+    def record(self, layer, role, source, fmt, x, scale, scale_inv, expected_amax, deq=None) -> None:
+        """One capture; the adapter has already checked ``wants(role)``."""
+        kid = self._key(layer, role, source, fmt, tuple(x.shape))
+        if self.full:
+            vec = full_stats(x, scale, scale_inv, expected_amax, fmt, deq=deq)
+        else:
+            vec = cheap_stats(x, scale, scale_inv, expected_amax)
+        with self._lock:
+            self._vecs.append(vec)
+            self._rows.append(kid)
+
+    def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
+        """A row from an amax someone else computed (e.g. TE's amax history), no tensor at hand."""
+        kid = self._key(layer, role, source, fmt, tuple(shape))
+        dev = amax.device if isinstance(amax, torch.Tensor) else torch.device("cpu")
+        vec = cheap_stats(torch.zeros(0, device=dev), scale, scale_inv, expected_amax)
+        vec[FIELD_INDEX["amax"]] = amax.detach().to(torch.float64) if isinstance(amax, torch.Tensor) else float(amax)
+        vec[FIELD_INDEX["numel"]] = float("nan")
+        with self._lock:
+            self._vecs.append(vec)
+            self._rows.append(kid)
+
+    # ---- end of step ------------------------------------------------------------------
+    def end_step(self, scalars: dict[str, Any]) -> StepPayload:
+        """Stack this step's stats and scalar tensors and start the single host transfer."""
+        with self._lock:
+            vecs, rows = self._vecs, self._rows
+            self._vecs, self._rows = [], []
+        tensor_scalars: list[torch.Tensor] = []
+        names: list[str] = []
+        host_scalars: dict[str, float] = {}
+        for name, value in scalars.items():
+            if value is None:
+                continue
+            if isinstance(value, torch.Tensor):
+                if value.numel() != 1:
+                    raise ValueError(f"scalar {name!r} must be a single number, got shape {tuple(value.shape)}")
+                tensor_scalars.append(value.detach().reshape(1))
+                names.append(name)
+            else:
+                host_scalars[name] = float(value)
+        parts = [v.reshape(-1) for v in vecs] + tensor_scalars
+        device = parts[0].device if parts else torch.device("cpu")
+        if any(p.device != device for p in parts):
+            parts = [p.to(device, non_blocking=True) for p in parts]
+        flat = torch.cat([p.to(torch.float64) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+        ready = None
+        if flat.is_cuda:
+            host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
+            host.copy_(flat, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host = flat
+        return StepPayload(
+            step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows), host=host,
+            ready=ready, scalar_names=names, host_scalars=host_scalars,
+        )
+
+
+def stats_matrix(payload: StepPayload) -> tuple["Any", "Any"]:
+    """Split a payload's host tensor into the (n_rows, N_FIELDS) stats matrix and the scalar values."""
+    arr = payload.host.numpy()
+    n = payload.n_rows * N_FIELDS
+    return arr[:n].reshape(payload.n_rows, N_FIELDS), arr[n:]

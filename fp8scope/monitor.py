@@ -1,0 +1,273 @@
+"""``fp8scope.Monitor``: attach to a model, capture FP8 stats every step, log them to a run folder.
+
+The monitor owns the pieces of the data path and wires them in one direction:
+adapters' hooks (``capture.sources``) -> on-device stats (``capture.stats``) ->
+one batch per step (``capture.collector``) -> writer thread (``writer_thread``) ->
+store (``store.writer``). It never reads anything back.
+
+Guarantees to the training loop:
+
+- No host sync per tensor: stats stay on the device until ``step()``, which makes one
+  transfer for the whole step (non-blocking on CUDA).
+- Durability: on CPU, when ``step()`` returns the step is on disk (survives SIGKILL).
+  On CUDA the copy is asynchronous, so step ``t`` is on disk once the GPU has finished
+  it and at the latest when ``step(t + 1)`` returns (waiting for it sooner would be a
+  host sync every step).
+- Fail open: any error inside the monitor warns once and switches capture or logging
+  off; the user's training continues.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import warnings
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+from torch import nn
+
+from fp8scope.capture.collector import StepCollector, TensorKey
+from fp8scope.capture.sources import adapter_for
+from fp8scope.errors import UsageError
+from fp8scope.schema import DEFAULT_ROLES, ROLES
+from fp8scope.writer_thread import BackgroundWriter
+
+_UNSET: Any = object()
+
+
+def _name_filter(spec: str | Iterable[str] | None):
+    """A predicate on qualified module names: a regex (searched) or a list of exact names."""
+    if spec is None:
+        return None
+    if isinstance(spec, str):
+        try:
+            rx = re.compile(spec)
+        except re.error as exc:
+            raise UsageError(f"bad layer regex {spec!r}: {exc}") from None
+        return lambda name: rx.search(name) is not None
+    names = set(spec)
+    return lambda name: name in names
+
+
+def _detect_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
+    if rank is not None:
+        return int(rank), int(world_size or max(int(rank) + 1, 1))
+    try:
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return dist.get_rank(), dist.get_world_size()
+    except Exception:
+        pass
+    return int(os.environ.get("RANK", 0)), int(world_size or os.environ.get("WORLD_SIZE", 1))
+
+
+class Monitor:
+    """Monitor FP8 numerics of ``model`` and log them to ``run_dir``.
+
+    Args:
+        model: the model (its ``nn.Linear``-like layers are found automatically: our
+            emulated ``Fp8Linear``, torchao ``Float8Linear``, Transformer Engine layers,
+            and plain ``nn.Linear`` with what-if stats).
+        run_dir: the run folder (created if missing; a restarted job appends a segment).
+        layers: regex (searched in qualified names) or list of names to monitor; default all.
+        skip: regex or list of names to leave out.
+        tensors: roles to capture, from ``activation``, ``weight``, ``gradient``, ``output``.
+        every: full stats every ``every`` steps, cheap stats (amax and scales) on the others.
+            ``every=1`` is full stats every step.
+        steps: ``(first, stop)`` global steps to capture; others log only scalars.
+        step: global step number of the first step this monitor ends (for restarts from a
+            checkpoint); default 0.
+        recipe: the FP8 recipe plain (non-FP8) layers are measured against (what-if);
+            default ``DelayedScaling()`` with Transformer Engine's defaults.
+        rank, world_size: override what ``torch.distributed`` / ``RANK`` say.
+        meta: free-form JSON-able dict stored in the manifest (config, git hash, ...).
+        capture_no_grad: also capture forwards run under ``torch.no_grad`` (eval); default off
+            so evaluation passes don't mix into training statistics.
+        enabled: ``False`` builds a no-op monitor (same API, nothing captured or written).
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        run_dir: str | os.PathLike,
+        *,
+        layers: str | Iterable[str] | None = None,
+        skip: str | Iterable[str] | None = None,
+        tensors: Iterable[str] = DEFAULT_ROLES,
+        every: int = 10,
+        steps: tuple[int | None, int | None] | None = None,
+        step: int = _UNSET,
+        recipe: Any = None,
+        rank: int | None = None,
+        world_size: int | None = None,
+        meta: dict | None = None,
+        capture_no_grad: bool = False,
+        enabled: bool = True,
+    ):
+        roles = tuple(tensors)
+        bad = [r for r in roles if r not in ROLES]
+        if bad:
+            raise UsageError(f"unknown tensor role(s) {bad}; expected some of {list(ROLES)}")
+        if int(every) < 1:
+            raise UsageError(f"every must be >= 1, got {every}")
+        if recipe is None:
+            from fp8scope.emulate import DelayedScaling
+
+            recipe = DelayedScaling()
+        self.model = model
+        self.run_dir = Path(run_dir)
+        self.recipe = recipe
+        self.enabled = enabled
+        self.rank, self.world_size = _detect_rank(rank, world_size)
+        self._step = 0 if step is _UNSET else int(step)
+        self._closed = False
+        self._warned: set[str] = set()
+        self.collector = StepCollector(roles, every, steps, capture_no_grad)
+        self.collector.fail = self._capture_failed  # adapters report their own errors here
+        self._detach: list = []
+        self.layers: list[str] = []
+        self._writer: BackgroundWriter | None = None
+        if not enabled:
+            self.collector.enabled = False
+            return
+        self._attach(_name_filter(layers), _name_filter(skip))
+        self._open_store(explicit_step=step is not _UNSET, meta=meta)
+        self.collector.begin_step(self._step)
+
+    # ---- setup ---------------------------------------------------------------------
+    def _attach(self, include, exclude) -> None:
+        for name, module in self.model.named_modules():
+            adapter = adapter_for(module)
+            if adapter is None or not name:
+                continue
+            if include is not None and not include(name):
+                continue
+            if exclude is not None and exclude(name):
+                continue
+            self._detach.append(adapter.attach(name, module, self.collector, self.recipe))
+            self.layers.append(name)
+        if include is not None and not self.layers:
+            raise UsageError("no monitored layer matched the `layers` selection")
+
+    def _open_store(self, explicit_step: bool, meta: dict | None) -> None:
+        from fp8scope.store.layout import list_streams
+        from fp8scope.store.manifest import new_manifest, read_manifest, update_manifest, write_manifest
+        from fp8scope.store.writer import RunWriter
+
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        existing = [s for s in list_streams(self.run_dir) if s.rank == self.rank]
+        if existing and not explicit_step:
+            self._warn(
+                "restart",
+                f"{self.run_dir} already holds logged steps for rank {self.rank}; this segment starts at step "
+                f"{self._step} and will replace any step it logs again. Pass Monitor(step=N) to continue "
+                "from the checkpoint's global step.",
+            )
+        recipe = self.recipe.to_dict() if hasattr(self.recipe, "to_dict") else None
+        if self.rank == 0:
+            if (self.run_dir / "run.json").exists():
+                try:
+                    read_manifest(self.run_dir)
+                    update_manifest(self.run_dir, world_size=self.world_size)
+                except Exception:  # a broken manifest from a crash: write a fresh one, keep the streams
+                    write_manifest(self.run_dir, new_manifest(recipe=recipe, world_size=self.world_size, meta=meta))
+            else:
+                write_manifest(self.run_dir, new_manifest(recipe=recipe, world_size=self.world_size, meta=meta))
+        run_writer = RunWriter(self.run_dir, self.rank)
+        self.segment = run_writer.segment
+        self._writer = BackgroundWriter(
+            run_writer, self.rank, self.collector.keys, on_new_keys=self._manifest_tensors if self.rank == 0 else None
+        )
+
+    def _manifest_tensors(self, keys: list[TensorKey]) -> None:
+        """Writer thread: record the monitored tensors in run.json (merged with earlier segments)."""
+        from fp8scope.store.manifest import read_manifest, update_manifest
+
+        current = {(t["layer"], t["tensor"]): t for t in read_manifest(self.run_dir).get("tensors", [])}
+        for k in keys:
+            current[(k.layer, k.role)] = {
+                "layer": k.layer, "tensor": k.role, "shape": list(k.shape), "fp8_format": k.fmt, "source": k.source,
+            }
+        update_manifest(self.run_dir, tensors=list(current.values()))
+
+    # ---- failure handling ------------------------------------------------------------
+    def _warn(self, key: str, message: str) -> None:
+        if key not in self._warned:
+            self._warned.add(key)
+            warnings.warn(f"fp8scope: {message}", RuntimeWarning, stacklevel=3)
+
+    def _capture_failed(self, exc: BaseException) -> None:
+        self._warn("capture", f"capture disabled after an error ({type(exc).__name__}: {exc}); training continues")
+        self.collector.enabled = False
+        self.collector.active = False
+
+    # ---- per step ----------------------------------------------------------------------
+    @property
+    def current_step(self) -> int:
+        """The global step now being captured (ended by the next ``step()``)."""
+        return self._step
+
+    def step(self, step: int | None = None, **scalars: Any) -> None:
+        """End the current training step: log its stats and the given scalars.
+
+        ``step=N`` names the global step being ended (otherwise the monitor counts).
+        Scalars (``loss=``, ``grad_norm=``, ``lr=``, any name) may be Python numbers or
+        0-d tensors; tensors are not synced, they travel with the step's single transfer.
+        """
+        if self._closed or not self.enabled:
+            return
+        try:
+            if step is not None:
+                self._step = int(step)
+            self.collector.step = self._step
+            payload = self.collector.end_step(scalars)
+            if self._writer is not None and self._writer.failed is None:
+                ticket = self._writer.submit(payload)
+                # CPU: wait for this step's write (cheap) so a returned step() is durable.
+                # CUDA: only for the previous one, to keep the GPU copy asynchronous.
+                self._writer.wait(ticket if payload.ready is None else ticket - 1, timeout=60)
+        except Exception as exc:
+            self._warn("step", f"step logging failed ({type(exc).__name__}: {exc}); training continues")
+        self._step += 1
+        self.collector.begin_step(self._step)
+
+    def flush(self) -> None:
+        """Wait until every ended step is written."""
+        if self._writer is not None:
+            self._writer.wait(self._writer._submitted, timeout=60)
+
+    def close(self) -> None:
+        """Detach all hooks and finish writing. Safe to call twice."""
+        if self._closed:
+            return
+        self._closed = True
+        for undo in self._detach:
+            try:
+                undo()
+            except Exception:
+                pass
+        self._detach.clear()
+        if self._writer is not None:
+            self.flush()
+            self._writer.close()
+
+    @property
+    def logging_failed(self) -> str | None:
+        """Why logging stopped, or None while it works."""
+        return self._writer.failed if self._writer is not None else None
+
+    def __enter__(self) -> "Monitor":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            if not self._closed and self._writer is not None:
+                self.close()
+        except Exception:
+            pass

@@ -1,0 +1,114 @@
+"""Turns one step's host-side stats matrix into Arrow record batches (writer-thread work).
+
+This is where micro-batch captures of the same tensor (gradient accumulation) are
+merged with each field's rule from ``schema.STAT_FIELDS`` and where the derived
+columns are computed (quantization MSE and SQNR from the summed squares). Pure
+functions of numpy arrays: no torch, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+import pyarrow as pa
+
+from fp8scope.capture.collector import TensorKey
+from fp8scope.schema import FIELD_INDEX, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
+
+_COUNT_FIELDS = ("numel", "zeros", "nonfinite", "overflow", "underflow", "saturated")
+
+
+def merge_rows(matrix: np.ndarray, key_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Merge rows that describe the same tensor within a step.
+
+    Returns (merged matrix, key id per merged row, execution order per merged row, calls per row).
+    The order of a merged row is that of its first capture.
+    """
+    keys = np.asarray(key_ids, dtype=np.int64)
+    uniq, first, group, counts = np.unique(keys, return_index=True, return_inverse=True, return_counts=True)
+    if len(uniq) == len(keys):  # the common case: one capture per tensor
+        return matrix, keys, np.arange(len(keys), dtype=np.int32), np.ones(len(keys), dtype=np.int32)
+    out = np.empty((len(uniq), matrix.shape[1]), dtype=np.float64)
+    for j, (_, how) in enumerate(STAT_FIELDS):
+        col = matrix[:, j]
+        if how == "sum":
+            res = np.zeros(len(uniq))
+            np.add.at(res, group, col)
+        elif how == "max":
+            res = np.full(len(uniq), -np.inf)
+            np.fmax.at(res, group, col)
+            # NaN must win (a NaN amax in any micro-batch is the news)
+            nan_any = np.zeros(len(uniq), dtype=bool)
+            np.logical_or.at(nan_any, group, np.isnan(col))
+            res[nan_any] = np.nan
+        elif how == "min":
+            res = np.full(len(uniq), np.inf)
+            np.fmin.at(res, group, col)
+        else:  # "last"
+            res = np.empty(len(uniq))
+            res[group] = col  # later rows overwrite earlier ones
+        out[:, j] = res
+    by_first = np.argsort(first, kind="stable")  # rows in execution order of first capture
+    return out[by_first], uniq[by_first], first[by_first].astype(np.int32), counts[by_first].astype(np.int32)
+
+
+def _int_col(values: np.ndarray) -> pa.Array:
+    """Counts as int64, null where the stat was not computed (cheap-stats rows)."""
+    mask = np.isnan(values)
+    return pa.array(np.where(mask, 0, values).astype(np.int64), mask=mask, type=pa.int64())
+
+
+def _float_col(values: np.ndarray) -> pa.Array:
+    return pa.array(values, type=pa.float64(), from_pandas=True)
+
+
+def tensor_batch(
+    step: int, rank: int, matrix: np.ndarray, key_ids: Sequence[int], keys: Sequence[TensorKey], full: bool
+) -> pa.RecordBatch:
+    """One record batch: a row per tensor captured in ``step``."""
+    m, kids, order, calls = merge_rows(matrix, key_ids)
+    n = len(kids)
+    ks = [keys[k] for k in kids]
+    f = {name: m[:, i] for name, i in FIELD_INDEX.items()}
+    finite_n = f["numel"] - np.nan_to_num(f["nonfinite"], nan=0.0)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        mse = np.where(finite_n > 0, f["sq_err"] / finite_n, np.nan)
+        sqnr = np.where(f["sq_err"] > 0, 10 * np.log10(f["sq_signal"] / f["sq_err"]), np.inf)
+        sqnr = np.where(np.isnan(f["sq_err"]), np.nan, sqnr)
+    cols = {
+        "step": pa.array(np.full(n, step, dtype=np.int64)),
+        "rank": pa.array(np.full(n, rank, dtype=np.int32)),
+        "layer": pa.array([k.layer for k in ks], type=pa.string()),
+        "tensor": pa.array([k.role for k in ks], type=pa.string()),
+        "order": pa.array(order, type=pa.int32()),
+        "source": pa.array([k.source for k in ks], type=pa.string()),
+        "fp8_format": pa.array([k.fmt for k in ks], type=pa.string()),
+        "full": pa.array(np.full(n, full, dtype=bool)),
+        "calls": pa.array(calls, type=pa.int32()),
+        "amax": _float_col(f["amax"]),
+        "min_nonzero": _float_col(f["min_nonzero"]),
+        "scale": _float_col(f["scale"]),
+        "scale_inv": _float_col(f["scale_inv"]),
+        "expected_amax": _float_col(f["expected_amax"]),
+        "fp8_max": pa.array(np.array([k.fp8_max for k in ks], dtype=np.float64)),
+        "numel": _int_col(f["numel"]),
+        **{name: _int_col(f[name]) for name in _COUNT_FIELDS if name != "numel"},
+        "qerr_mse": _float_col(mse),
+        "sqnr_db": _float_col(sqnr),
+    }
+    return pa.RecordBatch.from_arrays([cols[name] for name in TENSOR_SCHEMA.names], schema=TENSOR_SCHEMA)
+
+
+def scalar_batch(step: int, rank: int, names: Sequence[str], values: Sequence[float], wall_time: float) -> pa.RecordBatch:
+    n = len(names)
+    return pa.RecordBatch.from_arrays(
+        [
+            pa.array(np.full(n, step, dtype=np.int64)),
+            pa.array(np.full(n, rank, dtype=np.int32)),
+            pa.array(list(names), type=pa.string()),
+            pa.array(np.asarray(values, dtype=np.float64)),
+            pa.array(np.full(n, wall_time, dtype=np.float64)),
+        ],
+        schema=SCALAR_SCHEMA,
+    )

@@ -1,0 +1,130 @@
+"""The monitor's background writer: host stats -> Arrow record batches -> the run's streams.
+
+Training calls :meth:`BackgroundWriter.submit` once per step and goes on. The thread waits
+for the step's device-to-host copy, builds the record batches, appends them to the
+rank's streams (flushed to the OS, so a SIGKILL after ``write`` returns loses nothing),
+keeps the manifest's tensor list current, and runs any per-step listeners (online
+detection plugs in here). If anything fails (disk full, folder deleted, read-only), it
+warns once, stops logging, and keeps draining so training is never blocked.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import warnings
+from typing import Callable
+
+import pyarrow as pa
+
+from fp8scope.capture.collector import StepPayload, TensorKey, stats_matrix
+from fp8scope.step_records import scalar_batch, tensor_batch
+
+# listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
+Listener = Callable[[int, int, "pa.RecordBatch | None", pa.RecordBatch], "dict[str, pa.RecordBatch] | None"]
+
+
+class BackgroundWriter:
+    def __init__(
+        self,
+        run_writer,
+        rank: int,
+        keys: list[TensorKey],
+        on_new_keys: Callable[[list[TensorKey]], None] | None = None,
+        max_queue: int = 64,
+    ):
+        self._writer = run_writer
+        self.rank = rank
+        self._keys = keys  # the collector's list: append-only, read here
+        self._on_new_keys = on_new_keys
+        self._known_keys = 0
+        self.listeners: list[Listener] = []
+        self._queue: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._cond = threading.Condition()
+        self._submitted = 0
+        self._done = 0
+        self.failed: str | None = None
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name="fp8scope-writer", daemon=True)
+        self._thread.start()
+
+    # ---- training side ------------------------------------------------------------
+    def submit(self, payload: StepPayload) -> int:
+        """Queue one step; returns a ticket for :meth:`wait`. Never blocks: a full queue drops the step."""
+        if self.failed:
+            return self._done
+        with self._cond:
+            self._submitted += 1
+            ticket = self._submitted
+        try:
+            self._queue.put_nowait((ticket, payload))
+        except queue.Full:
+            self.dropped += 1
+            if self.dropped == 1:
+                warnings.warn("fp8scope: writer is behind; dropping steps rather than slowing training", stacklevel=3)
+            self._mark_done(ticket)
+        return ticket
+
+    def wait(self, ticket: int, timeout: float | None = None) -> bool:
+        """Block until step ``ticket`` is written (or logging has stopped). True if written."""
+        with self._cond:
+            self._cond.wait_for(lambda: self._done >= ticket or self.failed is not None, timeout=timeout)
+            return self._done >= ticket and self.failed is None
+
+    def close(self, timeout: float = 30.0) -> None:
+        self._queue.put((None, None))
+        self._thread.join(timeout)
+        try:
+            self._writer.close()
+        except Exception as exc:  # closing a broken stream must not raise into training
+            self._fail(exc)
+
+    # ---- writer thread ----------------------------------------------------------
+    def _mark_done(self, ticket: int) -> None:
+        with self._cond:
+            self._done = max(self._done, ticket)
+            self._cond.notify_all()
+
+    def _fail(self, exc: BaseException) -> None:
+        if self.failed is None:
+            self.failed = f"{type(exc).__name__}: {exc}"
+            warnings.warn(
+                f"fp8scope: logging stopped ({self.failed}); training continues, steps already written are kept",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+        with self._cond:
+            self._cond.notify_all()
+
+    def _run(self) -> None:
+        while True:
+            ticket, payload = self._queue.get()
+            if payload is None:
+                return
+            if self.failed is None:
+                try:
+                    self._write_step(payload)
+                except Exception as exc:
+                    self._fail(exc)
+            self._mark_done(ticket)
+
+    def _write_step(self, payload: StepPayload) -> None:
+        payload.wait()
+        matrix, tail = stats_matrix(payload)
+        tensors = None
+        if payload.n_rows:
+            tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, payload.full)
+            self._writer.write("tensors", tensors)
+        names = list(payload.scalar_names) + list(payload.host_scalars)
+        values = list(tail) + list(payload.host_scalars.values())
+        scalars = scalar_batch(payload.step, self.rank, names, values, payload.wall_time)
+        if len(names):
+            self._writer.write("scalars", scalars)
+        if len(self._keys) > self._known_keys and self._on_new_keys is not None:
+            self._known_keys = len(self._keys)
+            self._on_new_keys(list(self._keys))
+        for listener in self.listeners:
+            extra = listener(payload.step, self.rank, tensors, scalars)
+            for table, batch in (extra or {}).items():
+                if batch is not None and batch.num_rows:
+                    self._writer.write(table, batch)
