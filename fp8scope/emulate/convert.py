@@ -1,0 +1,111 @@
+"""Swap ``nn.Linear`` layers of a model for :class:`Fp8Linear`, and switch FP8 off for a while.
+
+``convert_to_fp8`` works in place and shares Parameters, so it can run after the
+optimizer was built. ``fp8_disabled`` is the BF16 side of an FP8-vs-BF16
+comparison: same model, same weights, plain ``nn.Linear`` numerics, scaling
+state untouched.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from typing import Iterable, Iterator
+
+from torch import nn
+
+from .linear import Fp8Linear, _set_globally_disabled, fp8_globally_disabled
+from .recipes import CurrentScaling, DelayedScaling
+
+Selection = str | Iterable[str] | None
+
+
+def _convertible(module: nn.Module) -> bool:
+    """nn.Linear (or a subclass that keeps Linear's forward), not already converted.
+
+    Subclasses that override ``forward`` (LoRA wrappers, quantized layers...) are
+    left alone: replacing them would silently drop their behaviour.
+    """
+    return (
+        isinstance(module, nn.Linear)
+        and not isinstance(module, Fp8Linear)
+        and type(module).forward is nn.Linear.forward
+    )
+
+
+def _matcher(selection: Selection, what: str, candidates: list[str]):
+    """Return ``name -> bool`` for a regex (``re.search``) or a list of exact names.
+
+    Raises ValueError if the selection matches nothing (a regex) or names a layer
+    that is not a convertible Linear (a list): a typo must not silently convert
+    everything or nothing.
+    """
+    if selection is None:
+        return None
+    if isinstance(selection, str):
+        pattern = re.compile(selection)
+        if not any(pattern.search(n) for n in candidates):
+            raise ValueError(f"{what}={selection!r} matches no nn.Linear; candidates: {candidates}")
+        return lambda name: pattern.search(name) is not None
+    names = set(selection)
+    missing = sorted(names - set(candidates))
+    if missing:
+        raise ValueError(f"{what} names no nn.Linear for {missing}; candidates: {candidates}")
+    return lambda name: name in names
+
+
+def convert_to_fp8(
+    model: nn.Module,
+    recipe: DelayedScaling | CurrentScaling | None = None,
+    layers: Selection = None,
+    skip: Selection = None,
+) -> nn.Module:
+    """Replace ``nn.Linear`` submodules of ``model`` by :class:`Fp8Linear`, in place.
+
+    ``layers``: regex (``re.search`` on the qualified name, e.g. ``"mlp"``) or list
+    of qualified names to include; default all. ``skip``: same form, to exclude
+    (e.g. ``skip=["lm_head"]`` keeps the head in high precision). Returns
+    ``model``; if ``model`` itself is an ``nn.Linear`` the new layer is returned.
+    """
+    recipe = recipe if recipe is not None else DelayedScaling()
+    candidates = [name for name, m in model.named_modules() if _convertible(m)]
+    include = _matcher(layers, "layers", candidates)
+    exclude = _matcher(skip, "skip", candidates)
+    chosen = [n for n in candidates if (include is None or include(n)) and not (exclude and exclude(n))]
+    if layers is not None and not chosen:
+        raise ValueError(f"layers={layers!r} minus skip={skip!r} leaves no layer to convert")
+    for name in chosen:
+        old = model.get_submodule(name)
+        new = Fp8Linear.from_linear(old, recipe)
+        if name == "":
+            return new
+        parent_name, _, child = name.rpartition(".")
+        setattr(model.get_submodule(parent_name), child, new)
+    return model
+
+
+@contextmanager
+def fp8_disabled(model: nn.Module | None = None) -> Iterator[None]:
+    """Run with emulated FP8 off: every Fp8Linear behaves exactly as nn.Linear.
+
+    With no ``model`` the switch is global for the current thread; with a model
+    only its Fp8Linear layers are switched. The previous state is restored on
+    exit, exceptions included, so nested uses compose.
+    """
+    if model is None:
+        previous = fp8_globally_disabled()
+        _set_globally_disabled(True)
+        try:
+            yield
+        finally:
+            _set_globally_disabled(previous)
+        return
+    layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
+    previous_flags = [m.fp8_enabled for m in layers]
+    for m in layers:
+        m.fp8_enabled = False
+    try:
+        yield
+    finally:
+        for m, flag in zip(layers, previous_flags):
+            m.fp8_enabled = flag

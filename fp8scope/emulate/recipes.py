@@ -1,0 +1,140 @@
+"""Scaling recipes for emulated FP8: what to compute a scale from, not how.
+
+The two recipes mirror Transformer Engine's per-tensor recipes so that a run
+emulated here can be compared one to one with a TE run:
+
+* :class:`DelayedScaling` - TE ``recipe.DelayedScaling``: the scale used in a
+  step comes from an amax *history* of earlier steps.
+* :class:`CurrentScaling` - TE ``recipe.Float8CurrentScaling``: the scale comes
+  from the tensor's own amax, computed just before the cast.
+
+Both are frozen dataclasses: a recipe is shared by every layer it converts,
+and a layer must not see its recipe change under it. ``fp8_format`` is a
+recipe-level name (``"HYBRID"`` = E4M3 forward, E5M2 backward; ``"E4M3"``
+everywhere); the element formats come from :mod:`fp8scope.formats`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from ..formats import Fp8Format, recipe_format
+
+# TE rejects pure E5M2 training ("Pure E5M2 training is not supported."), so do we.
+SUPPORTED_FP8_FORMATS = ("HYBRID", "E4M3")
+AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+
+
+def _normalize_format(value: Any) -> str:
+    """Accept "hybrid", "HYBRID" or TE's ``Format.HYBRID`` (by its name) and return "HYBRID"."""
+    name = getattr(value, "name", value)  # an Enum member (e.g. TE's Format) has .name
+    if not isinstance(name, str):
+        raise ValueError(f"fp8_format must be one of {SUPPORTED_FP8_FORMATS}, got {value!r}")
+    key = name.upper().split(".")[-1]
+    if key not in SUPPORTED_FP8_FORMATS:
+        raise ValueError(f"fp8_format must be one of {SUPPORTED_FP8_FORMATS}, got {value!r}")
+    return key
+
+
+def _check_margin(margin: Any) -> None:
+    if isinstance(margin, bool) or not isinstance(margin, (int, float)) or not math.isfinite(margin):
+        raise ValueError(f"margin must be a finite number, got {margin!r}")
+    if margin < 0:
+        raise ValueError(f"margin must be >= 0 (a negative margin aims past the FP8 maximum), got {margin!r}")
+
+
+class _RecipeBase:
+    """Shared helpers: element formats per pass and JSON round trip."""
+
+    kind: ClassVar[str]
+    fp8_format: str
+    margin: float
+
+    def format_for(self, pass_: str) -> Fp8Format:
+        """Element format for ``pass_`` ("forward" or "backward")."""
+        return recipe_format(self.fp8_format, pass_)
+
+    @property
+    def forward_format(self) -> Fp8Format:
+        """Format of activations and weights (E4M3 under both HYBRID and E4M3)."""
+        return self.format_for("forward")
+
+    @property
+    def backward_format(self) -> Fp8Format:
+        """Format of the output gradient (E5M2 under HYBRID, E4M3 under E4M3)."""
+        return self.format_for("backward")
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-able description; ``recipe_from_dict(r.to_dict()) == r``."""
+        d: dict[str, Any] = {"kind": self.kind}
+        d.update({f: getattr(self, f) for f in self.__dataclass_fields__})  # type: ignore[attr-defined]
+        return d
+
+
+@dataclass(frozen=True)
+class DelayedScaling(_RecipeBase):
+    """TE-style delayed scaling (defaults are TE's: margin 0, history 1024, "max", HYBRID).
+
+    ``scale = (fp8_max / amax) / 2**margin`` where ``amax`` is the maximum over the
+    last ``amax_history_len`` recorded amaxes ("max") or the most recent one
+    ("most_recent"). See ``docs/emulate.md`` for the exact update timeline.
+    """
+
+    margin: int | float = 0
+    amax_history_len: int = 1024
+    amax_compute_algo: str = "max"
+    fp8_format: str = "HYBRID"
+
+    kind: ClassVar[str] = "delayed"
+
+    def __post_init__(self) -> None:
+        _check_margin(self.margin)
+        n = self.amax_history_len
+        if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+            raise ValueError(f"amax_history_len must be an int >= 1, got {n!r}")
+        if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
+            raise ValueError(
+                f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS} "
+                f"(callables are not supported by the emulator), got {self.amax_compute_algo!r}"
+            )
+        object.__setattr__(self, "fp8_format", _normalize_format(self.fp8_format))
+
+
+@dataclass(frozen=True)
+class CurrentScaling(_RecipeBase):
+    """TE ``Float8CurrentScaling``-like: scale from this tensor's own amax.
+
+    ``scale = (fp8_max / amax) / 2**margin``; an amax of 0, Inf or NaN gives
+    scale 1 (TE ``compute_scale_from_amax``). ``margin`` is an fp8scope
+    extension (TE's current scaling has none); 0 reproduces TE.
+    """
+
+    fp8_format: str = "HYBRID"
+    margin: int | float = 0
+
+    kind: ClassVar[str] = "current"
+
+    def __post_init__(self) -> None:
+        _check_margin(self.margin)
+        object.__setattr__(self, "fp8_format", _normalize_format(self.fp8_format))
+
+
+Recipe = DelayedScaling | CurrentScaling
+_KINDS: dict[str, type] = {"delayed": DelayedScaling, "current": CurrentScaling}
+
+
+def recipe_from_dict(d: dict[str, Any]) -> Recipe:
+    """Rebuild a recipe from :meth:`to_dict` output (e.g. read back from the run store)."""
+    if not isinstance(d, dict) or "kind" not in d:
+        raise ValueError(f"recipe dict needs a 'kind' key ({sorted(_KINDS)}), got {d!r}")
+    kind = d["kind"]
+    if kind not in _KINDS:
+        raise ValueError(f"unknown recipe kind {kind!r}; expected one of {sorted(_KINDS)}")
+    cls = _KINDS[kind]
+    fields = {k: v for k, v in d.items() if k != "kind"}
+    unknown = set(fields) - set(cls.__dataclass_fields__)
+    if unknown:
+        raise ValueError(f"unknown field(s) {sorted(unknown)} for recipe kind {kind!r}")
+    return cls(**fields)

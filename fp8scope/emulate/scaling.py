@@ -1,0 +1,213 @@
+"""Per-tensor FP8 scaling state, faithful to Transformer Engine, with no host sync.
+
+One :class:`ScalingState` belongs to one tensor (one per (module, role)). It is
+usable on its own: the monitor feeds it the tensors of a plain ``nn.Linear`` to
+ask "which scale would TE have used here?".
+
+TE semantics reproduced (TE 2.x, ``transformer_engine/common/recipe/delayed_scaling.cu``,
+``kernel_bulk``, the default fused path behind
+``tex.fused_amax_and_scale_update_after_reduction``; and ``recipe_common.cuh``,
+``compute_scale_from_amax``, for current scaling):
+
+Delayed scaling, one update from history ``h`` (row 0 = most recent amax) and scale ``s``:
+
+1. ``last = h[0]``. If ``last != 0`` (NaN counts as non-zero) the history rolls:
+   ``h <- roll(h, -1)``, then ``h[0] = 0``. If ``last == 0`` TE skips the roll
+   (the tensor was not used / was all zeros) and keeps the scale.
+2. ``amax = max(h)`` ("max", reduced with ``fmaxf`` so NaN rows are *ignored*)
+   or ``amax = last`` ("most_recent").
+3. ``s <- (fp8_max * 2**-margin) / amax`` if amax is finite and > 0, else ``s`` is
+   kept; a result of +inf (amax tiny) becomes float32 max. ``scale_inv = 1 / s``.
+
+TE runs that update at the end of a step; we run it lazily at the start of the
+next quantization of the same tensor (:meth:`ScalingState.begin`), which gives
+the same scale for the same sequence of amaxes.
+
+Tensors are updated functionally (new tensors, never in place) so the tensors
+returned by :meth:`begin` stay valid after later steps: the monitor stacks them
+at the end of a step. No ``.item()``, no Python branch on a tensor value.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+from ..formats import Fp8Format, get_format
+from .recipes import CurrentScaling, DelayedScaling
+
+_FP32_MAX = float(torch.finfo(torch.float32).max)
+
+
+class Scales(NamedTuple):
+    """What one quantization uses. Unpacks as ``scale, scale_inv, expected_amax``."""
+
+    scale: torch.Tensor  # 0-d float32: multiply by this before the cast
+    scale_inv: torch.Tensor  # 0-d float32: 1 / scale, multiply after the decode
+    expected_amax: torch.Tensor  # 0-d float32: the amax the scale was derived from
+
+
+def tensor_amax(x: torch.Tensor) -> torch.Tensor:
+    """max(|x|) as a 0-d float32 tensor, NaN if x holds a NaN, 0 for an empty tensor.
+
+    NaN propagates on purpose (TE's ``fmaxf`` reduction would hide it): a
+    monitor must see a NaN amax. ``aminmax`` is one pass with no ``abs`` copy.
+    """
+    if x.numel() == 0:
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    lo, hi = torch.aminmax(x.detach())
+    return torch.maximum(hi, lo.neg()).to(torch.float32)
+
+
+class ScalingState:
+    """Scaling state for one tensor under one recipe and element format.
+
+    ``state.begin(x)`` returns :class:`Scales` for quantizing ``x`` now and, if
+    ``record`` is true, records ``x``'s amax for the next update (delayed
+    scaling). Under :class:`CurrentScaling` nothing is kept between calls.
+
+    Initial state (as TE): history zeros, scale 1, scale_inv 1. ``expected_amax``
+    starts at ``fp8_max * 2**-margin``, the amax a scale of 1 corresponds to.
+    """
+
+    def __init__(
+        self,
+        recipe: DelayedScaling | CurrentScaling,
+        fmt: Fp8Format | str,
+        device: torch.device | str | None = None,
+    ) -> None:
+        if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+            raise TypeError(f"recipe must be DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
+        self.recipe = recipe
+        self.fmt = get_format(fmt) if isinstance(fmt, str) else fmt
+        # fp8_max * 2**-margin, rounded once to float32 as TE's `scaled_max`.
+        self.scaled_max = float(torch.tensor(self.fmt.max * 2.0 ** (-recipe.margin), dtype=torch.float32))
+        self.delayed = isinstance(recipe, DelayedScaling)
+        self.updates = 0  # how many delayed-scaling updates ran (a host int, not a tensor)
+        self._pending = False
+        self._device = torch.device(device) if device is not None else torch.device("cpu")
+        self._init_tensors(self._device)
+
+    # ---- state -------------------------------------------------------------------------
+    def _init_tensors(self, device: torch.device) -> None:
+        f32 = dict(dtype=torch.float32, device=device)
+        n = self.recipe.amax_history_len if self.delayed else 1
+        self._history = torch.zeros(n, **f32)
+        self._scale = torch.ones((), **f32)
+        self._scale_inv = torch.ones((), **f32)
+        self._expected = torch.full((), self.scaled_max, **f32)
+        self._kept = torch.zeros((), dtype=torch.bool, device=device)
+        self._last_amax = torch.zeros((), **f32)
+
+    def reset(self) -> None:
+        """Back to the initial state (history zeros, scale 1)."""
+        self.updates = 0
+        self._pending = False
+        self._init_tensors(self._device)
+
+    def _to(self, device: torch.device) -> None:
+        """Follow the tensor to its device (e.g. after ``model.cuda()``); async copies."""
+        self._device = device
+        for name in ("_history", "_scale", "_scale_inv", "_expected", "_kept", "_last_amax"):
+            setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+
+    @property
+    def amax_history(self) -> torch.Tensor:
+        """Copy of the history, shape [amax_history_len], row 0 = most recent amax."""
+        return self._history.clone()
+
+    @property
+    def scale(self) -> torch.Tensor:
+        """Scale the next quantization would use if no update were pending."""
+        return self._scale
+
+    @property
+    def scale_inv(self) -> torch.Tensor:
+        return self._scale_inv
+
+    @property
+    def last_amax(self) -> torch.Tensor:
+        """amax of the tensor passed to the latest :meth:`begin` (NaN-propagating)."""
+        return self._last_amax
+
+    @property
+    def scale_kept(self) -> torch.Tensor:
+        """0-d bool: the latest update kept the old scale (amax 0, NaN or Inf).
+
+        TE does this silently; a monitor should flag it.
+        """
+        return self._kept
+
+    @property
+    def pending(self) -> bool:
+        """An amax has been recorded and its update not yet applied."""
+        return self._pending
+
+    # ---- the update ------------------------------------------------------------------
+    def _scale_from_amax(self, amax: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        valid = torch.isfinite(amax) & (amax > 0)
+        # Divide only where valid; elsewhere divide by 1 so no inf/NaN is produced.
+        sf = self.scaled_max / torch.where(valid, amax, torch.ones_like(amax))
+        sf = torch.where(valid, sf, fallback)
+        sf = torch.where(torch.isinf(sf), torch.full_like(sf, _FP32_MAX), sf)
+        return sf, valid
+
+    def update(self) -> None:
+        """Apply the pending delayed-scaling update now (no-op if none is pending).
+
+        :meth:`begin` calls it; call it yourself to mirror TE's end-of-step timing.
+        """
+        if not (self.delayed and self._pending):
+            return
+        h = self._history
+        last = h[0]
+        roll = last != 0  # NaN != 0 is true: a NaN amax rolls in like any other
+        rolled = torch.roll(h, -1, 0)
+        rolled[0] = 0.0
+        if self.recipe.amax_compute_algo == "max":
+            # fmaxf semantics: NaN rows are ignored, the reduction starts from 0.
+            amax = torch.where(torch.isnan(h), torch.zeros_like(h), h).amax()
+            amax = torch.where(roll, amax, torch.zeros_like(amax))
+        else:
+            amax = last.clone()
+        self._history = torch.where(roll, rolled, h)
+        scale, valid = self._scale_from_amax(amax, self._scale)
+        self._scale = scale
+        self._scale_inv = 1.0 / scale
+        self._expected = torch.where(valid, amax, self._expected)
+        self._kept = ~valid
+        self._pending = False
+        self.updates += 1
+
+    def begin(self, x: torch.Tensor, record: bool = True) -> Scales:
+        """Scales to quantize ``x`` with now; then record ``x``'s amax if ``record``.
+
+        Delayed: applies the pending update (from the amax recorded last time),
+        returns the resulting scale, then writes ``amax(x)`` into history row 0
+        and marks an update pending. Current: scale from ``amax(x)`` itself, and
+        ``expected_amax`` is that amax (NaN/Inf/0 give scale 1, as TE).
+        ``record=False`` (no-grad / eval forwards) still applies a pending
+        update but leaves the history untouched.
+        """
+        if x.device != self._device:
+            self._to(x.device)
+        amax = tensor_amax(x)
+        self._last_amax = amax
+        if not self.delayed:
+            scale, valid = self._scale_from_amax(amax, torch.ones_like(amax))
+            self._scale, self._scale_inv = scale, 1.0 / scale
+            self._expected, self._kept = amax, ~valid
+            return Scales(self._scale, self._scale_inv, amax)
+        self.update()
+        out = Scales(self._scale, self._scale_inv, self._expected)
+        if record:
+            self._history = torch.cat([amax.reshape(1), self._history[1:]])
+            self._pending = True
+        return out
+
+    def __repr__(self) -> str:
+        return (
+            f"ScalingState(recipe={self.recipe!r}, fmt={self.fmt.name}, "
+            f"updates={self.updates}, pending={self._pending})"
+        )

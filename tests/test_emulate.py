@@ -1,0 +1,430 @@
+"""Tests for fp8scope.emulate: TE-faithful delayed scaling, quantization, Fp8Linear, conversion.
+
+Expected scales are written out by hand (see docs/emulate.md for the rules) so a
+change in semantics shows up as a failing number, not as a changed formula.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from fp8scope.emulate import (
+    CurrentScaling,
+    DelayedScaling,
+    Fp8Linear,
+    ScalingState,
+    convert_to_fp8,
+    dequantize,
+    fp8_disabled,
+    quantize,
+    recipe_from_dict,
+)
+from fp8scope.formats import get_format
+
+E4M3 = get_format("e4m3")
+E5M2 = get_format("e5m2")
+NAN, INF = float("nan"), float("inf")
+FP32_MAX = torch.finfo(torch.float32).max
+
+
+def run_sequence(state: ScalingState, amaxes):
+    """Feed one-element tensors with the given amaxes; return (scales used, histories after)."""
+    scales, histories = [], []
+    for a in amaxes:
+        s = state.begin(torch.tensor([a], dtype=torch.float32))
+        scales.append(s.scale.item())
+        histories.append(state.amax_history.tolist())
+    return scales, histories
+
+
+def same(a, b):
+    """List equality where NaN == NaN."""
+    return len(a) == len(b) and all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b))
+
+
+# --------------------------------------------------------------------------- recipes
+def test_recipe_defaults_are_te_defaults():
+    r = DelayedScaling()
+    assert (r.margin, r.amax_history_len, r.amax_compute_algo, r.fp8_format) == (0, 1024, "max", "HYBRID")
+    assert r.forward_format.name == "e4m3" and r.backward_format.name == "e5m2"
+    assert DelayedScaling(fp8_format="e4m3").backward_format.name == "e4m3"
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        dict(amax_history_len=0),
+        dict(amax_history_len=2.5),
+        dict(amax_compute_algo="mean"),
+        dict(fp8_format="E5M2"),
+        dict(fp8_format="fp8"),
+        dict(margin=-1),
+        dict(margin=NAN),
+    ],
+)
+def test_delayed_recipe_validation(kwargs):
+    with pytest.raises(ValueError):
+        DelayedScaling(**kwargs)
+
+
+def test_recipe_dict_round_trip_and_frozen():
+    for r in (DelayedScaling(margin=1, amax_history_len=16, amax_compute_algo="most_recent"), CurrentScaling("E4M3")):
+        d = json.loads(json.dumps(r.to_dict()))
+        assert recipe_from_dict(d) == r
+    assert DelayedScaling().to_dict()["kind"] == "delayed"
+    assert CurrentScaling().to_dict()["kind"] == "current"
+    with pytest.raises(ValueError):
+        recipe_from_dict({"kind": "mxfp8"})
+    with pytest.raises(ValueError):
+        recipe_from_dict({"kind": "delayed", "history": 3})
+    with pytest.raises(Exception):
+        DelayedScaling().margin = 2  # frozen
+
+
+# --------------------------------------------------------------------------- delayed scaling
+SEQ = [2, 8, 1, 1, 1, 0, NAN, 1]
+
+
+@pytest.mark.parametrize(
+    "margin, expected",
+    [
+        # scale used at each step; 448 = E4M3 max, margin m divides by 2**m.
+        (0, [1.0, 224.0, 56.0, 56.0, 56.0, 448.0, 448.0, 448.0]),
+        (1, [1.0, 112.0, 28.0, 28.0, 28.0, 224.0, 224.0, 224.0]),
+    ],
+)
+def test_delayed_max_hand_sequence(margin, expected):
+    st = ScalingState(DelayedScaling(amax_history_len=3, margin=margin, amax_compute_algo="max"), E4M3)
+    scales, hist = run_sequence(st, SEQ)
+    assert scales == expected
+    # History after recording each step (row 0 = this step's amax). The roll by -1 with
+    # row 0 zeroed happens at the next update; an amax of 0 does not roll (TE kernel_bulk).
+    assert same(hist[0], [2, 0, 0])
+    assert same(hist[1], [8, 0, 2])
+    assert same(hist[2], [1, 2, 8])
+    assert same(hist[3], [1, 8, 1])
+    assert same(hist[4], [1, 1, 1])  # the 8 has left the window -> scale 448 at step 5
+    assert same(hist[5], [0, 1, 1])
+    assert same(hist[6], [NAN, 1, 1])  # zero amax: no roll before recording the NaN
+    assert same(hist[7], [1, 1, NAN])  # the NaN rolled; "max" ignores it (fmaxf)
+
+
+@pytest.mark.parametrize(
+    "margin, expected",
+    [
+        (0, [1.0, 224.0, 56.0, 448.0, 448.0, 448.0, 448.0, 448.0]),
+        (1, [1.0, 112.0, 28.0, 224.0, 224.0, 224.0, 224.0, 224.0]),
+    ],
+)
+def test_delayed_most_recent_hand_sequence(margin, expected):
+    st = ScalingState(DelayedScaling(amax_history_len=3, margin=margin, amax_compute_algo="most_recent"), E4M3)
+    seq = [2, 8, 1, 1, 1, 0, NAN, 1, 4]
+    scales, _ = run_sequence(st, seq)
+    assert scales == expected + [448.0 / 2**margin]  # step 8 uses most_recent=1 again
+    # step 6 used the amax 0 of step 5 -> kept; step 7 used NaN -> kept.
+
+
+def test_delayed_keeps_scale_on_zero_nan_inf():
+    st = ScalingState(DelayedScaling(amax_history_len=2, amax_compute_algo="most_recent"), E4M3)
+    scales, _ = run_sequence(st, [4, 0, NAN, INF, 7])
+    assert scales == [1.0, 112.0, 112.0, 112.0, 112.0]
+    assert st.scale_kept.item() is True
+    st.begin(torch.tensor([1.0]))  # applies the update from amax 7
+    assert st.scale.item() == pytest.approx(64.0) and st.scale_kept.item() is False
+
+
+def test_delayed_inf_in_history_freezes_scale_under_max():
+    # fmaxf(x, inf) = inf: an Inf amax keeps the scale for as long as it stays in the window.
+    st = ScalingState(DelayedScaling(amax_history_len=2), E4M3)
+    scales, _ = run_sequence(st, [4, INF, 1, 1, 1])
+    assert scales == [1.0, 112.0, 112.0, 112.0, 448.0]
+
+
+def test_delayed_zero_amax_skips_roll():
+    # TE skips the roll when this step's amax is 0, so the 8 ages more slowly.
+    st = ScalingState(DelayedScaling(amax_history_len=2), E4M3)
+    scales, _ = run_sequence(st, [8, 1, 0, 1, 1])
+    assert scales == [1.0, 56.0, 56.0, 56.0, 448.0]
+
+
+def test_delayed_tiny_amax_gives_fp32_max_scale():
+    st = ScalingState(DelayedScaling(amax_history_len=1), E4M3)
+    st.begin(torch.tensor([1e-45]))  # smallest float32 subnormal: 448 / amax overflows
+    s = st.begin(torch.tensor([1.0]))
+    assert s.scale.item() == FP32_MAX
+    assert s.scale_inv.item() == pytest.approx(1 / FP32_MAX)
+
+
+def test_e5m2_uses_its_own_max():
+    st = ScalingState(DelayedScaling(amax_history_len=4), E5M2)
+    scales, _ = run_sequence(st, [2.0, 1.0])
+    assert scales == [1.0, E5M2.max / 2]
+
+
+def test_returned_tensors_are_not_mutated_later():
+    st = ScalingState(DelayedScaling(amax_history_len=2), E4M3)
+    first = st.begin(torch.tensor([2.0]))
+    second = st.begin(torch.tensor([8.0]))
+    st.begin(torch.tensor([1.0]))
+    st.begin(torch.tensor([1.0]))
+    assert (first.scale.item(), first.scale_inv.item(), first.expected_amax.item()) == (1.0, 1.0, 448.0)
+    assert (second.scale.item(), second.expected_amax.item()) == (224.0, 2.0)
+
+
+def test_no_record_applies_pending_update_but_keeps_history():
+    st = ScalingState(DelayedScaling(amax_history_len=2), E4M3)
+    st.begin(torch.tensor([2.0]))
+    s = st.begin(torch.tensor([100.0]), record=False)
+    assert s.scale.item() == 224.0 and not st.pending
+    assert st.amax_history.tolist() == [0.0, 2.0]
+
+
+def test_current_scaling():
+    st = ScalingState(CurrentScaling(), E4M3)
+    s = st.begin(torch.tensor([-4.0, 2.0]))
+    assert (s.scale.item(), s.expected_amax.item()) == (112.0, 4.0)
+    for bad in (0.0, NAN, INF):
+        s = st.begin(torch.tensor([bad]))
+        assert s.scale.item() == 1.0  # TE compute_scale_from_amax
+    assert st.begin(torch.tensor([1e-45])).scale.item() == FP32_MAX
+    assert ScalingState(CurrentScaling(margin=2), E4M3).begin(torch.tensor([4.0])).scale.item() == 28.0
+
+
+# --------------------------------------------------------------------------- quantize
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_saturates(fmt):
+    x = torch.tensor([fmt.max * 1.5, -fmt.max * 4, 1e30, INF, -INF, NAN, 1.0])
+    q = quantize(x, torch.tensor(1.0), fmt)
+    assert q.dtype == fmt.dtype
+    out = dequantize(q, torch.tensor(1.0))
+    assert out[:5].tolist() == [fmt.max, -fmt.max, fmt.max, fmt.max, -fmt.max]
+    assert math.isnan(out[5].item()) and out[6].item() == 1.0
+
+
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_quantize_underflow(fmt):
+    sub = fmt.min_subnormal
+    x = torch.tensor([sub * 0.49, sub * 0.5, sub * 0.51, sub, -sub * 0.49])
+    out = dequantize(quantize(x, torch.tensor(1.0), fmt), torch.tensor(1.0))
+    assert out.tolist() == [0.0, 0.0, sub, sub, 0.0]  # half-way rounds to even (0)
+
+
+def test_quantize_applies_scale_in_fp32_for_bf16():
+    x = torch.tensor([3.0, 300.0], dtype=torch.bfloat16)
+    q = quantize(x, torch.tensor(0.5), E4M3)
+    assert dequantize(q, torch.tensor(2.0)).tolist() == [3.0, 288.0]  # 150 -> 144 on the e4m3 grid
+    assert dequantize(q, torch.tensor(2.0), torch.bfloat16).dtype == torch.bfloat16
+
+
+# --------------------------------------------------------------------------- Fp8Linear
+def _pair(recipe, bias=True, dtype=torch.float32, seed=0):
+    torch.manual_seed(seed)
+    ref = nn.Linear(16, 8, bias=bias, dtype=dtype)
+    fp8 = Fp8Linear(16, 8, bias=bias, dtype=dtype, recipe=recipe)
+    fp8.load_state_dict(ref.state_dict())
+    return ref, fp8
+
+
+def _rel(a, b):
+    return ((a.float() - b.float()).norm() / b.float().norm()).item()
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=4), CurrentScaling()], ids=["delayed", "current"])
+def test_fp8_linear_close_to_linear(recipe):
+    ref, fp8 = _pair(recipe)
+    for _ in range(3):  # later steps use adapted delayed scales
+        x = torch.randn(2, 5, 16)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        y_ref, y = ref(x1), fp8(x2)
+        g = torch.randn_like(y_ref)
+        y_ref.backward(g)
+        y.backward(g)
+        assert y.shape == (2, 5, 8)
+        assert _rel(y, y_ref) < 0.08
+        assert _rel(x2.grad, x1.grad) < 0.15
+        assert _rel(fp8.weight.grad, ref.weight.grad) < 0.15
+        torch.testing.assert_close(fp8.bias.grad, ref.bias.grad)  # bias grad in high precision
+        for p in (*ref.parameters(), *fp8.parameters()):
+            p.grad = None
+
+
+def test_fp8_linear_bf16_dtypes():
+    ref, fp8 = _pair(CurrentScaling(), dtype=torch.bfloat16)
+    x = torch.randn(4, 16, dtype=torch.bfloat16, requires_grad=True)
+    y = fp8(x)
+    y.sum().backward()
+    assert y.dtype == x.grad.dtype == fp8.weight.grad.dtype == fp8.bias.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("fmt_name, grad_fmt", [("HYBRID", "e5m2"), ("E4M3", "e4m3")])
+def test_gradient_format_and_te_gemms(fmt_name, grad_fmt):
+    _, fp8 = _pair(DelayedScaling(amax_history_len=2, fp8_format=fmt_name))
+    seen = {}
+    fp8.fp8scope_tap = lambda role, x, deq, scale, scale_inv, amax, fmt: seen.__setitem__(role, (deq, scale, fmt))
+    x = torch.randn(3, 16, requires_grad=True)
+    y = fp8(x)
+    g = torch.randn_like(y) * 1e-3
+    y.backward(g)
+    assert seen["activation"][2].name == seen["weight"][2].name == "e4m3"
+    g_deq, g_scale, g_fmt = seen["gradient"]
+    assert g_fmt.name == grad_fmt and fp8.gradient_state.fmt.name == grad_fmt
+    scaled = g_deq * g_scale  # back on the grid of the gradient's format
+    assert torch.equal(scaled.to(g_fmt.dtype).float(), scaled)
+    # TE: dgrad = deq(g) @ deq(W), wgrad = deq(g)^T @ deq(x)
+    torch.testing.assert_close(x.grad, g_deq @ seen["weight"][0])
+    torch.testing.assert_close(fp8.weight.grad, g_deq.t() @ seen["activation"][0])
+
+
+def test_from_linear_shares_parameters_and_optimizer_keeps_working():
+    lin = nn.Linear(16, 8)
+    opt = torch.optim.SGD(lin.parameters(), lr=0.1)
+    fp8 = Fp8Linear.from_linear(lin, DelayedScaling(amax_history_len=16))
+    assert fp8.weight is lin.weight and fp8.bias is lin.bias
+    before = lin.weight.detach().clone()
+    fp8(torch.randn(4, 16)).pow(2).sum().backward()
+    opt.step()
+    assert not torch.equal(before, fp8.weight)
+    assert "amax_history_len=16" in repr(fp8)
+
+
+def test_fp8_disabled_is_bit_identical_and_leaves_state():
+    ref, fp8 = _pair(DelayedScaling(amax_history_len=4))
+    model = nn.Sequential(fp8)
+    fp8(torch.randn(4, 16)).sum().backward()  # some state to preserve
+    snapshot = [(s.amax_history, s.scale, s.updates, s.pending) for s in (fp8.activation_state, fp8.weight_state, fp8.gradient_state)]
+    for ctx in (lambda: fp8_disabled(model), lambda: fp8_disabled()):
+        x = torch.randn(3, 16)
+        x1, x2 = x.clone().requires_grad_(), x.clone().requires_grad_()
+        with ctx():
+            y = fp8(x2)
+            y.sum().backward()
+        y_ref = ref(x1)
+        y_ref.sum().backward()
+        assert torch.equal(y, y_ref) and torch.equal(x2.grad, x1.grad)
+    after = [(s.amax_history, s.scale, s.updates, s.pending) for s in (fp8.activation_state, fp8.weight_state, fp8.gradient_state)]
+    for (h0, s0, u0, p0), (h1, s1, u1, p1) in zip(snapshot, after):
+        assert torch.equal(h0, h1) and torch.equal(s0, s1) and u0 == u1 and p0 == p1
+    assert fp8.fp8_enabled
+
+
+def test_fp8_disabled_restores_on_exception():
+    model = convert_to_fp8(nn.Sequential(nn.Linear(4, 4)))
+    with pytest.raises(RuntimeError):
+        with fp8_disabled(model), fp8_disabled():
+            raise RuntimeError("boom")
+    assert model[0].fp8_enabled
+    x = torch.randn(2, 4)
+    assert not torch.equal(model[0](x), nn.functional.linear(x, model[0].weight, model[0].bias))
+
+
+def test_no_grad_quantizes_but_does_not_record():
+    _, fp8 = _pair(DelayedScaling(amax_history_len=4))
+    x = torch.randn(4, 16) * 3
+    with torch.no_grad():
+        y = fp8(x)
+    assert fp8.activation_state.amax_history.abs().sum().item() == 0.0 and not fp8.activation_state.pending
+    assert not torch.equal(y, nn.functional.linear(x, fp8.weight, fp8.bias))
+
+
+def test_tap_order_over_two_layers():
+    model = convert_to_fp8(nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 2)), DelayedScaling(amax_history_len=4))
+    calls = []
+    for i in (0, 2):
+        def tap(role, x, deq, scale, scale_inv, amax, fmt, i=i):
+            assert x.shape == deq.shape and scale.ndim == 0
+            calls.append((i, role))
+        model[i].fp8scope_tap = tap
+    model(torch.randn(3, 8)).sum().backward()
+    assert calls == [(0, "activation"), (0, "weight"), (2, "activation"), (2, "weight"), (2, "gradient"), (0, "gradient")]
+
+
+def _train(model, steps=30, seed=0):
+    torch.manual_seed(seed)
+    x = torch.randn(64, 8)
+    target = (x[:, :2] * 2 - x[:, 2:4]).detach()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = nn.functional.mse_loss(model(x), target)
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 2))
+
+
+def test_tap_that_raises_does_not_break_training():
+    model = convert_to_fp8(_mlp(), DelayedScaling(amax_history_len=16))
+
+    def bad_tap(*args):
+        raise KeyError("monitor bug")
+
+    model[0].fp8scope_tap = bad_tap
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        losses = _train(model, steps=5)
+    assert sum("monitor bug" in str(w.message) for w in caught) == 1
+    assert losses[-1] < losses[0]
+
+
+@pytest.mark.parametrize("recipe", [DelayedScaling(amax_history_len=16), CurrentScaling()], ids=["delayed", "current"])
+def test_training_loop_loss_decreases(recipe):
+    model = convert_to_fp8(_mlp(), recipe)
+    losses = _train(model)
+    assert all(math.isfinite(v) for v in losses)
+    assert losses[-1] < 0.5 * losses[0]
+    ref_losses = _train(_mlp())
+    assert abs(losses[-1] - ref_losses[-1]) < 0.1 * ref_losses[0]  # tracks the high-precision run
+
+
+# --------------------------------------------------------------------------- convert
+class _Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = nn.ModuleList([nn.ModuleDict({"attn": nn.Linear(4, 4), "mlp": nn.Linear(4, 4)}) for _ in range(2)])
+        self.lm_head = nn.Linear(4, 10)
+
+
+def _fp8_names(model):
+    return sorted(n for n, m in model.named_modules() if isinstance(m, Fp8Linear))
+
+
+def test_convert_all_and_skip():
+    net = _Net()
+    w = net.lm_head.weight
+    out = convert_to_fp8(net, skip=["lm_head"])
+    assert out is net
+    assert _fp8_names(net) == ["blocks.0.attn", "blocks.0.mlp", "blocks.1.attn", "blocks.1.mlp"]
+    assert type(net.lm_head) is nn.Linear and net.lm_head.weight is w
+    first = {n: m for n, m in net.named_modules() if isinstance(m, Fp8Linear)}
+    convert_to_fp8(net)  # a second pass converts lm_head and keeps the converted layers as they are
+    assert _fp8_names(net) == sorted([*first, "lm_head"])
+    assert all(net.get_submodule(n) is m for n, m in first.items())
+
+
+def test_convert_selection():
+    assert _fp8_names(convert_to_fp8(_Net(), layers=r"\.mlp$")) == ["blocks.0.mlp", "blocks.1.mlp"]
+    assert _fp8_names(convert_to_fp8(_Net(), layers=["blocks.1.attn"])) == ["blocks.1.attn"]
+    assert _fp8_names(convert_to_fp8(_Net(), layers="blocks", skip=r"attn")) == ["blocks.0.mlp", "blocks.1.mlp"]
+    recipe = CurrentScaling()
+    assert convert_to_fp8(_Net(), recipe=recipe).lm_head.recipe is recipe
+    with pytest.raises(ValueError):
+        convert_to_fp8(_Net(), layers="decoder")
+    with pytest.raises(ValueError):
+        convert_to_fp8(_Net(), layers=["lm_head", "no.such"])
+    with pytest.raises(ValueError):
+        convert_to_fp8(_Net(), skip=["head"])
+    with pytest.raises(ValueError):
+        convert_to_fp8(_Net(), layers="lm_head", skip="lm_head")
+    assert isinstance(convert_to_fp8(nn.Linear(2, 2)), Fp8Linear)
