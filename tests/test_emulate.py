@@ -428,3 +428,16 @@ def test_convert_selection():
     with pytest.raises(ValueError):
         convert_to_fp8(_Net(), layers="lm_head", skip="lm_head")
     assert isinstance(convert_to_fp8(nn.Linear(2, 2)), Fp8Linear)
+
+
+def test_inference_mode_and_autocast():
+    model = convert_to_fp8(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2)), DelayedScaling(amax_history_len=4))
+    x = torch.randn(3, 8)
+    model(x).sum().backward()
+    with torch.inference_mode():
+        model(x)  # applies the pending update, records nothing
+    model(x).sum().backward()  # state created/updated in inference mode stays usable
+    assert model[0].activation_state.updates == 1
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y = model(x)
+    assert y.dtype == torch.bfloat16  # as nn.Linear under autocast
