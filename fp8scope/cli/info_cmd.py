@@ -1,0 +1,44 @@
+"""``fp8scope info RUN``: what a run folder holds (steps, ranks, tensors, size, last step)."""
+
+from __future__ import annotations
+
+import time
+
+from fp8scope.cli.output import console, human_size, print_json
+from fp8scope.run import load_run
+
+
+def register(sub) -> None:
+    p = sub.add_parser("info", help="summary of a run: steps, ranks, tensors, size, last step")
+    p.add_argument("run", help="run folder")
+    p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    r = load_run(args.run)
+    info = r.info()
+    if args.json:
+        print_json({**info, "recipe": r.manifest.get("recipe")})
+        return 0
+    c = console()
+    age = f"{time.time() - info['last_write']:.0f} s ago" if info.get("last_write") else "never"
+    recipe = r.manifest.get("recipe") or {}
+    rec = ", ".join(f"{k}={v}" for k, v in recipe.items()) if recipe else "-"
+    rows = [
+        ("run", info["path"]),
+        ("steps", f"{info['steps']} (first {info['first_step']}, last {info['last_step']})"),
+        ("ranks", f"{len(info['ranks'])} logged {info['ranks']} of world size {info['world_size']}"),
+        ("tensors", str(info["tensors"])),
+        ("segments", str(info["segments"])),
+        ("rows", ", ".join(f"{k}: {v}" for k, v in info["tables"].items()) or "-"),
+        ("size", human_size(info["size_bytes"])),
+        ("last write", age),
+        ("compacted", "yes" if info["compacted"] else "no"),
+        ("recipe", rec),
+        ("torch", str(r.manifest.get("torch_version"))),
+    ]
+    for k, v in rows:
+        c.print(f"[bold]{k:>11}[/bold]  ", end="")
+        c.print(v, markup=False)
+    return 0

@@ -1,0 +1,73 @@
+"""``fp8scope`` command line: one sub-command per module in this package.
+
+Every sub-command module exposes ``register(subparsers)`` and a ``run(args) -> int``.
+Errors the user can fix (bad flags, bad run folders) print one line and exit 2; nothing
+prints a traceback unless ``FP8SCOPE_DEBUG=1`` is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from importlib import import_module
+
+from fp8scope import __version__
+from fp8scope.errors import Fp8ScopeError
+
+# Sub-command modules, in the order `fp8scope --help` lists them. Later issues append theirs.
+COMMANDS = ["info", "tensors", "compact", "doctor", "demo"]
+OPTIONAL_COMMANDS = ["events", "report", "diff", "whatif", "export", "dashboard"]
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, but a usage error is one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        sys.stderr.write(f"{self.prog}: error: {message} (see {self.prog} --help)\n")
+        raise SystemExit(2)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = _Parser(prog="fp8scope", description="Why is my FP8 run unstable, where, and is FP8 to blame?")
+    parser.add_argument("--version", action="version", version=f"fp8scope {__version__}")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
+    for name in COMMANDS + OPTIONAL_COMMANDS:
+        try:
+            mod = import_module(f"fp8scope.cli.{name}_cmd")
+        except ModuleNotFoundError as exc:
+            if name in OPTIONAL_COMMANDS and exc.name == f"fp8scope.cli.{name}_cmd":
+                continue
+            raise
+        mod.register(sub)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if not getattr(args, "func", None):
+        parser.print_help()
+        return 2
+    try:
+        return int(args.func(args) or 0)
+    except Fp8ScopeError as exc:
+        sys.stderr.write(f"fp8scope {args.command}: error: {exc}\n")
+        return 2
+    except KeyboardInterrupt:
+        sys.stderr.write("fp8scope: interrupted\n")
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:
+        if os.environ.get("FP8SCOPE_DEBUG"):
+            raise
+        sys.stderr.write(
+            f"fp8scope {args.command}: internal error: {type(exc).__name__}: {exc} "
+            "(set FP8SCOPE_DEBUG=1 for a traceback)\n"
+        )
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
