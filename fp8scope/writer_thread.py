@@ -10,8 +10,10 @@ warns once, stops logging, and keeps draining so training is never blocked.
 
 from __future__ import annotations
 
+import os
 import queue
 import threading
+import time
 import warnings
 from typing import Callable
 
@@ -44,6 +46,7 @@ class BackgroundWriter:
         self._submitted = 0
         self._done = 0
         self.failed: str | None = None
+        self._last_check = time.monotonic()
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="fp8scope-writer", daemon=True)
         self._thread.start()
@@ -108,7 +111,19 @@ class BackgroundWriter:
                     self._fail(exc)
             self._mark_done(ticket)
 
+    def _check_folder(self) -> None:
+        """Writes into a deleted folder succeed silently (the files are unlinked, not closed):
+        look, at most once a second, whether our streams are still there."""
+        now = time.monotonic()
+        if now - self._last_check < 1.0:
+            return
+        self._last_check = now
+        for path in self._writer.paths().values():
+            if not os.path.exists(path):
+                raise FileNotFoundError(f"{path} was removed while training wrote to it")
+
     def _write_step(self, payload: StepPayload) -> None:
+        self._check_folder()
         payload.wait()
         matrix, tail = stats_matrix(payload)
         tensors = None

@@ -1,0 +1,62 @@
+"""Shared fixtures: small real models and a helper to train them under the monitor."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PYTHON = sys.executable
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def pytest_collection_modifyitems(config, items):
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "gpu" in item.keywords and not has_cuda():
+            item.add_marker(skip_gpu)
+
+
+class MLP(nn.Module):
+    """Two hidden layers with names like a transformer MLP, so layer regexes read naturally."""
+
+    def __init__(self, d: int = 16, h: int = 32, out: int = 4):
+        super().__init__()
+        self.up = nn.Linear(d, h)
+        self.act = nn.ReLU()
+        self.down = nn.Linear(h, h)
+        self.head = nn.Linear(h, out)
+
+    def forward(self, x):
+        return self.head(self.act(self.down(self.act(self.up(x)))))
+
+
+@pytest.fixture
+def mlp():
+    torch.manual_seed(0)
+    return MLP()
+
+
+def train(model, mon, steps: int, micro: int = 1, batch: int = 8, poison=None):
+    """Real SGD steps; ``poison(step, x)`` may edit the input of a step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    d = model.up.in_features
+    for step in range(steps):
+        for _ in range(micro):
+            x = torch.randn(batch, d, generator=gen)
+            if poison is not None:
+                x = poison(step, x)
+            loss = model(x).pow(2).mean() / micro
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if mon is not None:
+            mon.step(loss=loss.detach(), lr=0.05)

@@ -1,0 +1,186 @@
+"""The monitor on real models and real training steps: what it captures, when, and how it fails."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import time
+import warnings
+
+import pytest
+import torch
+
+import fp8scope
+from fp8scope.emulate import CurrentScaling, DelayedScaling, convert_to_fp8
+from tests.conftest import MLP, train
+
+
+def test_emulated_and_whatif_layers_are_captured_in_execution_order(mlp, tmp_path):
+    convert_to_fp8(mlp, recipe=DelayedScaling(amax_history_len=4), skip=["head"])
+    with fp8scope.Monitor(mlp, tmp_path / "r", every=1) as mon:
+        assert mon.layers == ["up", "down", "head"]
+        train(mlp, mon, steps=3)
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert sorted(df.step.unique()) == [0, 1, 2]
+    step0 = df[df.step == 0].sort_values("order")
+    assert list(zip(step0.layer, step0.tensor)) == [
+        ("up", "activation"), ("up", "weight"), ("down", "activation"), ("down", "weight"),
+        ("head", "activation"), ("head", "weight"),
+        ("head", "gradient"), ("down", "gradient"), ("up", "gradient"),
+    ]
+    src = dict(zip(step0.layer, step0.source))
+    assert src == {"up": "emulated", "down": "emulated", "head": "whatif"}
+    grads = step0[step0.tensor == "gradient"]
+    assert set(grads.fp8_format) == {"e5m2"}
+    assert set(step0[step0.tensor != "gradient"].fp8_format) == {"e4m3"}
+    # delayed scaling: the scale of step 1 comes from the amax of step 0
+    up_act = df[(df.layer == "up") & (df.tensor == "activation")].set_index("step")
+    assert up_act.loc[0, "scale"] == 1.0
+    assert up_act.loc[1, "expected_amax"] == pytest.approx(up_act.loc[0, "amax"], rel=1e-6)
+    assert up_act.loc[1, "scale"] == pytest.approx(448 / up_act.loc[0, "amax"], rel=1e-5)
+    assert (df.numel > 0).all() and (df.qerr_mse >= 0).all()
+    scal = fp8scope.load_run(tmp_path / "r").scalars()
+    assert set(scal.name) == {"loss", "lr"} and len(scal) == 6
+
+
+def test_every_gives_full_stats_only_on_multiples_and_steps_limits_capture(mlp, tmp_path):
+    with fp8scope.Monitor(mlp, tmp_path / "r", every=3, steps=(2, 7)) as mon:
+        train(mlp, mon, steps=9)
+    run = fp8scope.load_run(tmp_path / "r")
+    df = run.tensors()
+    assert sorted(df.step.unique()) == [2, 3, 4, 5, 6]
+    full_steps = sorted(df[df.full].step.unique())
+    assert full_steps == [3, 6]
+    cheap = df[~df.full]
+    assert cheap.overflow.isna().all() and cheap.amax.notna().all()
+    assert sorted(run.scalars().step.unique()) == list(range(9))  # scalars every step
+
+
+def test_layer_and_role_selection(mlp, tmp_path):
+    with fp8scope.Monitor(mlp, tmp_path / "r", layers=r"^(up|down)$", tensors=["gradient"]) as mon:
+        train(mlp, mon, steps=2)
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert set(df.layer) == {"up", "down"} and set(df.tensor) == {"gradient"}
+    with pytest.raises(fp8scope.UsageError):
+        fp8scope.Monitor(mlp, tmp_path / "x", tensors=["grad"])
+    with pytest.raises(fp8scope.UsageError):
+        fp8scope.Monitor(mlp, tmp_path / "x", layers="nomatch")
+
+
+def test_gradient_accumulation_merges_micro_batches(mlp, tmp_path):
+    convert_to_fp8(mlp, recipe=CurrentScaling())
+    with fp8scope.Monitor(mlp, tmp_path / "r", every=1) as mon:
+        train(mlp, mon, steps=2, micro=4, batch=8)
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert len(df) == 2 * 9  # one row per (step, tensor), not per micro-batch
+    act = df[(df.layer == "up") & (df.tensor == "activation")]
+    assert (act.calls == 4).all() and (act.numel == 4 * 8 * 16).all()
+
+
+def test_restart_appends_a_segment_and_the_later_segment_wins(tmp_path):
+    torch.manual_seed(0)
+    m = MLP()
+    with fp8scope.Monitor(m, tmp_path / "r", every=1) as mon:
+        train(m, mon, steps=5)  # steps 0..4
+    with fp8scope.Monitor(m, tmp_path / "r", every=1, step=3) as mon:  # resumed from a checkpoint at step 3
+        train(m, mon, steps=4)  # steps 3..6
+    run = fp8scope.load_run(tmp_path / "r")
+    df = run.tensors()
+    assert sorted(df.step.unique()) == list(range(7))
+    seg = df.groupby("step").segment.unique().map(lambda s: list(s))
+    assert seg[2] == [0] and seg[3] == [1] and seg[6] == [1]
+    assert df.groupby(["step", "layer", "tensor"]).size().max() == 1
+
+
+def test_restart_without_step_warns(tmp_path, mlp):
+    with fp8scope.Monitor(mlp, tmp_path / "r") as mon:
+        train(mlp, mon, steps=1)
+    with pytest.warns(RuntimeWarning, match="already holds logged steps"):
+        fp8scope.Monitor(mlp, tmp_path / "r").close()
+
+
+def test_nan_is_counted_and_its_first_tensor_is_ordered_first(mlp, tmp_path):
+    convert_to_fp8(mlp, recipe=DelayedScaling(amax_history_len=4))
+
+    def poison(step, x):
+        if step == 2:
+            x = x.clone()
+            x[0, 0] = math.nan
+        return x
+
+    with fp8scope.Monitor(mlp, tmp_path / "r", every=1) as mon:
+        train(mlp, mon, steps=3, poison=poison)
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    bad = df[(df.step == 2) & (df.nonfinite > 0)].sort_values("order")
+    assert (bad.iloc[0].layer, bad.iloc[0].tensor) == ("up", "activation")
+    assert bad.iloc[0].nonfinite == 1 and math.isnan(bad.iloc[0].amax)
+    assert (df[df.step < 2].nonfinite == 0).all()
+
+
+def test_eval_forwards_are_not_captured(mlp, tmp_path):
+    with fp8scope.Monitor(mlp, tmp_path / "r", every=1) as mon:
+        train(mlp, mon, steps=1)
+        with torch.no_grad():
+            mlp(torch.randn(3, 16))
+        train(mlp, mon, steps=1)
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert (df.calls == 1).all()
+
+
+def test_bf16_model(tmp_path):
+    torch.manual_seed(0)
+    m = convert_to_fp8(MLP().to(torch.bfloat16), recipe=DelayedScaling(amax_history_len=8))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with fp8scope.Monitor(m, tmp_path / "r", every=1) as mon:
+        for _ in range(3):
+            m(torch.randn(4, 16, dtype=torch.bfloat16)).float().pow(2).mean().backward()
+            opt.step(); opt.zero_grad()
+            mon.step()
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert len(df) == 27 and df.amax.notna().all()
+
+
+def test_torchao_float8_linear_emulated_on_cpu(tmp_path):
+    pytest.importorskip("torchao")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    for recipe in ("tensorwise", "rowwise"):
+        torch.manual_seed(0)
+        m = MLP(d=16, h=32, out=16)
+        cfg = Float8LinearConfig.from_recipe_name(recipe)
+        cfg = Float8LinearConfig(**{**cfg.__dict__, "emulate": True})
+        convert_to_float8_training(m, config=cfg)
+        with fp8scope.Monitor(m, tmp_path / recipe, every=1) as mon:
+            train(m, mon, steps=2)
+        df = fp8scope.load_run(tmp_path / recipe).tensors()
+        assert set(df.source) == {"torchao"} and len(df) == 18
+        # dynamic scaling maps amax onto fp8_max: at most float rounding above it
+        assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-6)).all()
+        assert (df.overflow <= 1).all() and (df.underflow >= 0).all()
+        grad_fmt = set(df[df.tensor == "gradient"].fp8_format)
+        assert grad_fmt == ({"e5m2"} if recipe == "tensorwise" else {"e4m3"})
+        if recipe == "tensorwise":
+            act = df[df.tensor == "activation"]
+            assert (act.scale * act.amax).round(2).eq(448.0).all()
+
+
+def test_logging_stops_cleanly_when_the_run_folder_disappears(mlp, tmp_path):
+    run_dir = tmp_path / "r"
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = fp8scope.Monitor(mlp, run_dir, every=1)
+        train(mlp, mon, steps=2)
+        shutil.rmtree(run_dir)
+        time.sleep(1.1)  # the writer looks for its folder at most once a second
+        train(mlp, mon, steps=3)  # training goes on
+        mon.close()
+    msgs = [str(w.message) for w in caught if "fp8scope" in str(w.message)]
+    assert len(msgs) == 1 and "logging stopped" in msgs[0]
+    assert mon.logging_failed
+
+
+def test_disabled_monitor_is_a_no_op(mlp, tmp_path):
+    with fp8scope.Monitor(mlp, tmp_path / "r", enabled=False) as mon:
+        train(mlp, mon, steps=2)
+    assert not (tmp_path / "r").exists()

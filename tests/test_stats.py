@@ -1,0 +1,107 @@
+"""Numerics of the on-device stats against hand-made tensors and a float64 reference."""
+
+import math
+
+import pytest
+import torch
+
+from fp8scope.capture.stats import cheap_stats, full_stats, saturation_floor
+from fp8scope.formats import get_format, recipe_format
+from fp8scope.schema import FIELD_INDEX, STAT_FIELDS
+
+E4M3 = get_format("e4m3")
+E5M2 = get_format("e5m2")
+
+
+def as_dict(vec):
+    return {name: float(vec[i]) for i, (name, _) in enumerate(STAT_FIELDS)}
+
+
+def test_formats_come_from_finfo():
+    assert E4M3.max == 448 and E5M2.max == 57344
+    assert E4M3.min_subnormal == 2.0**-9 and E5M2.min_subnormal == 2.0**-16
+    assert recipe_format("HYBRID", "backward") is E5M2 and recipe_format("E4M3", "backward") is E4M3
+    with pytest.raises(ValueError):
+        get_format("e3m4")
+
+
+def test_saturation_floor_follows_the_real_cast():
+    for fmt in (E4M3, E5M2):
+        floor = saturation_floor(fmt)
+        above = torch.nextafter(torch.tensor(floor), torch.tensor(math.inf))
+        assert float(torch.tensor([floor]).to(fmt.dtype).float()) < fmt.max
+        assert float(above.reshape(1).to(fmt.dtype).float()) == fmt.max
+
+
+def test_hand_made_e4m3_counts():
+    x = torch.tensor([0.0, 1.0, -2.0, 500.0, math.inf, math.nan, 2.0**-10, 3 * 2.0**-11, 440.0, -432.0, 431.0, 0.0])
+    s = as_dict(full_stats(x, torch.tensor(1.0), torch.tensor(1.0), 3.0, E4M3))
+    assert math.isnan(s["amax"])  # NaN propagates, as a recipe's amax does
+    assert s["numel"] == 12
+    assert s["zeros"] == 2
+    assert s["nonfinite"] == 2  # inf and nan
+    assert s["overflow"] == 2  # 500 and inf exceed 448 before the cast
+    assert s["saturated"] == 4  # 500, inf, 440 and -432 land on +-448; 431 rounds to 416
+    assert s["underflow"] == 1  # 2^-10 is exactly half the smallest subnormal: rounds to 0
+    assert s["min_nonzero"] == 2.0**-10
+    assert s["expected_amax"] == 3.0
+
+
+def test_scale_is_applied_before_counting():
+    x = torch.tensor([1.0, 2.0, 4.0, 1e-4])
+    s = as_dict(full_stats(x, torch.tensor(200.0), torch.tensor(1 / 200.0), 2.24, E4M3))
+    assert s["overflow"] == 1  # 200 and 400 fit under 448, 800 does not
+    assert s["saturated"] == 1  # 400 is a tie between 384 and 416: rounds to even (384), not 448
+    assert s["underflow"] == 0  # 1e-4 * 200 = 0.02 is representable
+    s = as_dict(full_stats(x, torch.tensor(1.0), torch.tensor(1.0), 4.0, E4M3))
+    assert s["underflow"] == 1 and s["overflow"] == 0  # 1e-4 < 2^-10
+
+
+def test_e5m2_gradient_underflow_matches_the_cast():
+    torch.manual_seed(0)
+    g = torch.randn(4096) * 1e-6
+    s = as_dict(full_stats(g, torch.tensor(1.0), torch.tensor(1.0), 1.0, E5M2))
+    q = g.to(torch.float8_e5m2).float()
+    assert s["underflow"] == int(((g != 0) & (q == 0)).sum())
+    assert s["underflow"] > 1000
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_against_float64_reference(dtype):
+    torch.manual_seed(1)
+    x = (torch.randn(257, 33) * torch.logspace(-8, 3, 33)).to(dtype)
+    x[3, 4] = 0
+    scale = torch.tensor(448 / 50.0)
+    s = as_dict(full_stats(x, scale, 1 / scale, 50.0, E4M3))
+    x64 = x.double()
+    y = (x.float().abs() * scale).double()  # the product the cast sees is computed in float32
+    assert s["amax"] == pytest.approx(float(x64.abs().max()))
+    assert s["zeros"] == int((x64 == 0).sum())
+    assert s["overflow"] == int((y > 448).sum())
+    assert s["underflow"] == int(((y > 0) & (y <= 2.0**-10)).sum())
+    q = (x.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() / float(scale)
+    assert s["sq_err"] == pytest.approx(float(((q - x64) ** 2).sum()), rel=1e-4)
+    assert s["min_nonzero"] == pytest.approx(float(x64.abs()[x64 != 0].min()))
+
+
+def test_per_row_scale():
+    x = torch.tensor([[1.0, 500.0], [1e-9, 2.0]])
+    scale = torch.tensor([[1.0], [448 / 2.0]])
+    s = as_dict(full_stats(x, scale, 1 / scale, torch.tensor([[500.0], [2.0]]), E4M3))
+    assert s["overflow"] == 1 and s["underflow"] == 1
+    assert s["scale"] == 1.0 and s["expected_amax"] == 500.0
+
+
+def test_empty_and_all_zero_tensors():
+    s = as_dict(full_stats(torch.zeros(0), 1.0, 1.0, 1.0, E4M3))
+    assert s["amax"] == 0 and s["numel"] == 0 and s["overflow"] == 0
+    s = as_dict(full_stats(torch.zeros(10), 1.0, 1.0, 1.0, E4M3))
+    assert s["zeros"] == 10 and s["underflow"] == 0 and s["min_nonzero"] == math.inf
+
+
+def test_cheap_stats_fill_only_amax_and_scales():
+    x = torch.tensor([1.0, -7.0, 3.0])
+    s = as_dict(cheap_stats(x, 2.0, 0.5, 7.0))
+    assert s["amax"] == 7.0 and s["scale"] == 2.0 and s["scale_inv"] == 0.5 and s["numel"] == 3
+    assert math.isnan(s["overflow"]) and math.isnan(s["zeros"])
+    assert math.isnan(float(cheap_stats(torch.tensor([1.0, math.nan]), 1.0, 1.0, 1.0)[FIELD_INDEX["amax"]]))
