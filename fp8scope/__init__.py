@@ -16,7 +16,18 @@ Read::
 __version__ = "0.1.0"
 
 from fp8scope.errors import Fp8ScopeError, RunError, UsageError
-from fp8scope.monitor import Monitor
-from fp8scope.run import Run, load_run
+
+# Loaded on first use: reading a run (CLI, dashboard) must not pay torch's import time.
+_LAZY = {"Monitor": "fp8scope.monitor", "load_run": "fp8scope.run", "Run": "fp8scope.run"}
 
 __all__ = ["Monitor", "load_run", "Run", "Fp8ScopeError", "RunError", "UsageError", "__version__"]
+
+
+def __getattr__(name: str):
+    if name in _LAZY:
+        from importlib import import_module
+
+        value = getattr(import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fp8scope' has no attribute {name!r}")

@@ -129,6 +129,8 @@ class Monitor:
         self.collector.fail = self._capture_failed  # adapters report their own errors here
         self._detach: list = []
         self.layers: list[str] = []
+        self.sources: dict[str, int] = {}  # adapter name -> number of layers it monitors
+        self.model_recipe: Any = None
         self._writer: BackgroundWriter | None = None
         if not enabled:
             self.collector.enabled = False
@@ -149,6 +151,9 @@ class Monitor:
                 continue
             self._detach.append(adapter.attach(name, module, self.collector, self.recipe))
             self.layers.append(name)
+            self.sources[adapter.name] = self.sources.get(adapter.name, 0) + 1
+            if self.model_recipe is None and hasattr(getattr(module, "recipe", None), "to_dict"):
+                self.model_recipe = module.recipe  # our emulated layers carry theirs
         if include is not None and not self.layers:
             raise UsageError("no monitored layer matched the `layers` selection")
 
@@ -166,7 +171,14 @@ class Monitor:
                 f"{self._step} and will replace any step it logs again. Pass Monitor(step=N) to continue "
                 "from the checkpoint's global step.",
             )
-        recipe = self.recipe.to_dict() if hasattr(self.recipe, "to_dict") else None
+        # "recipe": what the model trains with (emulated layers); the what-if recipe that plain
+        # layers are measured against is kept apart so nobody mistakes one for the other.
+        recipe = self.model_recipe.to_dict() if self.model_recipe is not None else None
+        meta = {
+            **(meta or {}),
+            "whatif_recipe": self.recipe.to_dict() if hasattr(self.recipe, "to_dict") else None,
+            "sources": self.sources,
+        }
         if self.rank == 0:
             if (self.run_dir / "run.json").exists():
                 try:
