@@ -246,6 +246,22 @@ class Monitor:
         self._step += 1
         self.collector.begin_step(self._step)
 
+    # ---- extension points for later stages (detection, shadow steps) ---------------------
+    def add_step_listener(self, listener) -> None:
+        """Run ``listener(step, rank, tensors_batch, scalars_batch)`` in the writer thread after
+        each step is written; it may return ``{table: RecordBatch}`` to write as well (events).
+        It never runs on the training thread, so it cannot slow a step down."""
+        if self._writer is not None:
+            self._writer.listeners.append(listener)
+
+    def log_table(self, table: str, batch) -> None:
+        """Append rows to another table of the run (``schema.register_table`` first)."""
+        if self._writer is not None and not self._closed:
+            try:
+                self._writer.submit_table(table, batch)
+            except Exception as exc:
+                self._warn("log_table", f"could not log {table} rows ({exc}); training continues")
+
     def flush(self) -> None:
         """Wait until every ended step is written."""
         if self._writer is not None:

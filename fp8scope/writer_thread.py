@@ -68,6 +68,19 @@ class BackgroundWriter:
             self._mark_done(ticket)
         return ticket
 
+    def submit_table(self, table: str, batch: pa.RecordBatch) -> None:
+        """Queue extra rows for another table (shadow results, events): written in order with the steps."""
+        if self.failed:
+            return
+        with self._cond:
+            self._submitted += 1
+            ticket = self._submitted
+        try:
+            self._queue.put_nowait((ticket, (table, batch)))
+        except queue.Full:
+            self.dropped += 1
+            self._mark_done(ticket)
+
     def wait(self, ticket: int, timeout: float | None = None) -> bool:
         """Block until step ``ticket`` is written (or logging has stopped). True if written."""
         with self._cond:
@@ -106,7 +119,10 @@ class BackgroundWriter:
                 return
             if self.failed is None:
                 try:
-                    self._write_step(payload)
+                    if isinstance(payload, tuple):  # (table, batch) from submit_table
+                        self._writer.write(*payload)
+                    else:
+                        self._write_step(payload)
                 except Exception as exc:
                     self._fail(exc)
             self._mark_done(ticket)
