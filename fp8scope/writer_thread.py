@@ -154,8 +154,14 @@ class BackgroundWriter:
         if len(self._keys) > self._known_keys and self._on_new_keys is not None:
             self._known_keys = len(self._keys)
             self._on_new_keys(list(self._keys))
-        for listener in self.listeners:
-            extra = listener(payload.step, self.rank, tensors, scalars)
+        for listener in list(self.listeners):
+            try:
+                extra = listener(payload.step, self.rank, tensors, scalars)
+            except Exception as exc:  # a broken listener is dropped; logging goes on
+                self.listeners.remove(listener)
+                warnings.warn(f"fp8scope: step listener {listener!r} failed ({exc!r}); it is switched off",
+                              RuntimeWarning, stacklevel=2)
+                continue
             for table, batch in (extra or {}).items():
                 if batch is not None and batch.num_rows:
                     self._writer.write(table, batch)
