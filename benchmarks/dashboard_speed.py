@@ -1,0 +1,206 @@
+"""Dashboard speed on a big run: 10,000 steps x ~1,000 tensors (10M tensor rows).
+
+    .venv/bin/python benchmarks/dashboard_speed.py [--steps 10000] [--layers 336] [--root /tmp/fp8scope-bench]
+
+Generates the run once (reused when it exists with the same size; --regen to rebuild) with
+RunWriter and record batches matching schema.TENSOR_SCHEMA, then times, server side, what
+each dashboard callback does: build the page for a view (DuckDB aggregation + plotly figure)
+and serialize it to the JSON Dash sends. Cold = first time after the run is loaded (no
+aggregate cached), warm = again with the same run version. Also: first page (Runs list),
+loading the run, a live refresh after 10 appended steps.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from fp8scope.schema import EVENT_SCHEMA, SCALAR_SCHEMA, TENSOR_SCHEMA  # noqa: E402
+from fp8scope.store.manifest import new_manifest, write_manifest  # noqa: E402
+from fp8scope.store.writer import RunWriter  # noqa: E402
+
+SUBLAYERS = ("attn.qkv", "attn.proj", "mlp.up", "mlp.down")
+ROLES = ("activation", "weight", "gradient")
+
+
+def tensor_keys(n_layers: int):
+    layers = [f"blocks.{i // 4}.{SUBLAYERS[i % 4]}" for i in range(n_layers)]
+    keys = [(l, r) for l in layers for r in ROLES]
+    return layers, keys
+
+
+def step_batch(step: int, keys, rng, full: bool, spike_layer: int | None) -> pa.RecordBatch:
+    n = len(keys)
+    fmt = np.array(["e5m2" if r == "gradient" else "e4m3" for _, r in keys])
+    fp8_max = np.where(fmt == "e5m2", 57344.0, 448.0)
+    base = np.where(fmt == "e5m2", 1e-3, 2.0)
+    amax = base * np.exp(rng.normal(0, 0.1, n))
+    if spike_layer is not None:
+        amax[spike_layer] *= 300.0
+    scale_inv = base * 1.05 / fp8_max * 2 ** 0.5
+    numel = np.full(n, 1 << 20, dtype=np.int64)
+    def counts(p):
+        c = rng.binomial(1 << 20, p, n).astype(np.int64)
+        return pa.array(c) if full else pa.nulls(n, pa.int64())
+    over = (rng.binomial(1 << 20, 1e-6, n) + (amax > fp8_max * scale_inv) * 5000).astype(np.int64)
+    cols = {
+        "step": pa.array(np.full(n, step, np.int64)),
+        "rank": pa.array(np.zeros(n, np.int32)),
+        "layer": pa.array([k[0] for k in keys], pa.string()),
+        "tensor": pa.array([k[1] for k in keys], pa.string()),
+        "order": pa.array(np.arange(n, dtype=np.int32)),
+        "source": pa.array(["emulated"] * n, pa.string()),
+        "fp8_format": pa.array(fmt.tolist(), pa.string()),
+        "full": pa.array(np.full(n, full)),
+        "calls": pa.array(np.ones(n, np.int32)),
+        "amax": pa.array(amax),
+        "min_nonzero": pa.array(amax * 1e-6) if full else pa.nulls(n, pa.float64()),
+        "scale": pa.array(1 / scale_inv),
+        "scale_inv": pa.array(scale_inv),
+        "expected_amax": pa.array(base * 1.05),
+        "fp8_max": pa.array(fp8_max),
+        "numel": pa.array(numel),
+        "zeros": counts(1e-3),
+        "nonfinite": pa.array(np.zeros(n, np.int64)) if full else pa.nulls(n, pa.int64()),
+        "overflow": pa.array(over) if full else pa.nulls(n, pa.int64()),
+        "underflow": counts(2e-3),
+        "saturated": counts(1e-5),
+        "qerr_mse": pa.array(amax * 1e-4) if full else pa.nulls(n, pa.float64()),
+        "sqnr_db": pa.array(rng.normal(30, 1, n)) if full else pa.nulls(n, pa.float64()),
+    }
+    return pa.RecordBatch.from_arrays([cols[f.name] for f in TENSOR_SCHEMA], schema=TENSOR_SCHEMA)
+
+
+def make_big_run(run_dir: Path, steps: int, n_layers: int, every: int = 10, close: bool = True, start: int = 0,
+                 writer: RunWriter | None = None) -> RunWriter | None:
+    layers, keys = tensor_keys(n_layers)
+    if writer is None:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        if start == 0:
+            write_manifest(run_dir, new_manifest(
+                recipe={"kind": "delayed", "amax_history_len": 16, "margin": 0, "fp8_format": "HYBRID"},
+                tensors=[{"layer": l, "tensor": r, "shape": [1024, 1024], "fp8_format": "e4m3", "source": "emulated"}
+                         for l, r in keys], meta={"model": "synthetic-bench"}))
+        writer = RunWriter(run_dir, rank=0)
+    rng = np.random.default_rng(start)
+    spike = keys.index((layers[min(len(layers) - 1, 101)], "activation"))
+    for s in range(start, start + steps):
+        hit = spike if s % 1000 == 500 else None
+        writer.write("tensors", step_batch(s, keys, rng, full=(s % every == 0), spike_layer=hit))
+        loss = 4.0 * np.exp(-s / 3000) + 1.5 + rng.normal(0, 0.02)
+        writer.write("scalars", pa.record_batch(
+            [pa.array([s, s, s], pa.int64()), pa.array([0, 0, 0], pa.int32()),
+             pa.array(["loss", "grad_norm", "lr"]), pa.array([loss, 0.5 + rng.random(), 3e-4]),
+             pa.array([time.time()] * 3)], schema=SCALAR_SCHEMA))
+        if hit is not None:
+            l, r = keys[hit]
+            writer.write("events", pa.record_batch(
+                [pa.array([s], pa.int64()), pa.array([0], pa.int32()), pa.array(["amax_outlier"]),
+                 pa.array(["warning"]), pa.array([l]), pa.array([r]), pa.array([600.0]), pa.array([448.0]),
+                 pa.array([f"amax {600:.0f} above representable range"])], schema=EVENT_SCHEMA))
+    if close:
+        writer.close()
+        return None
+    return writer
+
+
+def timed(fn, repeat: int = 1):
+    best = None
+    out = None
+    for _ in range(repeat):
+        t = time.perf_counter()
+        out = fn()
+        d = time.perf_counter() - t
+        best = d if best is None else min(best, d)
+    return best, out
+
+
+def payload(children) -> int:
+    import plotly.io  # noqa: F401  (registers the encoder)
+    from plotly.utils import PlotlyJSONEncoder
+
+    return len(json.dumps(children, cls=PlotlyJSONEncoder))
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--steps", type=int, default=10000)
+    ap.add_argument("--layers", type=int, default=336, help="linear layers; 3 tensor roles each (336 -> 1008 tensors)")
+    ap.add_argument("--root", default="/tmp/fp8scope-bench")
+    ap.add_argument("--regen", action="store_true")
+    ap.add_argument("--json", help="also write results here")
+    args = ap.parse_args()
+
+    root = Path(args.root)
+    run_dir = root / "big"
+    stamp = root / f".made-{args.steps}x{args.layers}"
+    if args.regen or not stamp.exists():
+        shutil.rmtree(root, ignore_errors=True)
+        t, _ = timed(lambda: make_big_run(run_dir, args.steps, args.layers))
+        stamp.write_text("ok")
+        print(f"generated {args.steps} steps x {args.layers * 3} tensors in {t:.1f} s "
+              f"({sum(f.stat().st_size for f in run_dir.rglob('*') if f.is_file()) / 2**20:.0f} MiB)")
+
+    from dashboard import data as D
+    from dashboard.app import DashboardApp, parse
+
+    res: dict[str, float | int | str] = {"steps": args.steps, "tensors": args.layers * 3,
+                                         "rows": args.steps * args.layers * 3}
+    app = DashboardApp(root)
+
+    def page(q):
+        out = app.render(parse(q))
+        s = str(out)
+        if "error-card" in s:
+            raise SystemExit(f"error card on {q}: {s[s.index('error-card') - 400:s.index('error-card')]}")
+        return out
+
+    t, out = timed(lambda: page("?view=runs"))
+    res["first_page_runs_s"] = round(t, 3)
+    t, _ = timed(lambda: app.cache.get(run_dir))
+    res["load_run_s"] = round(t, 3)
+    views = ["overview", "heatmap", "outliers", "tensor", "live", "heatmap&stat=overflow_pct&role=gradient",
+             "heatmap&stat=underflow_pct", "heatmap&stat=saturated_pct&role=weight", "heatmap&stat=sqnr_db",
+             "heatmap&stat=log2_amax", "heatmap&stat=qerr_log10", "heatmap&stat=headroom&agg=mean",
+             "tensor&layer=blocks.25.mlp.up&role=activation"]
+    for v in views:
+        q = f"?run=big&view={v}"
+        tc, out = timed(lambda: page(q))
+        tw, out = timed(lambda: page(q), repeat=3)
+        tj, n = timed(lambda: payload(out))
+        res[f"{v}: cold_s"] = round(tc, 3)
+        res[f"{v}: warm_s"] = round(tw, 3)
+        res[f"{v}: json_s"] = round(tj, 3)
+        res[f"{v}: payload_kb"] = round(n / 1024)
+    t, _ = timed(lambda: page("?view=runs"))
+    res["runs_page_with_run_loaded_s"] = round(t, 3)
+    # live: append 10 steps to a second segment while the run is cached, then refresh
+    w = make_big_run(run_dir, 10, args.layers, close=False, start=args.steps)
+    t, changed = timed(lambda: app.cache.refresh(run_dir, force=True))
+    res["live_refresh_10_new_steps_s"] = round(t, 3)
+    t, _ = timed(lambda: page("?run=big&view=heatmap"))
+    res["heatmap_after_refresh_s"] = round(t, 3)
+    w.close()
+    import resource
+
+    res["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    width = max(len(k) for k in res)
+    for k, v in res.items():
+        print(f"{k:<{width}}  {v}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
