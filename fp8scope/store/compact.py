@@ -64,18 +64,18 @@ def compact(run_dir: str | os.PathLike, *, delete_streams: bool = False, compres
         streams.update(covered)
         tables[name] = t.num_rows
     fsync_dir(parquet_dir(run_dir))
-    deleted = []
-    if delete_streams:
-        for s in data.streams():
-            if s.tail.ended:
-                s.file.path.unlink(missing_ok=True)
-                deleted.append(relative(run_dir, s.file.path))
+    doomed = [s for s in data.streams() if s.tail.ended] if delete_streams else []
     summary = {
         "schema_version": SCHEMA_VERSION,
         "time": time.time(),
         "tables": tables,
         "streams": dict(sorted(streams.items())),
-        "deleted_streams": sorted(deleted),
+        "deleted_streams": sorted(relative(run_dir, s.file.path) for s in doomed),
     }
+    # compacted.json first, deletions after: next_segment() learns from it which segment numbers
+    # the deleted streams used. Deleting first and being killed before this write let a restarted
+    # writer reuse a deleted stream's name, whose new bytes readers then skipped (covered offset).
     atomic_write_bytes(compacted_path(run_dir), json.dumps(summary, indent=2).encode() + b"\n")
+    for s in doomed:
+        s.file.path.unlink(missing_ok=True)
     return summary
