@@ -83,6 +83,14 @@ class Monitor:
         recipe: the FP8 recipe plain (non-FP8) layers are measured against (what-if);
             default ``DelayedScaling()`` with Transformer Engine's defaults.
         rank, world_size: override what ``torch.distributed`` / ``RANK`` say.
+        reduce: multi-rank runs (docs/distributed.md): ``"none"`` logs one series per rank,
+            ``"aggregate"`` one series for all ranks (rows with ``rank = -1``, written by rank 0),
+            ``"both"`` the two. Aggregation exchanges one small host tensor per step in the
+            writer thread (needs ``torch.distributed`` initialised and a Monitor on every rank).
+        cross_rank_check: compare each tensor's scale across ranks that should agree and log a
+            critical ``cross_rank_scale_mismatch`` event when they differ. ``None``: on whenever
+            ranks exchange (``reduce != "none"``); ``True`` or a
+            :class:`fp8scope.distributed.CrossRankCheck` (groups, roles, rtol): on; ``False``: off.
         meta: free-form JSON-able dict stored in the manifest (config, git hash, ...).
         capture_no_grad: also capture forwards run under ``torch.no_grad`` (eval); default off
             so evaluation passes don't mix into training statistics.
@@ -106,6 +114,8 @@ class Monitor:
         meta: dict | None = None,
         capture_no_grad: bool = False,
         enabled: bool = True,
+        reduce: str = "none",
+        cross_rank_check: Any = None,
     ):
         roles = tuple(tensors)
         bad = [r for r in roles if r not in ROLES]
@@ -113,6 +123,15 @@ class Monitor:
             raise UsageError(f"unknown tensor role(s) {bad}; expected some of {list(ROLES)}")
         if int(every) < 1:
             raise UsageError(f"every must be >= 1, got {every}")
+        from fp8scope.distributed import REDUCE_MODES, CrossRankCheck
+
+        if reduce not in REDUCE_MODES:
+            raise UsageError(f"reduce must be one of {list(REDUCE_MODES)}, got {reduce!r}")
+        self.reduce = reduce
+        self.cross_rank_check = (
+            None if cross_rank_check is None and reduce == "none"
+            else CrossRankCheck.from_value(cross_rank_check)
+        )
         if recipe is None:
             from fp8scope.emulate import DelayedScaling
 
@@ -179,6 +198,9 @@ class Monitor:
             "whatif_recipe": self.recipe.to_dict() if hasattr(self.recipe, "to_dict") else None,
             "sources": self.sources,
         }
+        if self.world_size > 1 or self.reduce != "none":
+            check = self.cross_rank_check
+            meta["distributed"] = {"reduce": self.reduce, "cross_rank_check": check.to_dict() if check else None}
         if self.rank == 0:
             if (self.run_dir / "run.json").exists():
                 try:
@@ -190,8 +212,11 @@ class Monitor:
                 write_manifest(self.run_dir, new_manifest(recipe=recipe, world_size=self.world_size, meta=meta))
         run_writer = RunWriter(self.run_dir, self.rank)
         self.segment = run_writer.segment
-        self._writer = BackgroundWriter(
-            run_writer, self.rank, self.collector.keys, on_new_keys=self._manifest_tensors if self.rank == 0 else None
+        from fp8scope.distributed.writer import make_writer
+
+        self._writer = make_writer(
+            run_writer, self.rank, self.collector.keys, self._manifest_tensors if self.rank == 0 else None,
+            reduce=self.reduce, check=self.cross_rank_check, world_size=self.world_size, warn=self._warn,
         )
 
     def _manifest_tensors(self, keys: list[TensorKey]) -> None:

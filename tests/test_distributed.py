@@ -1,0 +1,153 @@
+"""Multi-rank runs on CPU: torch.multiprocessing (spawn) + gloo, real DistributedDataParallel.
+
+Each test spawns 2 or 4 ranks that train a small emulated-FP8 MLP under DDP with a Monitor on
+every rank, all writing into one run folder, then reads the folder back in the parent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+import fp8scope
+from fp8scope.distributed import AGGREGATE_RANK, CrossRankCheck, cross_rank_scale_mismatch
+
+pytestmark = pytest.mark.timeout(180)
+STEPS = 4
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _train_one(rank: int, run_dir: str, reduce: str, check, plant: bool) -> None:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    from conftest import MLP
+    from fp8scope.emulate import DelayedScaling, ScalingState, convert_to_fp8
+
+    torch.manual_seed(0)
+    model = convert_to_fp8(MLP(), recipe=DelayedScaling(amax_history_len=4))
+    if plant and rank == 1:  # this replica quantizes `down`'s weight with another margin
+        layer = model.down
+        layer.weight_state = ScalingState(DelayedScaling(margin=2, amax_history_len=4), layer.recipe.forward_format)
+    ddp = DDP(model)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
+    mon = fp8scope.Monitor(model, run_dir, every=2, reduce=reduce, cross_rank_check=check)
+    for _ in range(STEPS):
+        x = torch.randn(8, 16, generator=gen)
+        loss = ddp(x).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.step(loss=loss.detach(), lr=0.05)
+    mon.close()
+    info = {"rank": mon.rank, "world": mon.world_size, "exchanges": getattr(mon._writer, "exchanges", 0),
+            "exchange_failed": getattr(mon._writer, "exchange_failed", None), "failed": mon.logging_failed}
+    with open(os.path.join(run_dir, f"worker{rank}.json"), "w") as f:
+        json.dump(info, f)
+
+
+def _worker(rank: int, world: int, port: int, runs: list) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        for run_dir, reduce, check, plant in runs:  # several runs per spawn: process start-up dominates
+            _train_one(rank, run_dir, reduce, check, plant)
+    finally:
+        dist.destroy_process_group()
+
+
+def _launch(tmp_path, world: int, configs: dict) -> dict:
+    runs = [(str(tmp_path / name), *cfg) for name, cfg in configs.items()]
+    mp.spawn(_worker, args=(world, _free_port(), runs), nprocs=world, join=True)
+    out = {}
+    for name in configs:
+        run_dir = tmp_path / name
+        infos = [json.load(open(run_dir / f"worker{r}.json")) for r in range(world)]
+        out[name] = (fp8scope.load_run(run_dir), infos)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    """Two runs in one 2-rank job: aggregated + per-rank (clean), and per-rank only with a planted scale."""
+    return _launch(tmp_path_factory.mktemp("dist2"), 2, {
+        "both": ("both", None, False),
+        "planted": ("none", None, True),
+    })
+
+
+def test_ddp_two_ranks_per_rank_and_aggregated_series(two_ranks):
+    run, infos = two_ranks["both"]
+    assert [(i["rank"], i["world"]) for i in infos] == [(0, 2), (1, 2)]
+    assert all(i["failed"] is None and i["exchange_failed"] is None for i in infos)
+    # one collective per logged step on every rank (the capacity never had to grow)
+    assert [i["exchanges"] for i in infos] == [STEPS, STEPS]
+    assert run.manifest["world_size"] == 2
+    assert run.manifest["meta"]["distributed"]["reduce"] == "both"
+    streams = {(s.table, s.rank) for s in __import__("fp8scope.store.layout", fromlist=["x"]).list_streams(run.path)}
+    assert {("tensors", 0), ("tensors", 1), ("scalars", 0), ("scalars", 1)} <= streams
+    df = run.tensors()
+    assert set(df["rank"]) == {AGGREGATE_RANK, 0, 1}
+    per = df[df["rank"] >= 0]
+    agg = df[df["rank"] == AGGREGATE_RANK].set_index(["step", "layer", "tensor"])
+    g = per.groupby(["step", "layer", "tensor"])
+    assert len(agg) == len(g) == STEPS * 9
+    np.testing.assert_array_equal(agg["amax"].sort_index(), g["amax"].max().sort_index())
+    np.testing.assert_array_equal(agg["scale"].sort_index(), g["scale"].min().sort_index())
+    np.testing.assert_array_equal(agg["numel"].sort_index(), g["numel"].sum().sort_index())
+    full = agg[agg["full"]]
+    assert len(full) == 2 * 9 and full["overflow"].notna().all()
+    np.testing.assert_array_equal(full["overflow"].sort_index(), g["overflow"].sum()[full.index].sort_index())
+    assert (agg["calls"] == 2).all()
+    # activations differ between ranks (different data), weights are identical replicas
+    w = per[per.tensor == "weight"].pivot_table(index=["step", "layer"], columns="rank", values="scale")
+    assert (w[0] == w[1]).all()
+    loss = run.scalars("loss")
+    per_loss = loss[loss["rank"] >= 0].groupby("step")["value"].mean()
+    np.testing.assert_allclose(loss[loss["rank"] == -1].set_index("step")["value"], per_loss)
+    assert run.events().empty
+    assert cross_rank_scale_mismatch(run).empty
+    assert len(run.tensors(rank=-1)) == STEPS * 9
+
+
+def test_four_ranks_aggregate_only_and_a_planted_scale_is_a_critical_event(tmp_path):
+    run, infos = _launch(tmp_path, 4, {"agg": ("aggregate", None, True)})["agg"]
+    assert all(i["exchange_failed"] is None for i in infos)
+    df = run.tensors()
+    assert set(df["rank"]) == {AGGREGATE_RANK}  # one series instead of four
+    assert set(run.scalars()["rank"]) == {AGGREGATE_RANK}
+    ev = run.events()
+    assert len(ev) >= 1
+    assert set(ev["rule"]) == {"cross_rank_scale_mismatch"} and set(ev["severity"]) == {"critical"}
+    assert set(ev["rank"]) == {1} and set(ev["layer"]) == {"down"} and set(ev["tensor"]) == {"weight"}
+    assert ev["step"].min() == 1  # delayed scaling: step 0 runs at scale 1 on every rank
+    assert (ev["value"] > 0.5).all()  # margin 2: the scale is 4x off
+
+
+def test_per_rank_only_run_is_checked_offline(two_ranks):
+    run, infos = two_ranks["planted"]
+    assert [i["exchanges"] for i in infos] == [0, 0]  # nothing exchanged by default
+    assert run.events().empty
+    ev = cross_rank_scale_mismatch(run)
+    assert len(ev) == 1 and ev.iloc[0]["rank"] == 1 and ev.iloc[0]["layer"] == "down"
+    assert ev.iloc[0]["step"] == 1
+    every = cross_rank_scale_mismatch(run, repeat=1)
+    assert sorted(every["step"]) == list(range(1, STEPS))
+    # groups that keep rank 0 and rank 1 apart see no mismatch
+    assert cross_rank_scale_mismatch(run, groups=[[0], [1]]).empty
+    # activations differ across data-parallel ranks by design: checking them finds "mismatches"
+    assert not cross_rank_scale_mismatch(run, roles=["activation"]).empty
