@@ -18,9 +18,9 @@ __version__ = "0.1.0"
 from fp8scope.errors import Fp8ScopeError, RunError, UsageError
 
 # Loaded on first use: reading a run (CLI, dashboard) must not pay torch's import time.
-_LAZY = {"Monitor": "fp8scope.monitor", "load_run": "fp8scope.run", "Run": "fp8scope.run"}
+_LAZY = {"Monitor": "fp8scope.monitor", "load_run": "fp8scope.run", "Run": "fp8scope.run", "Shadow": "fp8scope.shadow"}
 
-__all__ = ["Monitor", "load_run", "Run", "Fp8ScopeError", "RunError", "UsageError", "__version__"]
+__all__ = ["Monitor", "load_run", "Run", "Shadow", "Fp8ScopeError", "RunError", "UsageError", "__version__"]
 
 
 def __getattr__(name: str):
