@@ -78,6 +78,11 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--quiet", action="store_true", help="no progress bar or loss lines")
     p.add_argument("--no-monitor", action="store_true", help="train without fp8scope.Monitor (benchmarks)")
     p.add_argument("--overwrite", action="store_true", help="delete --run-dir before starting")
+    p.add_argument("--shadow-every", type=int, default=0, metavar="K",
+                   help="fp8scope.Shadow: re-run every K-th step with FP8 off and compare per layer (0 = off)")
+    p.add_argument("--fork-every", type=int, default=0, metavar="K",
+                   help="fp8scope.Shadow: every K steps fork a BF16 replica for --fork-steps steps (0 = off)")
+    p.add_argument("--fork-steps", type=int, default=20, metavar="N", help="steps a BF16 fork runs")
     return p
 
 
@@ -224,8 +229,31 @@ def build(args: argparse.Namespace | None = None, **overrides: Any) -> Setup:
 # --- training --------------------------------------------------------------------------------
 
 
-def train_step(setup: Setup, step: int, monitor: Any = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+def demo_loss(model: torch.nn.Module, batch: tuple[torch.Tensor, torch.Tensor], setup: Setup | None = None):
+    """The demo's loss closure (what ``fp8scope.Shadow`` re-runs): next-char cross-entropy."""
+    x, y = batch
+    with (setup.autocast() if setup is not None else contextlib.nullcontext()):
+        logits = model(x)
+    return F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+
+
+def open_shadow(setup: Setup, monitor: Any):
+    """``fp8scope.Shadow`` for ``--shadow-every`` / ``--fork-every`` (None when both are 0)."""
+    a = setup.args
+    if not (a.shadow_every or a.fork_every):
+        return None
+    from fp8scope.shadow import Shadow
+
+    return Shadow(monitor, setup.model, lambda m, b: demo_loss(m, b, setup), setup.optimizer,
+                  compare_every=a.shadow_every, fork_every=a.fork_every, fork_steps=a.fork_steps,
+                  max_grad_norm=a.clip)
+
+
+def train_step(setup: Setup, step: int, monitor: Any = None, shadow: Any = None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step: forward, loss, backward, clip, AdamW, zero_grad, ``monitor.step``.
+
+    With a ``shadow`` (fp8scope.Shadow) its ``after_step`` runs after backward and before
+    the optimizer step (the compare pass needs the weights the FP8 step used).
 
     Returns (loss, grad_norm, lr); loss and grad_norm are 0-d tensors (no host sync).
     """
@@ -235,10 +263,15 @@ def train_step(setup: Setup, step: int, monitor: Any = None) -> tuple[torch.Tens
     for group in opt.param_groups:
         group["lr"] = lr
     x, y = setup.batches.next()
-    with setup.autocast():
-        logits = model(x)
-    loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-    loss.backward()
+    if shadow is not None:
+        loss = shadow.loss_fn(model, (x, y))
+        loss.backward()
+        shadow.after_step((x, y))
+    else:
+        with setup.autocast():
+            logits = model(x)
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        loss.backward()
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), setup.args.clip, foreach=True)
     opt.step()
     opt.zero_grad(set_to_none=True)
@@ -264,7 +297,8 @@ class TrainResult:
 
 
 def train_steps(setup: Setup, n_steps: int, monitor: Any = None, start: int = 0,
-                log: Any = None, after_nan: int | None = None, on_step: Any = None) -> TrainResult:
+                log: Any = None, after_nan: int | None = None, on_step: Any = None,
+                shadow: Any = None) -> TrainResult:
     """Run steps ``start .. start+n_steps-1``; stop ``after_nan`` steps after a non-finite loss.
 
     ``log(step, loss_float)`` is called every ``args.log_every`` steps (the only
@@ -285,7 +319,7 @@ def train_steps(setup: Setup, n_steps: int, monitor: Any = None, start: int = 0,
     t0 = time.perf_counter()
     done = 0
     for step in range(start, start + n_steps):
-        loss, gn, _ = train_step(setup, step, monitor)
+        loss, gn, _ = train_step(setup, step, monitor, shadow)
         losses.append(loss)
         norms.append(gn)
         done += 1
@@ -370,7 +404,20 @@ def main(argv: list[str] | None = None) -> int:
 
     monitor_cm = contextlib.nullcontext(None) if args.no_monitor else open_monitor(setup, run_dir)
     with monitor_cm as mon, _progress(args.quiet, args.steps) as (advance, log):
-        result = train_steps(setup, args.steps, monitor=mon, log=log, on_step=advance)
+        shadow = open_shadow(setup, mon)
+        try:
+            result = train_steps(setup, args.steps, monitor=mon, log=log, on_step=advance, shadow=shadow)
+        finally:
+            if shadow is not None:
+                shadow.close()  # before the monitor closes: a running fork logs its verdict
+    if shadow is not None:
+        for f in shadow.forks:
+            say(f"shadow fork {f.fork_id} (steps {f.start_step}..{f.start_step + len(f.loss_bf16) - 1}): "
+                f"{f.verdict}: {f.reason}")
+        if shadow.last_compare is not None:
+            top = shadow.last_compare.most_divergent(1)
+            if top:
+                say(f"shadow compare at step {shadow.last_compare.step}: largest FP8 error in {top[0]['layer']}")
 
     say(f"{result.steps} steps in {result.seconds:.1f} s ({result.steps_per_s:.1f} steps/s)"
         + ("" if args.no_monitor else f", run written to {run_dir}"))
