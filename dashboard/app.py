@@ -68,7 +68,8 @@ def error_card(title: str, msg: str) -> html.Div:
 def panel(fn, *args, **kw):
     """Build one panel; data problems become a note or an error card, never a traceback."""
     try:
-        return fn(*args, **kw)
+        out = fn(*args, **kw)
+        return html.Div(out) if isinstance(out, (list, tuple)) else out  # Dash children cannot nest lists
     except D.NoData as e:
         return note(str(e))
     except PathRejected as e:
@@ -154,7 +155,10 @@ class DashboardApp:
             dcc.Location(id="url", refresh=False),
             dcc.Store(id="version", data=0),
             dcc.Interval(id="tick", interval=self.interval_ms),
-            html.Div(id="topbar", className="topbar"),
+            html.Div([html.Div(id="topbar", className="topbar-items"),
+                      html.Span(dcc.Checklist(id="live", options=[{"label": " auto-refresh", "value": "on"}],
+                                              value=["on"], inline=True), className="live")],
+                     className="topbar"),
             html.Div(id="page", className="page"),
         ])
 
@@ -171,8 +175,6 @@ class DashboardApp:
             items.append(a)
         if p.get("run"):
             items.append(html.Span(p["run"], className="runname", id="nav-run"))
-        items.append(html.Span(dcc.Checklist(id="live", options=[{"label": " auto-refresh", "value": "on"}],
-                                             value=["on"], inline=True, persistence=True), className="live"))
         return items
 
     # -- callbacks ------------------------------------------------------------------------
@@ -405,12 +407,14 @@ class DashboardApp:
         colors = {"headroom": "RdBu", "sqnr_db": "Viridis"}
         if stat in colors:
             fig.update_traces(colorscale=colors[stat], selector={"type": "heatmap"})
-        if stat == "headroom":
-            lim = float(np.nanmax(np.abs(fr["value"]))) if len(fr) else 1.0
-            fig.update_traces(zmid=0, selector={"type": "heatmap"})
-            del lim
+        if stat == "headroom" and not zrange and len(fr):
+            # overflow (< 0) is the news: keep the full negative side, cap the (uninformative) large headroom
+            v = fr["value"].astype(float)
+            zrange = (min(-1.0, float(v.min())), max(1.0, float(v.quantile(0.95))))
         if zrange:
             fig.update_traces(zmin=zrange[0], zmax=zrange[1], selector={"type": "heatmap"})
+            if stat == "headroom" and zrange[0] < 0 < zrange[1]:
+                fig.update_traces(zmid=0, selector={"type": "heatmap"})
         fig.update_layout(uirevision=f"{stat}-{role}")
         n_layers = fr["layer"].nunique()
         return fig, fr, ev, n_layers
