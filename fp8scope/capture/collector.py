@@ -25,6 +25,15 @@ from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
 
 
+def _in_backward() -> bool:
+    """True while autograd runs a backward pass on this thread (e.g. checkpoint recomputation)."""
+    fn = getattr(torch._C, "_current_graph_task_id", None)
+    try:
+        return fn is not None and fn() != -1
+    except Exception:
+        return False
+
+
 @dataclass(frozen=True)
 class TensorKey:
     """Identity of one monitored tensor; its row in the store carries these strings."""
@@ -69,6 +78,7 @@ class StepCollector:
         self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
         self._vecs: list[torch.Tensor] = []
         self._rows: list[int] = []
+        self._recomputed: list[tuple[torch.Tensor, int]] = []  # forwards re-run inside backward
         self.step = 0
         self.full = True
         self.active = True
@@ -103,6 +113,18 @@ class StepCollector:
                     self.new_keys = True
         return kid
 
+    def _append(self, role: str, vec: torch.Tensor, kid: int) -> None:
+        # Activation checkpointing re-runs forwards during backward. Those captures go aside and
+        # only count for tensors the step has no ordinary capture of (use_reentrant=True runs the
+        # first forward under no_grad, where nothing was captured): no double counting either way.
+        if role != "gradient" and _in_backward():
+            with self._lock:
+                self._recomputed.append((vec, kid))
+            return
+        with self._lock:
+            self._vecs.append(vec)
+            self._rows.append(kid)
+
     def fail(self, exc: BaseException) -> None:
         """Replaced by the Monitor (warn once, stop capturing); the default just stops."""
         self.enabled = False
@@ -116,9 +138,7 @@ class StepCollector:
             vec = full_stats(x, scale, scale_inv, expected_amax, fmt, deq=deq)
         else:
             vec = cheap_stats(x, scale, scale_inv, expected_amax)
-        with self._lock:
-            self._vecs.append(vec)
-            self._rows.append(kid)
+        self._append(role, vec, kid)
 
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
         """A row from an amax someone else computed (e.g. TE's amax history), no tensor at hand."""
@@ -127,16 +147,20 @@ class StepCollector:
         vec = cheap_stats(torch.zeros(0, device=dev), scale, scale_inv, expected_amax)
         vec[FIELD_INDEX["amax"]] = amax.detach().to(torch.float64) if isinstance(amax, torch.Tensor) else float(amax)
         vec[FIELD_INDEX["numel"]] = float("nan")
-        with self._lock:
-            self._vecs.append(vec)
-            self._rows.append(kid)
+        self._append(role, vec, kid)
 
     # ---- end of step ------------------------------------------------------------------
     def end_step(self, scalars: dict[str, Any]) -> StepPayload:
         """Stack this step's stats and scalar tensors and start the single host transfer."""
         with self._lock:
-            vecs, rows = self._vecs, self._rows
-            self._vecs, self._rows = [], []
+            vecs, rows, recomputed = self._vecs, self._rows, self._recomputed
+            self._vecs, self._rows, self._recomputed = [], [], []
+        if recomputed:
+            seen = set(rows)
+            for vec, kid in recomputed:
+                if kid not in seen:
+                    vecs.append(vec)
+                    rows.append(kid)
         tensor_scalars: list[torch.Tensor] = []
         names: list[str] = []
         host_scalars: dict[str, float] = {}
