@@ -154,7 +154,9 @@ class Shadow:
             return None
         if self._wrapper_depth == 0:  # loss_fn called directly: RNG as of the model's forward
             self._rng = _get_rng()
-        if self._capture is not None:
+        if self._compare_requested and self._capture is None:
+            self._arm_if_due(self._step_now())  # on demand (maybe from another thread): arm here
+        if self._capture is not None and torch.is_grad_enabled():  # eval forwards are not captured
             self._capture.new_forward()
             self._armed_opt_steps = self._opt_steps  # the weights this forward sees
         return None
@@ -165,7 +167,7 @@ class Shadow:
 
     # ---- requests (any thread: a detection callback runs in the monitor's writer thread) ----
     def compare_next(self) -> None:
-        """Compare the next training step (its forward must not have started yet)."""
+        """Compare the next training step whose forward has not started yet (armed when it starts)."""
         self._compare_requested = True
 
     def fork(self, trigger: str = "manual") -> None:
@@ -175,16 +177,23 @@ class Shadow:
                 self._fork_request = trigger
 
     def on_event(self, event: Any = None, *args: Any, **kwargs: Any) -> None:
-        """Callback for online detection (``Monitor(on_event=shadow.on_event)``): a fork and a
-        compare of the next step. Accepts an event object, a dict or a row; never raises."""
-        rule = None
-        for getter in (lambda e: e.get("rule"), lambda e: getattr(e, "rule", None)):
-            try:
-                rule = rule or getter(event)
-            except Exception:
-                pass
-        self.fork(f"event:{rule}" if rule else "event")
+        """Callback for online detection: ``Monitor(..., on_event=lambda ev: shadow.on_event(ev))``.
+        Any event arms a compare of the next step; a warning or critical one also requests a fork
+        (it starts at the next ``after_step``). Thread-safe (detection runs in the writer thread)."""
+        def field(name):
+            for getter in (lambda e: e.get(name), lambda e: getattr(e, name, None)):
+                try:
+                    value = getter(event)
+                except Exception:
+                    continue
+                if value is not None:
+                    return value
+            return None
+
+        rule, severity = field("rule"), field("severity")
         self.compare_next()
+        if severity != "info":  # info events only get a compare; warnings and critical ones a fork too
+            self.fork(f"event:{rule}" if rule else "event")
 
     @property
     def fork_running(self) -> bool:
@@ -316,6 +325,9 @@ class Shadow:
         f = self._fork
         with self._shadow_pass():
             loss_bf16 = self._replica_train_step(f, batch)
+        if not f.step_ids:  # measured after the first step: optimizers create their state lazily
+            f.bytes = replica_bytes(f.replica, f.optimizer)
+            self.fork_bytes = f.bytes
         f.step_ids.append(step)
         f.loss_fp8.append(float(loss_fp8) if loss_fp8 is not None else math.nan)
         f.loss_bf16.append(loss_bf16)
@@ -330,8 +342,6 @@ class Shadow:
         history = torch.stack(list(self._history)).tolist() if self._history else []
         replica, opt, uses_te = make_replica(self.model, self.optimizer)
         f = Fork(len(self.forks), step, self.fork_steps, trigger, history, replica, opt, uses_te)
-        f.bytes = replica_bytes(replica, opt)
-        self.fork_bytes = f.bytes
         self.forks.append(f)
         self._fork = f
 
