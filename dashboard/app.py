@@ -538,7 +538,7 @@ class DashboardApp:
         role = p.get("role") if p.get("role") in rl else ("activation" if "activation" in rl else (rl[0] if rl else None))
         controls = html.Div([
             ctl("b", dcc.Dropdown, "compare with", options=[{"label": n, "value": n} for n in names if n != p["run"]],
-                value=b_name, style={"width": "320px"}),
+                value=b_name if b_name in names else None, style={"width": "320px"}),
             ctl("stat", dcc.Dropdown, "statistic", options=self._stat_options(e), value=stat, clearable=False,
                 style={"width": "380px"}),
             ctl("role", dcc.Dropdown, "tensor role", options=[{"label": r, "value": r} for r in rl], value=role,

@@ -139,9 +139,13 @@ def shot(pg, name):
     pg.screenshot(path=str(IMG / f"{name}.png"))
 
 
+def yticks(pg, graph="#heatmap-graph"):
+    return pg.eval_on_selector_all(f"{graph} .ytick text", "els => els.map(e => e.textContent)")
+
+
 def go(pg, env, query, wait="#page > *"):
     pg.goto(env["url"] + "/" + query)
-    pg.wait_for_selector(wait, timeout=30000)
+    pg.wait_for_selector(wait, timeout=30000, state="attached")
 
 
 def test_runs_view_lists_runs_with_status(page, env):
@@ -162,12 +166,12 @@ def test_overview_and_heatmap_render_layers(page, env):
     assert "shadow" in page.inner_text("#page")  # says plainly there is no shadow table
     shot(page, "overview")
     go(page, env, "?run=demo&view=heatmap", "#heatmap-graph .ytick")
-    ticks = page.locator("#heatmap-graph .ytick text").all_inner_texts()
+    ticks = yticks(page)
     assert "blocks.1.mlp.down" in ticks and "blocks.0.attn.qkv" in ticks
     shot(page, "heatmap")
     # choose another statistic and role through the controls
     go(page, env, "?run=demo&view=heatmap&stat=underflow_pct&role=gradient", "#heatmap-graph .ytick")
-    assert "blocks.1.mlp.down" in page.locator("#heatmap-graph .ytick text").all_inner_texts()
+    assert "blocks.1.mlp.down" in yticks(page)
 
 
 def test_outliers_click_through_to_tensor(page, env):
