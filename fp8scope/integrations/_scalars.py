@@ -1,0 +1,22 @@
+"""Scalars for ``Monitor.step`` taken without forcing host syncs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+
+def as_scalar(value: Any) -> Any:
+    """A 0-d tensor stays a tensor (it travels with the step's single transfer); numbers pass;
+    anything else (None, strings, lists) is dropped."""
+    try:
+        import torch
+
+        if isinstance(value, torch.Tensor):
+            return value.detach().reshape(()) if value.numel() == 1 else None
+    except Exception:
+        pass
+    if isinstance(value, bool):
+        return float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    return None
