@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/dashboard_speed.py [--steps 10000] [--layers 336] [--root /tmp/fp8scope-bench]
 
-Generates the run once (reused when it exists with the same size; --regen to rebuild) with
+Generates the run (--reuse to keep an earlier one) with
 RunWriter and record batches matching schema.TENSOR_SCHEMA, then times, server side, what
 each dashboard callback does: build the page for a view (DuckDB aggregation + plotly figure)
 and serialize it to the JSON Dash sends. Cold = first time after the run is loaded (no
@@ -137,16 +137,20 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=10000)
     ap.add_argument("--layers", type=int, default=336, help="linear layers; 3 tensor roles each (336 -> 1008 tensors)")
     ap.add_argument("--root", default="/tmp/fp8scope-bench")
-    ap.add_argument("--regen", action="store_true")
+    ap.add_argument("--reuse", action="store_true",
+                    help="reuse a run generated earlier; the live test then appends as a restarted job (new segment)")
     ap.add_argument("--json", help="also write results here")
     args = ap.parse_args()
 
     root = Path(args.root)
     run_dir = root / "big"
     stamp = root / f".made-{args.steps}x{args.layers}"
-    if args.regen or not stamp.exists():
+    writer = None
+    if not (args.reuse and stamp.exists()):
         shutil.rmtree(root, ignore_errors=True)
-        t, _ = timed(lambda: make_big_run(run_dir, args.steps, args.layers))
+        # the writer stays open, as in a live run: the live test appends to the same stream
+        t, writer = timed(lambda: make_big_run(run_dir, args.steps, args.layers, close=False))
+        root.mkdir(parents=True, exist_ok=True)
         stamp.write_text("ok")
         print(f"generated {args.steps} steps x {args.layers * 3} tensors in {t:.1f} s "
               f"({sum(f.stat().st_size for f in run_dir.rglob('*') if f.is_file()) / 2**20:.0f} MiB)")
@@ -185,9 +189,10 @@ def main() -> int:
     t, _ = timed(lambda: page("?view=runs"))
     res["runs_page_with_run_loaded_s"] = round(t, 3)
     # live: append 10 steps to a second segment while the run is cached, then refresh
-    w = make_big_run(run_dir, 10, args.layers, close=False, start=args.steps)
+    w = make_big_run(run_dir, 10, args.layers, close=False, start=args.steps, writer=writer)
     t, changed = timed(lambda: app.cache.refresh(run_dir, force=True))
-    res["live_refresh_10_new_steps_s"] = round(t, 3)
+    assert changed
+    res["live_refresh_10_new_steps_s" + ("" if writer else " (restarted writer: new segment, dedup path)")] = round(t, 3)
     t, _ = timed(lambda: page("?run=big&view=heatmap"))
     res["heatmap_after_refresh_s"] = round(t, 3)
     w.close()

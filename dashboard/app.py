@@ -387,6 +387,11 @@ class DashboardApp:
                 if D.STATS[k][3] == "tensors" or e.has(D.STATS[k][3])]
 
     def heatmap_figure(self, e, stat, role, agg, layer_re, title=None, last_steps=None, zrange=None):
+        # the figure itself is cached per run version: a warm view switch skips pivot + plotly validation
+        return e.cached(("heatmap_fig", stat, role, agg, layer_re, title, last_steps, zrange),
+                        lambda: self._heatmap_figure(e, stat, role, agg, layer_re, title, last_steps, zrange))
+
+    def _heatmap_figure(self, e, stat, role, agg, layer_re, title=None, last_steps=None, zrange=None):
         F = _figures()
         fr = D.heatmap_frame(e, stat, role, agg, layer_re, last_steps=last_steps)
         if fr.empty:
