@@ -151,11 +151,18 @@ class Monitor:
         self.sources: dict[str, int] = {}  # adapter name -> number of layers it monitors
         self.model_recipe: Any = None
         self._writer: BackgroundWriter | None = None
+        self._store_failed: str | None = None
         if not enabled:
             self.collector.enabled = False
             return
         self._attach(_name_filter(layers), _name_filter(skip))
-        self._open_store(explicit_step=step is not _UNSET, meta=meta)
+        try:
+            self._open_store(explicit_step=step is not _UNSET, meta=meta)
+        except OSError as exc:  # read-only, full or vanished storage: fail open, like the writer thread
+            self._store_failed = f"{type(exc).__name__}: {exc}"
+            self._writer = None
+            self.collector.enabled = False
+            self._warn("store", f"logging stopped ({self._store_failed}); training continues")
         self.collector.begin_step(self._step)
 
     # ---- setup ---------------------------------------------------------------------
@@ -310,7 +317,7 @@ class Monitor:
     @property
     def logging_failed(self) -> str | None:
         """Why logging stopped, or None while it works."""
-        return self._writer.failed if self._writer is not None else None
+        return self._writer.failed if self._writer is not None else self._store_failed
 
     def __enter__(self) -> "Monitor":
         return self

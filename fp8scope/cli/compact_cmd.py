@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from fp8scope.cli.output import human_size
+from fp8scope.errors import RunError
 from fp8scope.run import load_run
 from fp8scope.store.compact import compact
 
@@ -16,7 +17,10 @@ def register(sub) -> None:
 
 def run(args) -> int:
     load_run(args.run)  # validates the folder first: a one-line error, nothing written
-    result = compact(args.run, delete_streams=args.delete_streams)
+    try:
+        result = compact(args.run, delete_streams=args.delete_streams)
+    except OSError as exc:  # read-only or full disk: the user's problem to fix, in one line
+        raise RunError(f"cannot write the compacted tables into {args.run} ({exc.strerror or exc})") from None
     tables = result.get("tables", result)
     print(f"compacted {args.run}: {tables}")
     return 0

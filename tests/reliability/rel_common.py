@@ -117,6 +117,8 @@ class Job:
     def __init__(self, jid: str, pid: int, q: queue.Queue):
         self.id, self.pid, self.q = jid, pid, q
         self.returned: list[int] = []
+        self.steps: list[int] = []
+        self.summary: dict | None = None
         self.done: int | None = None
         self.error: str | None = None
         self.killed = False
@@ -128,6 +130,10 @@ class Job:
             return False
         if "ret" in msg:
             self.returned.append(msg["ret"])
+        if "step" in msg:
+            self.steps.append(msg["step"])
+        if "summary" in msg:
+            self.summary = msg["summary"]
         if "done" in msg:
             self.done = msg["done"]
         if "error" in msg:

@@ -14,12 +14,19 @@ Jobs:
       (a kill in the middle of a flush). `tear_manifest` does the same inside run.json's
       atomic rewrite.
   {"op": "compact", "id", "run", "delete": bool}: `fp8scope compact RUN` (the CLI's main).
+  {"op": "storage", "id", "run", "steps", "fsize": bytes | null, "uid": int | null, "pace": seconds}
+      the faulty-storage trainer: optional RLIMIT_FSIZE (SIGXFSZ ignored, so writes fail with
+      EFBIG like a full disk) and setuid (permissions enforced); reports {"step": n} after each
+      step and {"summary": {steps_done, ok_steps, warnings, logging_failed}} at the end.
 """
 
 import json
 import os
+import resource
 import signal
 import sys
+import time
+import warnings
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
@@ -86,6 +93,46 @@ def train(job) -> None:
     mon.close()
 
 
+def storage(job) -> None:
+    if job.get("fsize"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (job["fsize"], job["fsize"]))
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    m = convert_to_fp8(MLP(d=32, h=64, out=16), recipe=DelayedScaling(amax_history_len=4))
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    if job.get("uid") is not None:
+        # A warm-up step first, as root: the stdlib here lives under /root, which `nobody` cannot
+        # read, so every lazy import must already have happened before we drop privileges.
+        import tempfile
+
+        with fp8scope.Monitor(m, tempfile.mkdtemp(), every=1) as warm:
+            m(torch.randn(16, 32)).pow(2).mean().backward()
+            opt.zero_grad()
+            warm.step(loss=0.0)
+        os.setgid(job["uid"])
+        os.setuid(job["uid"])
+    ok_steps, done = [], 0
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = fp8scope.Monitor(m, job["run"], every=1, step=0)
+        for step in range(job["steps"]):
+            loss = m(torch.randn(16, 32)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss=loss.detach())
+            if mon.logging_failed is None:
+                ok_steps.append(step)
+            done += 1
+            emit({"id": job["id"], "step": step})
+            time.sleep(job.get("pace", 0))
+        mon.close()
+    msgs = [str(w.message) for w in caught if "fp8scope" in str(w.message)]
+    emit({"id": job["id"], "summary": {"steps_done": done, "ok_steps": ok_steps, "warnings": msgs,
+                                       "logging_failed": mon.logging_failed}})
+
+
 def compact(job) -> int:
     argv = ["compact", job["run"]] + (["--delete-streams"] if job.get("delete") else [])
     with open(os.devnull, "w") as null:
@@ -97,6 +144,9 @@ def child(job) -> int:
     signal.signal(signal.SIGCHLD, signal.SIG_DFL)
     if job["op"] == "train":
         train(job)
+        return 0
+    if job["op"] == "storage":
+        storage(job)
         return 0
     if job["op"] == "compact":
         out = os.dup(1)
