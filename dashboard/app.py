@@ -317,14 +317,30 @@ class DashboardApp:
             parts.append(note("No loss or grad_norm scalars logged in this run."))
         sl = D.shadow_loss_frame(e)
         if sl is None:
-            parts.append(note("No BF16 shadow in this run (no shadow_loss table): FP8 vs BF16 loss is not available."))
+            parts.append(note("No BF16 shadow in this run (no shadow_compare / shadow_fork table): "
+                              "FP8 vs BF16 loss is not available."))
         elif sl.empty:
             parts.append(note("shadow_loss table has no numeric columns to plot."))
         else:
             fr = D.scalars_frame(e, ["loss"]) if "loss" in D.scalar_names(e) else None
-            both = pd.concat([fr.assign(name="fp8 loss") if fr is not None else None, sl], ignore_index=True)
-            parts.append(graph(F.scalars_with_events(both, None, title="FP8 vs BF16 shadow", log_y=False),
-                               id="overview-shadow"))
+            import plotly.graph_objects as go
+
+            fig = go.Figure()
+            if fr is not None and len(fr):
+                fig.add_trace(go.Scatter(x=fr["step"], y=fr["value"], mode="lines", name="training loss (fp8)",
+                                         line={"color": "#bbb"}))
+            for name, g in sl.groupby("name", sort=False):
+                fig.add_trace(go.Scatter(x=g["step"], y=g["value"], mode="lines+markers", name=plot_label(name),
+                                         marker={"size": 4}))
+            fig.update_layout(title="FP8 vs BF16 shadow loss", height=300, margin={"l": 10, "r": 10, "t": 40, "b": 40})
+            parts.append(graph(fig, id="overview-shadow"))
+        fv = D.fork_verdicts(e)
+        if fv is not None and not fv.empty:
+            parts.append(html.H4("Shadow forks (FP8 vs BF16 from the same state)"))
+            parts.append(table(["fork", "from step", "last step", "verdict", "reason", "trigger"],
+                               [[int(r["fork_id"]), int(r["start_step"]), int(r["last_step"]), r["verdict"],
+                                 r["reason"] or "", r["trigger"] or ""] for _, r in fv.iterrows()], {0, 1, 2},
+                               id="forks-table"))
         parts.append(panel(self.events_panel, e, ev))
         return parts
 

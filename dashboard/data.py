@@ -53,6 +53,7 @@ STATS: dict[str, tuple[str, str, str, str]] = {
     "nonfinite": ("non-finite elements", "nonfinite", "max", "tensors"),
     "shadow_out": ("shadow: FP8 vs BF16 output rel. error", "output_rel_err", "max", "shadow_compare"),
     "shadow_wgrad": ("shadow: FP8 vs BF16 wgrad rel. error", "wgrad_rel_err", "max", "shadow_compare"),
+    "shadow_local": ("shadow: layer's own FP8 GEMM rel. error", "local_rel_err", "max", "shadow_compare"),
 }
 SEVERITIES = ("critical", "warning", "info")
 
@@ -397,9 +398,18 @@ def scalar_names(e: Entry) -> list[str]:
 
 
 def shadow_loss_frame(e: Entry, max_points: int = MAX_POINTS) -> pd.DataFrame | None:
-    """Numeric columns of shadow_loss per step bucket, long format (step, name, value); None if absent."""
+    """FP8 vs BF16 loss (step, name, value): shadow_compare's loss_fp8/loss_bf16 per compare step, plus each
+    shadow fork's two losses (and a legacy shadow_loss table's numeric columns). None when none exists."""
+    frames = []
+    if e.has("shadow_compare"):
+        frames.append(e.cached(("shadow_cmp_loss",), lambda: e.sql(
+            "select step, name, value from (select step, avg(loss_fp8) as \"compare: fp8 loss\", "
+            "avg(loss_bf16) as \"compare: bf16 loss\" from shadow_compare group by 1) "
+            "unpivot (value for name in (\"compare: fp8 loss\", \"compare: bf16 loss\")) order by name, step")))
+    if e.has("shadow_fork"):
+        frames.append(e.cached(("shadow_fork_loss",), lambda: _fork_long(e)))
     if not e.has("shadow_loss"):
-        return None
+        return pd.concat(frames, ignore_index=True) if frames else None
 
     def f():
         schema = e.run.table("shadow_loss").schema
@@ -413,7 +423,24 @@ def shadow_loss_frame(e: Entry, max_points: int = MAX_POINTS) -> pd.DataFrame | 
             f"from shadow_loss group by 1" for c in cols)
         return e.sql(f"select * from ({parts}) order by name, step")
 
-    return e.cached(("shadow_loss", max_points), f)
+    return pd.concat(frames + [e.cached(("shadow_loss", max_points), f)], ignore_index=True)
+
+
+def _fork_long(e: Entry) -> pd.DataFrame:
+    d = e.sql("select fork_id, step, avg(loss_fp8) as f, avg(loss_bf16) as b from shadow_fork group by 1, 2 order by 1, 2")
+    parts = [pd.DataFrame({"step": g["step"], "name": f"fork {k}: {lab} loss", "value": g[c]})
+             for k, g in d.groupby("fork_id") for c, lab in (("f", "fp8"), ("b", "bf16"))]
+    return pd.concat(parts, ignore_index=True) if parts else pd.DataFrame({"step": [], "name": [], "value": []})
+
+
+def fork_verdicts(e: Entry) -> pd.DataFrame | None:
+    """Last row of each shadow fork (its verdict); None without a shadow_fork table."""
+    if not e.has("shadow_fork"):
+        return None
+    return e.cached(("forks",), lambda: e.sql(
+        "select fork_id, start_step, max(step) as last_step, arg_max(verdict, step) as verdict, "
+        "arg_max(reason, step) as reason, arg_max(\"trigger\", step) as \"trigger\" from shadow_fork "
+        "group by 1, 2 order by 2"))
 
 
 def tensor_series(e: Entry, layer: str, role: str, max_points: int = MAX_POINTS) -> pd.DataFrame:
@@ -538,6 +565,14 @@ def verdict(e: Entry) -> tuple[str, str]:
                         level = "warning"
                 else:
                     parts.append(f"FP8 vs BF16 shadow agree (max output error {m:.2%})")
+        fv = fork_verdicts(e)
+        if fv is not None and not fv.empty:
+            done = fv[fv["verdict"] != "pending"]
+            for _, r in done.tail(3).iterrows():
+                parts.append(f"shadow fork from step {int(r['start_step'])}: {r['verdict']}"
+                             + (f" ({r['reason']})" if isinstance(r["reason"], str) and r["reason"] else ""))
+                if r["verdict"] == "fp8-induced":
+                    level = "critical"
         if not parts:
             parts.append("no problems flagged")
         return level, "; ".join(parts)
