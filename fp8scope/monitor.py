@@ -95,6 +95,10 @@ class Monitor:
         capture_no_grad: also capture forwards run under ``torch.no_grad`` (eval); default off
             so evaluation passes don't mix into training statistics.
         enabled: ``False`` builds a no-op monitor (same API, nothing captured or written).
+        detect: online anomaly detection in the writer thread (docs/detection.md): ``True``
+            (default thresholds), ``False``, or a :class:`fp8scope.detect.DetectConfig`. Events go to
+            the run's ``events`` table and to the ``fp8scope.detect`` logger.
+        on_event: optional ``callback(event_dict)`` called (writer thread) for each event.
     """
 
     def __init__(
@@ -114,6 +118,8 @@ class Monitor:
         meta: dict | None = None,
         capture_no_grad: bool = False,
         enabled: bool = True,
+        detect: Any = True,
+        on_event: Any = None,
         reduce: str = "none",
         cross_rank_check: Any = None,
     ):
@@ -151,6 +157,7 @@ class Monitor:
         self.sources: dict[str, int] = {}  # adapter name -> number of layers it monitors
         self.model_recipe: Any = None
         self._writer: BackgroundWriter | None = None
+        self.detector: Any = None  # fp8scope.detect.OnlineDetector when detect is on
         self._store_failed: str | None = None
         if not enabled:
             self.collector.enabled = False
@@ -163,6 +170,7 @@ class Monitor:
             self._writer = None
             self.collector.enabled = False
             self._warn("store", f"logging stopped ({self._store_failed}); training continues")
+        self._start_detector(detect, on_event)
         self.collector.begin_step(self._step)
 
     # ---- setup ---------------------------------------------------------------------
@@ -285,6 +293,18 @@ class Monitor:
         It never runs on the training thread, so it cannot slow a step down."""
         if self._writer is not None:
             self._writer.listeners.append(listener)
+
+    def _start_detector(self, detect: Any, on_event: Any) -> None:
+        if detect is False or detect is None:
+            return
+        try:
+            from fp8scope.detect import DetectConfig
+            from fp8scope.detect.online import OnlineDetector
+
+            self.detector = OnlineDetector(detect if isinstance(detect, DetectConfig) else None, on_event=on_event)
+            self.add_step_listener(self.detector)
+        except Exception as exc:  # fail open: no detection, logging goes on
+            self._warn("detect", f"online detection disabled ({type(exc).__name__}: {exc})")
 
     def log_table(self, table: str, batch) -> None:
         """Append rows to another table of the run (``schema.register_table`` first)."""

@@ -1,0 +1,105 @@
+"""Detection thresholds: one dataclass, every default documented (see docs/detection.md).
+
+Defaults are calibrated so that a clean run of the tiny GPT (``fp8scope.demo.train``,
+delayed scaling, history 16) raises no warning or critical event, while each planted
+failure (``--inject``) fires its rule at the right layer, tensor and step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from fp8scope.errors import UsageError
+
+
+@dataclass(frozen=True)
+class DetectConfig:
+    """Thresholds of the detection rules. ``DetectConfig(spike_factor=20)`` changes one."""
+
+    # steps before this are early training: spike-type rules report at most "info"
+    warmup_steps: int = 50
+    # rows of a tensor's own history a rule needs before it judges (windows are logged steps)
+    min_history: int = 10
+
+    # amax_spike: amax > spike_factor x max(amax over the previous spike_window logged steps)
+    spike_factor: float = 10.0
+    spike_window: int = 100
+
+    # saturation: amax above the representable range fp8_max * scale_inv of the scale in use.
+    # sat_tol absorbs the float rounding of dynamic (current) scaling (amax*scale a hair over max)
+    sat_tol: float = 1e-3
+    sat_warn_ratio: float = 8.0  # amax / range >= this (clipped by 3 binades or more): warning
+    sat_critical_ratio: float = 32.0  # amax / range >= this: critical
+    sat_warn_fraction: float = 1e-3  # or >= 0.1% of the elements overflowed (full-stats rows): warning
+    # saturation_rate: share of the last sat_rate_window logged steps with amax/range >= sat_rate_min_ratio
+    sat_rate_window: int = 100
+    sat_rate_min_ratio: float = 1.25
+    sat_rate_threshold: float = 0.2
+
+    # stale_scale: the scale still comes from an amax >= stale_ratio x today's amax (delayed scaling,
+    # after a spike that sits in the amax history)
+    stale_ratio: float = 30.0
+
+    # underflow: share of the non-zero values flushed to zero by the cast (full-stats rows)
+    underflow_warn: float = 0.02  # activations / weights (E4M3): 2% of non-zeros
+    underflow_grad_warn: float = 0.5  # gradients (E5M2): 50% (small gradients flush often)
+    underflow_critical: float = 0.9
+
+    # dynamic_range: log2(amax / min_nonzero) - format binades (E4M3 17.8, E5M2 31.8) above this
+    # is "info" (most tiny values are harmless); it becomes a warning when underflow is also high
+    dynamic_range_excess: float = 0.0
+
+    # scale_collapse: scale_inv rose >= collapse_factor x over the last collapse_window logged steps
+    # and is at its highest
+    collapse_factor: float = 64.0
+    collapse_window: int = 50
+
+    # layer_outlier: robust z-score of log2(amax) among layers of the same kind (same role, same
+    # name with digits replaced), at the same step
+    outlier_z: float = 6.0
+    outlier_min_binades: float = 3.0  # and >= 8x the median of its kind ("info")
+    outlier_warn_binades: float = 7.0  # >= 128x the median of its kind: "warning"
+    outlier_min_layers: int = 3
+
+    # loss_spike: loss > loss_spike_factor x mean of the previous loss_window values
+    loss_spike_factor: float = 2.0
+    loss_window: int = 10
+    # grad_norm_spike: grad_norm > grad_spike_factor x mean of the previous grad_window values
+    grad_spike_factor: float = 5.0
+    grad_window: int = 20
+    loss_name: str = "loss"
+    grad_norm_name: str = "grad_norm"
+
+    # fp8_vs_bf16: shadow_compare relative error of a layer's output or weight gradient
+    shadow_rel_err: float = 0.01
+    shadow_critical_rel_err: float = 0.1
+
+    # cross_rank_scale: the same tensor's scale differs across ranks at the same step
+    rank_scale_tol: float = 1e-3
+
+    # rules to skip, by name
+    disabled: tuple[str, ...] = ()
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["disabled"] = list(self.disabled)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "DetectConfig":
+        d = dict(d or {})
+        known = {f.name for f in fields(cls)}
+        bad = sorted(set(d) - known)
+        if bad:
+            raise UsageError(f"unknown detection threshold(s) {bad}; known: {', '.join(sorted(known))}")
+        if "disabled" in d:
+            d["disabled"] = tuple(d["disabled"])
+        return cls(**d)
+
+    def with_(self, **kw: Any) -> "DetectConfig":
+        return replace(self, **kw)
+
+
+# The name the issue uses: thresholds are the config.
+Thresholds = DetectConfig

@@ -1,0 +1,113 @@
+"""Feature SQL shared by the offline and online detectors.
+
+``row_features_sql(src)``: per-row derived columns (representable range, saturation ratio,
+underflow share, dynamic range, ...) from a tensors table or one step's batch.
+
+``window_features_sql(src, cfg)``: the per-tensor history columns (offline only; the online
+detector computes the same columns from rolling state, see online.py). Windows count logged
+rows of the tensor, not step numbers, so online and offline agree on runs with gaps.
+
+``group_features_sql(src)``: the cross-layer columns (median / MAD of log2 amax among layers
+of the same kind at the same step) used by the ``layer_outlier`` rule.
+"""
+
+from __future__ import annotations
+
+from fp8scope.detect.config import DetectConfig
+from fp8scope.detect.rules import binades_case
+
+KEY = "rank, layer, tensor"
+MAD_FLOOR_BINADES = 0.1
+
+
+def row_features_sql(src: str, cfg: DetectConfig) -> str:
+    rate_min = repr(float(cfg.sat_rate_min_ratio))
+    return f"""
+    select step, rank, layer, tensor, "order", fp8_format, "full", amax,
+        case when isfinite(amax) then amax end as amax_f,
+        min_nonzero, scale, expected_amax, numel, nonfinite, overflow, underflow,
+        case when isfinite(scale_inv) and scale_inv > 0 then scale_inv end as scale_inv_f,
+        case when isfinite(fp8_max * scale_inv) and fp8_max * scale_inv > 0 then fp8_max * scale_inv end as rng,
+        case when isfinite(amax) and isfinite(fp8_max * scale_inv) and fp8_max * scale_inv > 0
+             then amax / (fp8_max * scale_inv) end as sat_ratio,
+        cast(overflow as double) / nullif(numel, 0) as ovf_frac,
+        cast(underflow as double)
+            / nullif(numel - coalesce(zeros, 0) - coalesce(nonfinite, 0), 0) as uf_frac,
+        case when isfinite(amax) and amax > 0 and min_nonzero > 0 and isfinite(min_nonzero)
+             then log2(amax / min_nonzero) end as dr,
+        {binades_case()} as binades,
+        coalesce(not isfinite(amax), false) as bad_amax,
+        coalesce(not isfinite(amax), false) or coalesce(nonfinite, 0) > 0 as bad,
+        case when isfinite(amax) and amax > 0 and isfinite(expected_amax) then expected_amax / amax end as stale_r,
+        case when isfinite(amax) and amax / nullif(fp8_max * scale_inv, 0) >= {rate_min} then 1 else 0 end as sat_hit,
+        case when isfinite(amax) and amax > 0 then log2(amax) end as l2,
+        regexp_replace(layer, '[0-9]+', '#', 'g') as kind
+    from {src}
+    """
+
+
+def window_features_sql(src: str, cfg: DetectConfig) -> str:
+    w, k, r = int(cfg.spike_window), int(cfg.collapse_window), int(cfg.sat_rate_window)
+    o = f"partition by {KEY} order by step"
+    return f"""
+    select *,
+        max(amax_f) over wp as prev_max,
+        count(amax_f) over wp as n_prev,
+        lag(bad_amax) over wo as prev_bad_amax,
+        lag(scale_inv_f) over wo as prev_scale_inv,
+        first_value(scale_inv_f) over wc as si_old,
+        max(scale_inv_f) over wc as si_max,
+        count(scale_inv_f) over wc as n_si,
+        sum(sat_hit) over wr as n_sat,
+        count(*) over wr as n_rate
+    from {src}
+    window wo as ({o}),
+           wp as ({o} rows between {w} preceding and 1 preceding),
+           wc as ({o} rows between {k} preceding and current row),
+           wr as ({o} rows between {r - 1} preceding and current row)
+    """
+
+
+def group_features_sql(src: str) -> str:
+    """Adds n_kind, z, dev (binades above the median of the kind) to every row of ``src``."""
+    g = "step, rank, tensor, kind"
+    return f"""
+    with _med as (
+        select {g}, median(l2) as med, count(l2) as n_kind from {src} group by {g}
+    ), _mad as (
+        select s.step, s.rank, s.tensor, s.kind, median(abs(s.l2 - m.med)) as mad
+        from {src} s join _med m using ({g}) group by all
+    )
+    select s.*, m.n_kind, s.l2 - m.med as dev,
+        (s.l2 - m.med) / (1.4826 * greatest(coalesce(d.mad, 0), {MAD_FLOOR_BINADES})) as z
+    from {src} s left join _med m using ({g}) left join _mad d using ({g})
+    """
+
+
+SCALAR_FEATURES = ("prev_mean", "n_prev", "prev_bad")
+
+
+def scalar_row_sql(src: str) -> str:
+    return f"""
+    select step, rank, name, value, case when isfinite(value) then value end as v_f,
+        coalesce(not isfinite(value), false) as bad
+    from {src}
+    """
+
+
+def scalar_window_sql(src: str, cfg: DetectConfig) -> str:
+    lw, gw = int(cfg.loss_window), int(cfg.grad_window)
+    o = "partition by rank, name order by step"
+    return f"""
+    select *,
+        case when name = {_q(cfg.grad_norm_name)} then avg(v_f) over wg else avg(v_f) over wl end as prev_mean,
+        case when name = {_q(cfg.grad_norm_name)} then count(v_f) over wg else count(v_f) over wl end as n_prev
+    from {src}
+    where name in ({_q(cfg.loss_name)}, {_q(cfg.grad_norm_name)})
+    window wl as ({o} rows between {lw} preceding and 1 preceding),
+           wg as ({o} rows between {gw} preceding and 1 preceding)
+    """
+
+
+def _q(s: str) -> str:
+    return "'" + str(s).replace("'", "''") + "'"
