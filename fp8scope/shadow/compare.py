@@ -51,12 +51,13 @@ def sample_index(key: str, numel: int, device: torch.device, size: int | None) -
     if size is None or numel <= size:
         return None
     g = torch.Generator().manual_seed(zlib.crc32(f"{key}|{numel}".encode()))
-    return torch.randint(numel, (size,), generator=g).to(device)
+    dtype = torch.int32 if numel < 2**31 else torch.int64
+    return torch.randint(numel, (size,), generator=g, dtype=dtype).to(device)
 
 
 def take(t: torch.Tensor, idx: torch.Tensor | None) -> torch.Tensor:
     flat = t.detach().reshape(-1)
-    return (flat if idx is None else flat[idx]).to(torch.float64, copy=True)
+    return (flat if idx is None else flat[idx]).to(torch.float32, copy=True)
 
 
 class _Acc:
@@ -69,9 +70,11 @@ class _Acc:
 
     def add(self, a: torch.Tensor, b: torch.Tensor) -> None:
         """a: FP8 side, b: BF16 reference (same shape)."""
-        a = a.reshape(-1).to(torch.float64)
-        b = b.reshape(-1).to(torch.float64)
-        s = torch.stack([(a - b).square().sum(), a.square().sum(), b.square().sum(), (a * b).sum()])
+        a = a.reshape(-1).float()
+        b = b.reshape(-1).float()
+        f64 = torch.float64
+        s = torch.stack([(a - b).square().sum(dtype=f64), a.square().sum(dtype=f64), b.square().sum(dtype=f64),
+                         (a * b).sum(dtype=f64)])
         self.sums = s if self.sums is None else self.sums + s
 
 

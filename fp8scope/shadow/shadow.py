@@ -74,6 +74,9 @@ class Shadow:
         max_grad_norm: the replica clips its gradients like your loop does (None: no clip).
         replica_step: ``replica_step(model, optimizer, batch) -> loss`` to train the replica
             one step if your step is more than forward/backward/clip/step.
+        local_error: also measure each emulated layer's own FP8 GEMM error on the BF16 input
+            (re-quantizes input and weight: the most expensive part of a compare on CPU).
+        keep: compare results kept in ``shadow.compares``.
     """
 
     def __init__(
@@ -93,6 +96,7 @@ class Shadow:
         sample_size: int | None = 65536,
         max_grad_norm: float | None = None,
         replica_step: Callable | None = None,
+        local_error: bool = True,
         keep: int = 64,
     ):
         self.monitor = monitor
@@ -106,6 +110,7 @@ class Shadow:
         self.sample_size = sample_size
         self.max_grad_norm = max_grad_norm
         self.replica_step = replica_step
+        self.local_error = bool(local_error)
         self.rank = int(getattr(monitor, "rank", 0) or 0)
         self.layers = compared_layers(model, _name_filter(layers), _name_filter(skip))
         self.compares: deque[CompareResult] = deque(maxlen=keep)
@@ -261,7 +266,7 @@ class Shadow:
             return  # the armed step ran no forward of the model (or under no_grad)
         t0 = time.perf_counter()
         with self._shadow_pass():
-            loss_bf16, rows = bf16_pass(self.model, self._user_loss_fn, batch, cap)
+            loss_bf16, rows = bf16_pass(self.model, self._user_loss_fn, batch, cap, local=self.local_error)
         res = CompareResult(step, float(loss_fp8) if loss_fp8 is not None else math.nan, loss_bf16, rows,
                             time.perf_counter() - t0, cap.nbytes())
         self.compares.append(res)
