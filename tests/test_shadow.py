@@ -293,3 +293,20 @@ def test_tables_readable_without_importing_shadow(tmp_path):
     assert out.returncode == 0, out.stderr
     n_cmp, n_fork = map(int, out.stdout.split()[:2])
     assert n_cmp == 2 * 3 and n_fork == 2  # steps 0 and 2, 3 layers; a 2-step fork
+
+
+def test_torchao_layers_run_in_high_precision_and_are_restored():
+    pytest.importorskip("torchao.float8")
+    from torchao.float8 import convert_to_float8_training
+
+    from fp8scope.shadow import high_precision
+
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    x = torch.randn(4, 32)
+    y_ref = m(x)
+    convert_to_float8_training(m)
+    assert type(m[0]).__name__ == "Float8Linear"
+    with high_precision(m):
+        assert torch.equal(m(x), y_ref)  # exactly nn.Linear
+    assert "forward" not in m[0].__dict__ and "forward" not in m[2].__dict__  # override removed
