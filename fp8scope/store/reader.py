@@ -154,7 +154,7 @@ class StreamTail:
             if msg.type != "schema":
                 raise _Garbage(f"first message is a {msg.type}, not a schema")
             return pa.ipc.read_schema(msg)
-        except (pa.ArrowException, _Garbage) as e:
+        except (pa.ArrowException, OSError, _Garbage) as e:  # ArrowIOError is an OSError
             raise self._garbage(str(e).splitlines()[0]) from None
 
     def read_new(self) -> list[pa.RecordBatch]:
@@ -188,8 +188,8 @@ class StreamTail:
             return []
         try:
             reader = pa.ipc.open_stream(buf.slice(0, stop))
-            return list(reader)
-        except pa.ArrowException as e:
+            return [_validated(b) for b in reader]
+        except (pa.ArrowException, OSError) as e:  # corrupt bodies surface as ArrowIOError (an OSError)
             raise self._garbage(str(e).splitlines()[0]) from None
 
     def _decode_spans(self, buf: pa.Buffer, spans: list[tuple[int, int]]) -> list[pa.RecordBatch]:
@@ -199,10 +199,18 @@ class StreamTail:
                 msg = pa.ipc.read_message(buf.slice(off, length))
                 if msg.type != "record batch":
                     raise _Garbage(f"unexpected {msg.type} message at byte {off}")
-                out.append(pa.ipc.read_record_batch(msg, self.schema))
-            except (pa.ArrowException, _Garbage) as e:
+                out.append(_validated(pa.ipc.read_record_batch(msg, self.schema)))
+            except (pa.ArrowException, OSError, _Garbage) as e:  # ArrowIOError is an OSError
                 raise self._garbage(str(e).splitlines()[0]) from None
         return out
+
+
+def _validated(batch: pa.RecordBatch) -> pa.RecordBatch:
+    """Full validation (offsets, lengths, UTF-8) of a decoded batch. Arrow's IPC reader trusts the
+    body's buffers; a corrupted stream (bit flips, hand edits) then decodes into arrays whose
+    offsets point outside their data, and the first kernel that touches them segfaults."""
+    batch.validate(full=True)
+    return batch
 
 
 def read_stream(path: str | os.PathLike, schema: pa.Schema | None = None) -> pa.Table:
