@@ -1,0 +1,49 @@
+"""``fp8scope report RUN``: the post-mortem of a run (first anomaly, NaN origin, top layers, advice)."""
+
+from __future__ import annotations
+
+from fp8scope.errors import UsageError
+
+
+def register(sub) -> None:
+    p = sub.add_parser("report", help="post-mortem: what broke first, where, when, and what to try")
+    p.add_argument("run", help="run folder")
+    p.add_argument("--html", metavar="FILE", help="also write a self-contained HTML report with figures")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument("--config", help="JSON file with threshold overrides (DetectConfig field names)")
+    p.set_defaults(func=run)
+
+
+def run(args) -> int:
+    from fp8scope.cli.events_cmd import load_config
+    from fp8scope.cli.output import print_json
+    from fp8scope.cli.progress import phases
+    from fp8scope.detect.engine import detect
+    from fp8scope.detect.report import build_report, print_report, render_html
+    from fp8scope.run import load_run
+
+    html_path = getattr(args, "html", None)
+    if html_path is not None:
+        import os
+
+        parent = os.path.dirname(os.path.abspath(html_path))
+        if not os.path.isdir(parent):
+            raise UsageError(f"--html {html_path}: folder {parent} does not exist")
+    cfg = load_config(getattr(args, "config", None))
+    r = load_run(args.run)
+    with phases("report", 8 + (1 if html_path else 0)) as tick:
+        events = detect(r, cfg, progress=tick)
+        rep = build_report(r, cfg, events=events, progress=tick)
+        if html_path:
+            tick("figures")
+            try:
+                render_html(rep, r, events, html_path)
+            except OSError as exc:
+                raise UsageError(f"cannot write --html {html_path}: {exc}") from None
+    if getattr(args, "json", False):
+        print_json(rep)
+        return 0
+    print_report(rep)
+    if html_path:
+        print(f"\nHTML report: {html_path}")
+    return 0

@@ -1,0 +1,370 @@
+"""The post-mortem: events + statistics -> the story of a run (dict), as text, JSON or one HTML file.
+
+``build_report(run, config)`` returns a JSON-able dict:
+
+* ``first_anomaly`` / ``nan_origin``: ``{step, layer, tensor, rule, severity, message}`` or None;
+* ``top_layers``: the layers with the most severe evidence, each with its events and numbers;
+* ``scalars``: loss / grad-norm context around the first anomaly;
+* ``shadow``: the FP8-vs-BF16 verdict when the run has shadow tables;
+* ``advice``: concrete next steps derived from the rules that fired.
+
+``render_html(report, run, events, path)`` writes a single self-contained HTML file (plotly JS
+inlined) with a layer x step heatmap and the flagged tensors' amax against the range their
+scale could represent. Every name and message is escaped.
+"""
+
+from __future__ import annotations
+
+import html
+import json
+import math
+from typing import Any
+
+import pandas as pd
+
+from fp8scope.detect.config import DetectConfig
+from fp8scope.detect.rules import SEVERITY_RANK
+
+WARN = SEVERITY_RANK["warning"]
+
+
+def _clean(v: Any) -> Any:
+    if isinstance(v, float) and not math.isfinite(v):
+        return None
+    if hasattr(v, "item"):
+        return _clean(v.item())
+    return v
+
+
+def _ev(r: dict | pd.Series | None) -> dict | None:
+    if r is None:
+        return None
+    r = dict(r)
+    return {"step": int(r["step"]), "rank": int(r["rank"]), "layer": r["layer"], "tensor": r["tensor"],
+            "rule": r["rule"], "severity": r["severity"], "value": _clean(r["value"]), "message": r["message"]}
+
+
+def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame | None = None,
+                 progress=None) -> dict:
+    from fp8scope.detect.engine import detect
+
+    cfg = config or DetectConfig()
+    tick = progress or (lambda phase: None)
+    ev = events if events is not None else detect(run, cfg, progress=tick)
+    tick("summarising")
+    sev = ev["severity"].map(SEVERITY_RANK).fillna(0) if not ev.empty else pd.Series(dtype=float)
+    serious = ev[sev >= WARN] if not ev.empty else ev
+    info = run.info()
+    manifest = run.manifest
+    meta = manifest.get("meta") or {}
+    rep: dict[str, Any] = {
+        "run": str(run.path),
+        "steps": info["steps"], "first_step": info["first_step"], "last_step": info["last_step"],
+        "ranks": info["ranks"], "tensors": info["tensors"],
+        "recipe": manifest.get("recipe"),
+        "planted": meta.get("inject") or [],
+        "events": {
+            "total": int(len(ev)),
+            "by_severity": {s: int((ev["severity"] == s).sum()) for s in ("critical", "warning", "info")},
+            "by_rule": {k: int(v) for k, v in ev["rule"].value_counts().items()} if not ev.empty else {},
+        },
+    }
+    first = serious.sort_values(["step", "rank"], kind="stable").iloc[0] if not serious.empty else None
+    rep["first_anomaly"] = _ev(first)
+    nan = ev[ev["rule"] == "nan_origin"] if not ev.empty else ev
+    rep["nan_origin"] = _ev(nan.iloc[0]) if not nan.empty else None
+    rep["top_layers"] = _top_layers(serious)
+    rep["scalars"] = _scalar_context(run, cfg, rep["first_anomaly"])
+    rep["shadow"] = _shadow_verdict(run, cfg)
+    rep["advice"] = _advice(rep, serious, cfg)
+    rep["verdict"] = _verdict(rep, serious)
+    return rep
+
+
+def _top_layers(serious: pd.DataFrame, n: int = 5) -> list[dict]:
+    t = serious[serious["layer"] != ""] if not serious.empty else serious
+    if t.empty:
+        return []
+    out = []
+    for (layer, tensor), g in t.groupby(["layer", "tensor"], sort=False):
+        g = g.sort_values("step", kind="stable")
+        worst = int(g["severity"].map(SEVERITY_RANK).max())
+        out.append({
+            "layer": layer, "tensor": tensor, "first_step": int(g["step"].iloc[0]), "events": int(len(g)),
+            "worst": ("info", "warning", "critical")[worst],
+            "rules": {k: int(v) for k, v in g["rule"].value_counts().items()},
+            "evidence": g.drop_duplicates("rule")["message"].head(4).tolist(),
+            "_score": (worst, -int(g["step"].iloc[0]), len(g)),
+        })
+    out.sort(key=lambda d: (-d["_score"][0], -d["_score"][1], -d["_score"][2]))
+    for d in out:
+        d.pop("_score")
+    return out[:n]
+
+
+def _scalar_context(run, cfg: DetectConfig, first: dict | None) -> dict:
+    if "scalars" not in run.table_names():
+        return {}
+    names = [cfg.loss_name, cfg.grad_norm_name]
+    inlist = ", ".join("'" + n.replace("'", "''") + "'" for n in names)
+    df = run.sql(f"select step, name, avg(value) as value from scalars where name in ({inlist}) group by 1, 2")
+    out: dict[str, Any] = {}
+    for name in names:
+        s = df[df["name"] == name].sort_values("step")
+        if s.empty:
+            continue
+        v = s["value"].astype(float)
+        finite = s[v.map(math.isfinite)]
+        d: dict[str, Any] = {
+            "first": _clean(float(v.iloc[0])), "last": _clean(float(v.iloc[-1])),
+            "min": _clean(float(finite["value"].min())) if not finite.empty else None,
+            "max": _clean(float(finite["value"].max())) if not finite.empty else None,
+        }
+        bad = s[~v.map(math.isfinite)]
+        d["first_nonfinite_step"] = int(bad["step"].iloc[0]) if not bad.empty else None
+        if first is not None:
+            before = finite[(finite["step"] < first["step"]) & (finite["step"] >= first["step"] - 10)]
+            at = s[s["step"] >= first["step"]].head(1)
+            d["mean_10_before_first_anomaly"] = _clean(float(before["value"].mean())) if not before.empty else None
+            d["at_first_anomaly"] = _clean(float(at["value"].iloc[0])) if not at.empty else None
+            after = finite[finite["step"] > first["step"]]
+            d["max_after_first_anomaly"] = _clean(float(after["value"].max())) if not after.empty else None
+        out[name] = d
+    return out
+
+
+def _shadow_verdict(run, cfg: DetectConfig) -> dict | None:
+    names = set(run.table_names())
+    if "shadow_compare" not in names:
+        return None
+    t = run.table("shadow_compare").to_pandas()
+    errs = [c for c in ("output_rel_err", "wgrad_rel_err") if c in t.columns]
+    if t.empty or not errs or "layer" not in t.columns:
+        return None
+    t["err"] = t[errs].max(axis=1)
+    per_layer = t.groupby("layer")["err"].agg(["max", "mean"]).sort_values("max", ascending=False)
+    over = per_layer[per_layer["max"] > cfg.shadow_rel_err]
+    out: dict[str, Any] = {
+        "steps_compared": int(t["step"].nunique()),
+        "threshold": cfg.shadow_rel_err,
+        "worst_layers": [{"layer": k, "max_rel_err": _clean(float(r["max"])), "mean_rel_err": _clean(float(r["mean"]))}
+                         for k, r in per_layer.head(5).iterrows()],
+        "layers_over_threshold": over.index.tolist(),
+    }
+    loss_note = None
+    if "shadow_loss" in names:
+        sl = run.table("shadow_loss").to_pandas()
+        num = [c for c in sl.columns if c not in ("step", "rank", "segment", "time") and pd.api.types.is_numeric_dtype(sl[c])]
+        out["shadow_loss_columns"] = num
+        fp8c = next((c for c in num if "fp8" in c), None)
+        bf16c = next((c for c in num if "bf16" in c or "ref" in c or "shadow" in c), None)
+        if fp8c and bf16c and not sl.empty:
+            f = sl[fp8c].astype(float)
+            b = sl[bf16c].astype(float)
+            fp8_bad = bool((~f.map(math.isfinite)).any())
+            bf16_bad = bool((~b.map(math.isfinite)).any())
+            loss_note = {"fp8_nonfinite": fp8_bad, "bf16_nonfinite": bf16_bad,
+                         "max_abs_diff": _clean(float((f - b).abs().max()))}
+    out["loss"] = loss_note
+    if loss_note and loss_note["bf16_nonfinite"]:
+        out["verdict"] = "BF16 from the same state also blows up: FP8 is probably NOT to blame (look at lr, data, optimizer)."
+    elif over.empty:
+        out["verdict"] = (f"FP8 tracks BF16 within {100 * cfg.shadow_rel_err:g}% in every compared layer: "
+                          "FP8 is probably not to blame.")
+    else:
+        out["verdict"] = (f"FP8 departs from BF16 by more than {100 * cfg.shadow_rel_err:g}% in "
+                          f"{len(over)} layer(s), worst {over.index[0]}: FP8 is to blame there.")
+    return out
+
+
+def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
+    if serious.empty:
+        return ["Nothing at warning level or above: the FP8 numerics look healthy with these thresholds."]
+    recipe = rep.get("recipe") or {}
+    delayed = recipe.get("kind") == "delayed"
+    hist = recipe.get("amax_history_len")
+    margin = recipe.get("margin", 0)
+    rules = set(serious["rule"])
+    adv: list[str] = []
+
+    def layers_of(*names):
+        s = serious[serious["rule"].isin(names) & (serious["layer"] != "")]
+        return list(dict.fromkeys(s["layer"]))[:3]
+
+    if "nan_origin" in rules:
+        o = rep["nan_origin"]
+        adv.append(f"NaN origin: {o['layer']} {o['tensor']} at step {o['step']}. Inspect that layer's input at that step; "
+                   f"keep {o['layer']} in BF16 for one run to tell FP8 from the model (if it still NaNs, FP8 is not to blame).")
+    if rules & {"amax_spike", "saturation"}:
+        ls = layers_of("amax_spike", "saturation")
+        tip = f"raise margin (now {margin}) by 1-2 binades" if delayed else "check the data feeding it"
+        adv.append(f"Outlier saturates FP8 in {', '.join(ls)}: keep {ls[0]} in BF16 (fp8_skip), or {tip}, "
+                   "or use current (per-tensor dynamic) scaling for it. For an MLP down-projection input, "
+                   "Smooth-SwiGLU tames growing outliers.")
+    if "stale_scale" in rules and delayed:
+        adv.append(f"Stale scale after a spike: shorten amax_history_len (now {hist}; 16-32 recovers in as many steps) "
+                   "or use amax_compute_algo='most_recent'. Compare choices on this run: "
+                   f"fp8scope whatif {rep['run']} --compare \"delayed:{hist or 1024}:{margin},delayed:16:1,current\"")
+    if "saturation_rate" in rules:
+        adv.append("Saturation most steps: the amax keeps outgrowing the history; raise margin by 1 or shorten "
+                   "amax_history_len.")
+    if "underflow" in rules:
+        ls = layers_of("underflow")
+        g = serious[(serious["rule"] == "underflow") & (serious["tensor"] == "gradient")]
+        if not g.empty:
+            adv.append(f"Gradients underflow E5M2 in {', '.join(ls)}: check loss / gradient scaling; current scaling "
+                       "for gradients adapts at once; or keep those layers in BF16.")
+        else:
+            adv.append(f"Values underflow in {', '.join(ls)}: the scale is set by a few large values; "
+                       "per-channel / block scaling (MXFP8) or BF16 for those layers.")
+    if "scale_collapse" in rules:
+        adv.append("Scale collapsing (scale_inv rising step after step): the run fights growing values; "
+                   "lower the learning rate or add warm-up, then check which layer grows first.")
+    if "scale_kept" in rules:
+        adv.append("A NaN/Inf amax was silently ignored by the recipe (old scale kept): treat the NaN, not the scale.")
+    if "layer_outlier" in rules:
+        ls = layers_of("layer_outlier")
+        adv.append(f"Layer(s) far outside their peers: {', '.join(ls)}. Candidates to keep in BF16.")
+    fp8_rules = rules - {"loss_spike", "grad_norm_spike", "loss_nonfinite"}
+    if rules & {"loss_spike", "grad_norm_spike", "loss_nonfinite"} and not fp8_rules:
+        adv.append("Loss / grad-norm spiked with no FP8 warning before it: likely not FP8 (learning rate, data, "
+                   "optimizer). Confirm with a BF16 shadow run (fp8scope shadow steps).")
+    if "fp8_vs_bf16" in rules:
+        ls = layers_of("fp8_vs_bf16")
+        adv.append(f"FP8 differs from BF16 by more than {100 * cfg.shadow_rel_err:g}% in {', '.join(ls)}: "
+                   "keep those in BF16.")
+    return adv
+
+
+def _verdict(rep: dict, serious: pd.DataFrame) -> str:
+    if serious.empty:
+        return "clean: no warning or critical events"
+    f = rep["first_anomaly"]
+    where = f"{f['layer']} {f['tensor']}".strip() if f["layer"] else f["tensor"]
+    s = f"first anomaly at step {f['step']}: {f['rule']} in {where}"
+    if rep["nan_origin"]:
+        o = rep["nan_origin"]
+        s += f"; NaN origin {o['layer']} {o['tensor']} at step {o['step']}"
+    if rep.get("shadow") and rep["shadow"].get("verdict"):
+        s += f"; shadow: {rep['shadow']['verdict']}"
+    return s
+
+
+# ---- text ------------------------------------------------------------------------------------
+def print_report(rep: dict) -> None:
+    from rich.console import Console
+    from rich.text import Text
+
+    from fp8scope.cli.output import console
+
+    c: Console = console()
+    c.print(Text(f"fp8scope report: {rep['run']}", style="bold"))
+    r = rep.get("recipe") or {}
+    c.print(Text(f"{rep['steps']} steps ({rep['first_step']}..{rep['last_step']}), {rep['tensors']} tensors, "
+                 f"ranks {rep['ranks']}, recipe {json.dumps(r) if r else 'unknown'}"))
+    if rep.get("planted"):
+        c.print(Text(f"planted (demo): {', '.join(rep['planted'])}"))
+    e = rep["events"]["by_severity"]
+    c.print(Text(f"events: {e['critical']} critical, {e['warning']} warning, {e['info']} info"))
+    c.print(Text(f"\nverdict: {rep['verdict']}", style="bold"))
+    if rep["first_anomaly"]:
+        f = rep["first_anomaly"]
+        c.print(Text(f"\nfirst anomaly: step {f['step']} [{f['rule']}, {f['severity']}] {f['message']}"))
+    if rep["nan_origin"]:
+        o = rep["nan_origin"]
+        c.print(Text(f"NaN origin:    step {o['step']} {o['layer']} {o['tensor']}: {o['message']}"))
+    if rep["top_layers"]:
+        c.print(Text("\ntop layers:", style="bold"))
+        for i, d in enumerate(rep["top_layers"], 1):
+            rules = ", ".join(f"{k} x{v}" for k, v in d["rules"].items())
+            c.print(Text(f"{i}. {d['layer']} {d['tensor']}: {d['worst']}, from step {d['first_step']} ({rules})"))
+            for m in d["evidence"]:
+                c.print(Text(f"     - {m}"))
+    if rep["scalars"]:
+        c.print(Text("\nloss / grad-norm:", style="bold"))
+        for name, d in rep["scalars"].items():
+            parts = [f"{k}={_short(v)}" for k, v in d.items() if v is not None]
+            c.print(Text(f"  {name}: " + ", ".join(parts)))
+    if rep.get("shadow"):
+        c.print(Text(f"\nFP8 vs BF16 (shadow): {rep['shadow']['verdict']}", style="bold"))
+    c.print(Text("\nwhat to try:", style="bold"))
+    for a in rep["advice"]:
+        c.print(Text(f"  - {a}"))
+
+
+def _short(v):
+    if isinstance(v, float):
+        return f"{v:.4g}"
+    return str(v)
+
+
+# ---- HTML ------------------------------------------------------------------------------------
+def render_html(rep: dict, run, events: pd.DataFrame, path, max_steps: int = 400, max_tensors: int = 4) -> None:
+    import plotly.io as pio
+
+    from fp8scope import figures
+
+    e = html.escape
+    serious = events[events["severity"].map(SEVERITY_RANK).fillna(0) >= WARN] if not events.empty else events
+    figs = []
+    hm_tensor = rep["first_anomaly"]["tensor"] if rep.get("first_anomaly") and rep["first_anomaly"]["layer"] else "activation"
+    frame = figures.heatmap_frame(run, "log2_amax", tensor=hm_tensor, max_steps=max_steps)
+    flagged = serious[serious["tensor"] == hm_tensor] if not serious.empty else None
+    figs.append(("Heatmap", figures.heatmap(frame, "log2_amax", flagged=flagged,
+                                            title=f"log2 amax per layer and step ({hm_tensor}); x = events")))
+    frame = figures.heatmap_frame(run, "amax_over_range", tensor=hm_tensor, max_steps=max_steps)
+    figs.append(("Saturation", figures.heatmap(frame, "amax_over_range", flagged=flagged,
+                                               title=f"amax / representable range ({hm_tensor}); > 1 = clipped")))
+    for d in rep["top_layers"][:max_tensors]:
+        if d["tensor"] not in ("activation", "weight", "gradient", "output"):
+            continue
+        tf = figures.tensor_range_frame(run, d["layer"], d["tensor"])
+        evs = serious[(serious["layer"] == d["layer"]) & (serious["tensor"] == d["tensor"])]
+        figs.append((f"{d['layer']} {d['tensor']}", figures.amax_vs_range(tf, d["layer"], d["tensor"], events=evs)))
+    sf = figures.scalars_frame(run)
+    if not sf.empty:
+        figs.append(("Loss and grad norm", figures.scalars_with_events(sf, serious)))
+    parts = []
+    for i, (name, fig) in enumerate(figs):
+        parts.append(f"<h3>{e(name)}</h3>")
+        parts.append(pio.to_html(fig, full_html=False, include_plotlyjs=(i == 0), default_width="100%"))
+
+    def li(items):
+        return "".join(f"<li>{e(str(x))}</li>" for x in items)
+
+    top = "".join(
+        f"<tr><td>{e(d['layer'])}</td><td>{e(d['tensor'])}</td><td>{e(d['worst'])}</td><td>{d['first_step']}</td>"
+        f"<td>{e(', '.join(f'{k} x{v}' for k, v in d['rules'].items()))}</td><td><ul>{li(d['evidence'])}</ul></td></tr>"
+        for d in rep["top_layers"])
+    ev_rows = "".join(
+        f"<tr class='{e(r['severity'])}'><td>{int(r['step'])}</td><td>{int(r['rank'])}</td><td>{e(r['severity'])}</td>"
+        f"<td>{e(r['rule'])}</td><td>{e(r['layer'])}</td><td>{e(r['tensor'])}</td><td>{e(r['message'])}</td></tr>"
+        for r in serious.head(200).to_dict("records")) if not serious.empty else ""
+    fa, no = rep.get("first_anomaly"), rep.get("nan_origin")
+    sc = "".join(f"<li>{e(k)}: {e(', '.join(f'{a}={_short(b)}' for a, b in v.items() if b is not None))}</li>"
+                 for k, v in (rep.get("scalars") or {}).items())
+    shadow = f"<h2>FP8 vs BF16</h2><p>{e(rep['shadow']['verdict'])}</p>" if rep.get("shadow") else ""
+    doc = f"""<!DOCTYPE html>
+<html><head><meta charset="utf-8"><title>fp8scope report: {e(rep['run'])}</title>
+<style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}} table{{border-collapse:collapse}}
+td,th{{border:1px solid #ccc;padding:3px 6px;font-size:13px;vertical-align:top}} .critical td{{background:#fdd}}
+.warning td{{background:#ffe9cc}} code{{background:#f4f4f4}}</style></head><body>
+<h1>fp8scope report</h1>
+<p><b>run</b> {e(rep['run'])}<br><b>steps</b> {rep['steps']} ({rep['first_step']}..{rep['last_step']}),
+<b>tensors</b> {rep['tensors']}, <b>recipe</b> <code>{e(json.dumps(rep.get('recipe')))}</code>
+{('<br><b>planted</b> ' + e(', '.join(rep['planted']))) if rep.get('planted') else ''}</p>
+<h2>Verdict</h2><p>{e(rep['verdict'])}</p>
+<p><b>First anomaly:</b> {e(fa['message']) + ' (step ' + str(fa['step']) + ', ' + e(fa['rule']) + ')' if fa else 'none'}<br>
+<b>NaN origin:</b> {e(no['layer'] + ' ' + no['tensor']) + ' at step ' + str(no['step']) if no else 'none'}</p>
+<h2>What to try</h2><ul>{li(rep['advice'])}</ul>
+<h2>Top layers</h2><table><tr><th>layer</th><th>tensor</th><th>worst</th><th>first step</th><th>rules</th><th>evidence</th></tr>{top}</table>
+<h2>Loss / grad norm</h2><ul>{sc}</ul>
+{shadow}
+<h2>Figures</h2>
+{''.join(parts)}
+<h2>Events (warning and above, first 200)</h2>
+<table><tr><th>step</th><th>rank</th><th>severity</th><th>rule</th><th>layer</th><th>tensor</th><th>message</th></tr>{ev_rows}</table>
+</body></html>
+"""
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(doc)
