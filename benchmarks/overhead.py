@@ -1,0 +1,196 @@
+"""Overhead of fp8scope.Monitor on the tiny GPT, as ratios measured in one run.
+
+Configurations, all trained from the same seed and timed interleaved (round-robin blocks of
+steps, so machine noise hits them alike):
+
+- ``plain``     no monitor
+- ``default``   Monitor(every=10): cheap stats every step, full stats every 10th
+- ``full``      Monitor(every=1): full stats every step
+- ``naive``     the obvious hand-written alternative: forward/backward hooks computing the same
+                numbers with one ``.item()`` per number, appended to a JSON-lines file
+
+for two models: the tiny GPT in emulated FP8 (delayed scaling) and the same GPT in plain
+FP32 with what-if stats. Then the stats alone over one step's tensors against one plain
+read pass (``x.abs().amax()``) over the same tensors.
+
+    python benchmarks/overhead.py              # ~3-4 minutes on a 2-core CPU
+    python benchmarks/overhead.py --quick      # smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fp8scope  # noqa: E402
+from fp8scope.capture.stats import cheap_stats, full_stats  # noqa: E402
+from fp8scope.demo import train  # noqa: E402
+from fp8scope.formats import get_format  # noqa: E402
+
+
+class NaiveMonitor:
+    """What people write by hand: hooks, a .item() per number, a JSON line per step."""
+
+    def __init__(self, model, path):
+        self.rows: list[dict] = []
+        self.file = open(path, "w")
+        self.handles = []
+        self.e4m3, self.e5m2 = get_format("e4m3"), get_format("e5m2")
+        for name, mod in model.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                self.handles.append(mod.register_forward_pre_hook(self._pre(name)))
+                self.handles.append(mod.register_forward_hook(self._post(name)))
+
+    def _stats(self, layer, role, x, fmt):
+        x = x.detach().float()
+        amax = x.abs().max().item()
+        scale = fmt.max / amax if amax > 0 and amax == amax and amax != float("inf") else 1.0
+        y = x * scale
+        q = y.clamp(-fmt.max, fmt.max).to(fmt.dtype).float() / scale
+        self.rows.append({
+            "layer": layer, "role": role, "amax": amax, "scale": scale,
+            "overflow": (y.abs() > fmt.max).sum().item(),
+            "underflow": ((x != 0) & (q == 0)).sum().item(),
+            "saturated": (q.abs() * scale >= fmt.max).sum().item(),
+            "zeros": (x == 0).sum().item(),
+            "nonfinite": (~torch.isfinite(x)).sum().item(),
+            "mse": ((q - x) ** 2).mean().item(),
+        })
+
+    def _pre(self, name):
+        def hook(mod, args):
+            if torch.is_grad_enabled():
+                self._stats(name, "activation", args[0], self.e4m3)
+                self._stats(name, "weight", mod.weight, self.e4m3)
+        return hook
+
+    def _post(self, name):
+        def hook(mod, args, out):
+            if out.requires_grad:
+                out.register_hook(lambda g: self._stats(name, "gradient", g, self.e5m2))
+        return hook
+
+    def step(self, loss=None, **kw):
+        self.file.write(json.dumps({"loss": float(loss), "tensors": self.rows}) + "\n")
+        self.file.flush()
+        self.rows = []
+
+
+def make_setups(fp8: str, tmp: str, size: dict):
+    out = {}
+    for cfg in ("plain", "default", "full", "naive"):
+        setup = train.build(fp8=fp8, quiet=True, **size)
+        if cfg == "plain":
+            mon = None
+        elif cfg == "naive":
+            mon = NaiveMonitor(setup.model, os.path.join(tmp, f"{fp8}-naive.jsonl"))
+        else:
+            recipe = setup.recipe or train.make_recipe(argparse.Namespace(**{**vars(setup.args), "fp8": "delayed"}))
+            mon = fp8scope.Monitor(setup.model, os.path.join(tmp, f"{fp8}-{cfg}"), every=10 if cfg == "default" else 1,
+                                   recipe=recipe)
+        out[cfg] = (setup, mon)
+    return out
+
+
+def time_interleaved(setups, rounds: int, block: int, warmup: int) -> dict[str, float]:
+    per_step: dict[str, list[float]] = {k: [] for k in setups}
+    step = {k: 0 for k in setups}
+    for k, (s, m) in setups.items():  # warm-up: allocator, first-step costs
+        for _ in range(warmup):
+            train.train_step(s, step[k], m)
+            step[k] += 1
+    order = list(setups)
+    for r in range(rounds):
+        order = order[1:] + order[:1]  # rotate who goes first
+        for k in order:
+            s, m = setups[k]
+            t0 = time.perf_counter()
+            for _ in range(block):
+                train.train_step(s, step[k], m)
+                step[k] += 1
+            per_step[k].append((time.perf_counter() - t0) / block)
+    return {k: statistics.median(v) for k, v in per_step.items()}
+
+
+def step_tensors(fp8: str, size: dict):
+    """The activations, weights and gradients of one training step, with their formats."""
+    setup = train.build(fp8=fp8, quiet=True, **size)
+    got = []
+    e4, e5 = get_format("e4m3"), get_format("e5m2")
+    hs = []
+    for mod in setup.model.modules():
+        if isinstance(mod, torch.nn.Linear):
+            hs.append(mod.register_forward_pre_hook(lambda m, a: got.extend([(a[0].detach(), e4), (m.weight.detach(), e4)])))
+            def on_output(m, a, o):  # must return None, or the handle would replace the output
+                o.register_hook(lambda g: got.append((g.detach(), e5)))
+
+            hs.append(mod.register_forward_hook(on_output))
+    train.train_step(setup, 0, None)
+    for h in hs:
+        h.remove()
+    return got
+
+
+def time_stats(tensors, reps: int) -> dict[str, float]:
+    def run(fn):
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+    one = torch.tensor(1.0)
+    return {
+        "read pass x.abs().amax()": run(lambda: [x.abs().amax() for x, _ in tensors]),
+        "cheap stats": run(lambda: [cheap_stats(x, one, one, one) for x, _ in tensors]),
+        "full stats": run(lambda: [full_stats(x, one, one, one, f) for x, f in tensors]),
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--block", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--quick", action="store_true")
+    args = ap.parse_args()
+    if args.quick:
+        args.rounds, args.block, args.warmup = 2, 2, 1
+    size = {}  # the demo's default tiny GPT
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu")
+    with tempfile.TemporaryDirectory() as tmp:
+        for fp8, label in (("delayed", "tiny GPT, emulated FP8 (delayed scaling)"),
+                           ("off", "tiny GPT, plain FP32, what-if stats")):
+            setups = make_setups(fp8, tmp, size)
+            t = time_interleaved(setups, args.rounds, args.block, args.warmup)
+            for _, m in setups.values():
+                if isinstance(m, fp8scope.Monitor):
+                    m.close()
+            n = len(fp8scope.load_run(os.path.join(tmp, f"{fp8}-full")).manifest["tensors"])
+            print(f"\n{label}: {n} monitored tensors, median step time")
+            print(f"  plain (no monitor)        {t['plain'] * 1e3:8.1f} ms")
+            print(f"  (a) default every=10      {t['default'] * 1e3:8.1f} ms   ratio {t['default'] / t['plain']:.3f}x")
+            print(f"  (b) full stats every step {t['full'] * 1e3:8.1f} ms   ratio {t['full'] / t['plain']:.3f}x")
+            print(f"  naive .item() hooks       {t['naive'] * 1e3:8.1f} ms   ratio {t['naive'] / t['plain']:.3f}x")
+            print(f"  ours full / naive         {t['full'] / t['naive']:.3f}x")
+        tensors = step_tensors("delayed", size)
+        st = time_stats(tensors, reps=3 if args.quick else 10)
+        base = st["read pass x.abs().amax()"]
+        print(f"\nstats alone over one step's {len(tensors)} tensors "
+              f"({sum(x.numel() for x, _ in tensors) / 1e6:.1f} M elements)")
+        for k, v in st.items():
+            print(f"  {k:26s} {v * 1e3:8.2f} ms   {v / base:.2f}x one read pass")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
