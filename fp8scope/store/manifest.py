@@ -145,6 +145,8 @@ def read_manifest(run_dir: str | os.PathLike) -> dict:
         raise RunError(f"{where}: {MANIFEST} is not valid JSON (not UTF-8 text)") from None
     except json.JSONDecodeError as e:
         raise RunError(f"{where}: {MANIFEST} is not valid JSON (line {e.lineno})") from None
+    except (ValueError, RecursionError) as e:  # a 5000-digit number, nesting deeper than the stack
+        raise RunError(f"{where}: {MANIFEST} is not a usable JSON document ({type(e).__name__})") from None
     return validate_manifest(m, where)
 
 

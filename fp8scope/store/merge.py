@@ -42,9 +42,18 @@ class _StreamState:
     file: StreamFile
     tail: StreamTail
     chunks: list[pa.Table] = field(default_factory=list)
+    checked: bool = False
 
     def poll(self) -> bool:
         batches = self.tail.read_new()
+        if self.tail.schema is not None and not self.checked:
+            # Every table is keyed by (rank, step): a stream without them (hand-made, foreign) would
+            # merge as null steps and break every reader downstream; refuse it here, in one line.
+            for col in ("step", "rank"):
+                i = self.tail.schema.get_field_index(col)
+                if i < 0 or not pa.types.is_integer(self.tail.schema.field(i).type):
+                    raise RunError(f"{self.file.path}: not an fp8scope stream (no integer {col!r} column)")
+            self.checked = True
         batches = [b for b in batches if b.num_rows]
         if not batches:
             return False

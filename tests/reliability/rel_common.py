@@ -52,17 +52,35 @@ def assert_one_line_error(rc: int, stderr: str, needle: str | None = None) -> No
 
 
 def dashboard_loader():
-    """The dashboard's data layer, if it exists yet: a callable(run_dir) that loads what a page shows."""
+    """The dashboard's data layer (dashboard/data.py), if present: a callable(run_dir) that computes
+    what its pages show (status row, heatmaps, lines, events, outliers, verdict). None if absent."""
     try:
-        import importlib
-
-        mod = importlib.import_module("dashboard.data")
+        from dashboard import data as D
     except Exception:
         return None
-    for name in ("load", "load_run", "RunCache", "open_run", "RunStore"):
-        if hasattr(mod, name):
-            return getattr(mod, name)
-    return None
+
+    def load(path) -> dict:
+        path = Path(path)
+        status = D.run_status(path)  # the Runs view: never raises, says "error" in one line
+        if status["status"] == "error":
+            assert status["error"] and "\n" not in status["error"], status
+        cache = D.RunCache()
+        e = cache.get(path)  # a page on one run: RunError for a broken one
+        D.run_status(path, cache)
+        for fn in (
+            lambda: D.step_span(e), lambda: D.roles(e), lambda: D.layer_order(e),
+            lambda: D.heatmap_frame(e, "log2_amax", None), lambda: D.heatmap_frame(e, "overflow_pct", "gradient"),
+            lambda: D.heatmap_frame(e, "sqnr_db", None), lambda: D.scalars_frame(e), lambda: D.events(e),
+            lambda: D.outliers(e), lambda: D.verdict(e), lambda: D.nonfinite_cells(e, None),
+        ):
+            try:
+                fn()
+            except D.NoData:
+                pass
+        cache.refresh(path, force=True)
+        return status
+
+    return load
 
 
 # ---- fork server ---------------------------------------------------------------------------
