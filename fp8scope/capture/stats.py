@@ -19,6 +19,7 @@ the midpoint below ``fp8_max`` rounds onto the top code (``saturation_floor``).
 from __future__ import annotations
 
 import math
+import threading
 from functools import lru_cache
 
 import torch
@@ -46,11 +47,13 @@ def saturation_floor(fmt: Fp8Format) -> float:
     return mid
 
 
-def _count_above(v: torch.Tensor, threshold: float | torch.Tensor) -> torch.Tensor:
-    """Number of elements of ``v`` strictly above ``threshold`` (``v`` has no NaN), as float64."""
-    # float32 sums of 0/1 are exact below 2**24 elements and several times faster than float64.
-    acc = torch.float32 if v.numel() < 2**24 else torch.float64
-    return (v - threshold).clamp_(min=0).sign_().sum(dtype=acc).to(torch.float64)
+def _count_above_into(v: torch.Tensor, threshold: float, tmp: torch.Tensor) -> torch.Tensor:
+    """Number of elements of ``v`` strictly above ``threshold`` (``v`` has no NaN), using ``tmp``.
+
+    float32 sums of 0/1 are exact for chunks below 2**24 elements; the caller accumulates
+    chunks in float64."""
+    torch.sub(v, threshold, out=tmp)
+    return tmp.clamp_(min=0).sign_().sum().to(torch.float64)
 
 
 def _as_f64(t: torch.Tensor | float, device: torch.device) -> torch.Tensor:
@@ -90,6 +93,38 @@ def cheap_stats(
     return out
 
 
+_CHUNK = 1 << 20  # elements per pass: bounds scratch memory to a few MiB whatever the tensor size
+_scratch = threading.local()
+
+
+def _buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Three reusable float32 scratch buffers of ``n`` elements on ``device`` (per thread).
+
+    Fresh multi-MiB temporaries per op cost more than the arithmetic on CPU (every new
+    allocation is page-faulted in again); reusing them makes each pass a plain memory pass.
+    """
+    cache = getattr(_scratch, "bufs", None)
+    if cache is None:
+        cache = _scratch.bufs = {}
+    bufs = cache.get(device)
+    if bufs is None or bufs.shape[1] < n:
+        bufs = cache[device] = torch.empty((3, max(n, 1024)), dtype=torch.float32, device=device)
+    return bufs[0, :n], bufs[1, :n], bufs[2, :n]
+
+
+def _row_chunks(x: torch.Tensor, scale: torch.Tensor):
+    """Yield (x_part, scale_part) with at most ~_CHUNK elements, splitting along the first dim
+    so that a per-row scale stays aligned with its rows."""
+    if x.dim() == 0:
+        x = x.reshape(1)
+    rows = x.shape[0]
+    per_row = max(1, x.numel() // max(rows, 1))
+    step = max(1, _CHUNK // per_row)
+    per_row_scale = scale.dim() > 0 and scale.shape[0] == rows and rows > 1
+    for r in range(0, rows, step):
+        yield x[r:r + step], (scale[r:r + step] if per_row_scale else scale)
+
+
 def full_stats(
     x: torch.Tensor,
     scale: torch.Tensor | float,
@@ -100,48 +135,74 @@ def full_stats(
 ) -> torch.Tensor:
     """Every field of ``STAT_FIELDS``.
 
-    ``scale`` may be a 0-d tensor, a float, or a tensor broadcastable to ``x`` (per-row
-    scaling). ``deq`` is the dequantized tensor when the caller already quantized ``x``
-    (our emulated linear); otherwise ``x`` is quantized here to measure the error.
+    ``scale`` may be a 0-d tensor, a float, or a tensor broadcastable to ``x`` with one
+    entry per row (per-row scaling). ``deq`` is the dequantized tensor when the caller
+    already quantized ``x`` (our emulated linear); otherwise ``x`` is quantized here to
+    measure the error. Works in chunks through reused scratch buffers.
     """
     out = cheap_stats(x, scale, scale_inv, expected_amax)
     x = x.detach()
     n = x.numel()
+    dev = x.device
     if n == 0:
         for name in ("zeros", "nonfinite", "overflow", "underflow", "saturated", "sq_err", "sq_signal"):
             out[FIELD_INDEX[name]] = 0.0
         out[FIELD_INDEX["min_nonzero"]] = _INF
         return out
-    x32 = x.float()
-    # NaN -> -1: below every threshold, counted on its own; +-inf stays inf (an overflow).
-    b = torch.nan_to_num(x32.abs(), nan=-1.0, posinf=_INF)
-    n_nan = _count_above(b.neg(), 0.0)
-    n_inf = _count_above(b, _FLT_MAX)
-    scale_t = scale.detach().float() if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))
-    scale_t = scale_t.to(x.device)
+    scale_t = (scale.detach() if isinstance(scale, torch.Tensor) else torch.tensor(float(scale))).float().to(dev)
+    inv_t = (scale_inv.detach() if isinstance(scale_inv, torch.Tensor) else torch.tensor(float(scale_inv))).float()
+    inv_t = inv_t.to(dev)
     if scale_t.numel() == 1:
-        scale_t = scale_t.reshape(())
-    y = b * scale_t  # scaled magnitudes, exactly what the cast sees
-    positive = b.clamp(min=0).sign_()  # 1 where |x| > 0 (inf included), else 0
-    nonzero = positive.sum(dtype=torch.float32 if n < 2**24 else torch.float64).to(torch.float64)
+        scale_t, inv_t = scale_t.reshape(()), inv_t.reshape(())
+    sat_floor = saturation_floor(fmt)
+    # acc: n_nan, n_inf, nonzero, overflow, saturated, above_underflow, sq_err, sq_signal
+    acc = torch.zeros(8, dtype=torch.float64, device=dev)
+    min_nz = torch.full((), _INF, dtype=torch.float32, device=dev)
+    deq_parts = _row_chunks(deq.detach(), torch.zeros(())) if deq is not None else None
+    for xp, sp in _row_chunks(x, scale_t):
+        m = xp.numel()
+        a, y, t = _buffers(dev, m)
+        a.copy_(xp.reshape(-1))  # float32 copy of x
+        # quantization error first, while `a` still holds signed x
+        if deq_parts is not None:
+            dp, _ = next(deq_parts)
+            t.copy_(dp.reshape(-1))
+        else:
+            yv = y.view(xp.shape)
+            torch.mul(a.view(xp.shape), sp, out=yv)
+            yv.clamp_(-fmt.max, fmt.max)
+            t.view(xp.shape).copy_(yv.to(fmt.dtype))  # the real cast, decoded back to float32
+            t.view(xp.shape).mul_(inv_t if inv_t.dim() == 0 or sp is scale_t else inv_t[: xp.shape[0]])
+        t.sub_(a).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        sq_err = torch.dot(t, t)
+        torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0, out=t)
+        sq_sig = torch.dot(t, t)
+        # magnitudes; NaN -> -1 so it falls below every threshold and is counted on its own
+        a.abs_().nan_to_num_(nan=-1.0, posinf=_INF)
+        torch.mul(a.view(xp.shape), sp, out=y.view(xp.shape))  # scaled magnitudes: what the cast sees
+        counts = [
+            _count_above_into(torch.neg(a, out=t), 0.0, t),
+            _count_above_into(a, _FLT_MAX, t),
+            _count_above_into(a, 0.0, t),
+            _count_above_into(y, fmt.max, t),
+            _count_above_into(y, sat_floor, t),
+            _count_above_into(y, fmt.underflow_threshold, t),
+        ]
+        acc += torch.stack(counts + [sq_err.to(torch.float64), sq_sig.to(torch.float64)])
+        # smallest non-zero: zeros and NaNs (-1) pushed to FLT_MAX (inf * 0 would be NaN)
+        torch.clamp(a, min=0, out=t).sign_().neg_().add_(1.0).mul_(_FLT_MAX).add_(a)
+        min_nz = torch.minimum(min_nz, t.amin())
+    n_nan, n_inf, nonzero, over, sat, above_under = (acc[i] for i in range(6))
     out[FIELD_INDEX["zeros"]] = n - nonzero - n_nan
     out[FIELD_INDEX["nonfinite"]] = n_nan + n_inf
-    out[FIELD_INDEX["overflow"]] = _count_above(y, fmt.max)
-    out[FIELD_INDEX["saturated"]] = _count_above(y, saturation_floor(fmt))
-    out[FIELD_INDEX["underflow"]] = nonzero - _count_above(y, fmt.underflow_threshold)
-    # Smallest non-zero magnitude: zeros and NaNs pushed to FLT_MAX (not inf: inf * 0 is NaN).
-    min_nz = positive.neg_().add_(1.0).mul_(_FLT_MAX).add_(b).amin().to(torch.float64)
-    out[FIELD_INDEX["min_nonzero"]] = torch.where(min_nz >= _FLT_MAX, _INF, min_nz)
-    if deq is None:
-        signed = (x32 * scale_t).clamp_(-fmt.max, fmt.max)
-        deq = signed.to(fmt.dtype).float().mul_(
-            scale_inv.detach().float().to(x.device) if isinstance(scale_inv, torch.Tensor) else float(scale_inv)
-        )
-    err = torch.nan_to_num_(deq.detach().float() - x32, nan=0.0, posinf=0.0, neginf=0.0).flatten()
-    sig = torch.nan_to_num(x32, nan=0.0, posinf=0.0, neginf=0.0).flatten()
-    out[FIELD_INDEX["sq_err"]] = torch.dot(err, err).to(torch.float64)
-    out[FIELD_INDEX["sq_signal"]] = torch.dot(sig, sig).to(torch.float64)
+    out[FIELD_INDEX["overflow"]] = over
+    out[FIELD_INDEX["saturated"]] = sat
+    out[FIELD_INDEX["underflow"]] = nonzero - above_under
+    out[FIELD_INDEX["sq_err"]] = acc[6]
+    out[FIELD_INDEX["sq_signal"]] = acc[7]
+    mn = min_nz.to(torch.float64)
+    out[FIELD_INDEX["min_nonzero"]] = torch.where(mn >= _FLT_MAX, _INF, mn)
     # amax must propagate NaN like the recipe's amax does.
-    out[FIELD_INDEX["amax"]] = torch.where(n_nan > 0, torch.tensor(_NAN, dtype=torch.float64, device=x.device),
+    out[FIELD_INDEX["amax"]] = torch.where(n_nan > 0, torch.tensor(_NAN, dtype=torch.float64, device=dev),
                                            out[FIELD_INDEX["amax"]])
     return out
