@@ -78,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             x, y = batches.next()
             with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
                 logits = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.view(-1))
+            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
             loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # a tensor: no sync
             optimizer.step()

@@ -18,6 +18,16 @@ from fp8scope.demo.inject import Injection, Injector, outlier_channels, parse_sp
 from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
 from fp8scope.demo import train as demo_train
 
+@pytest.fixture(autouse=True)
+def _one_thread():
+    """These models are tiny: one thread is as fast, and on a busy shared CPU it avoids
+    OpenMP threads spinning against each other (measured 20x slower with 2 threads there)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 SMALL = dict(d_model=64, n_layers=2, n_heads=4, seq_len=32, batch_size=8, corpus_chars=30_000)
 
 
@@ -268,3 +278,25 @@ def test_injection_survives_fp8_conversion():
     result = demo_train.train_steps(setup, 4)
     assert result.steps == 4
     assert setup.injector.fired == [(2, setup.injector.specs[0])]
+
+
+def _monitor_available() -> bool:
+    import fp8scope
+
+    return _emulate_available() and hasattr(fp8scope, "Monitor") and hasattr(fp8scope, "load_run")
+
+
+@pytest.mark.skipif(not _monitor_available(), reason="fp8scope.Monitor not available")
+def test_monitored_cli_run_records_planted_outlier(tmp_path):
+    """End to end: the CLI writes a run in which the planted outlier's amax jump is visible."""
+    import fp8scope
+
+    run_dir = tmp_path / "run"
+    argv = ["--steps", "6", "--every", "1", "--d-model", "32", "--n-layers", "2", "--seq-len", "16",
+            "--batch-size", "4", "--corpus-chars", "5000", "--run-dir", str(run_dir), "--quiet",
+            "--inject", "outlier:blocks.1.mlp.down:4"]
+    assert demo_train.main(argv) == 0
+    df = fp8scope.load_run(run_dir).tensors()
+    amax = df[(df.layer == "blocks.1.mlp.down") & (df.tensor == "activation")].set_index("step")["amax"]
+    assert sorted(amax.index) == list(range(6))
+    assert amax[4] > 50 * amax[3] and amax[5] < 5 * amax[3]

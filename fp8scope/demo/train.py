@@ -59,6 +59,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--clip", type=float, default=1.0, help="max total grad norm")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N]")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU threads for torch (0 = torch's default). On a shared, busy machine "
+                        "--threads 1 can be many times faster: idle-spinning OpenMP threads fight")
     p.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
                    help="compute dtype of the non-FP8 math (bfloat16 = autocast, fp32 master weights)")
     p.add_argument("--fp8", choices=FP8_CHOICES, default="delayed",
@@ -197,6 +200,8 @@ def build(args: argparse.Namespace | None = None, **overrides: Any) -> Setup:
     elif overrides:
         args = argparse.Namespace(**{**vars(args), **overrides})
     device = torch.device(args.device)
+    if getattr(args, "threads", 0):
+        torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
 
     tok, train_ids, val_ids = make_data(args.corpus_chars, seed=args.seed)
@@ -378,13 +383,20 @@ def sample(setup: Setup, prompt: str = "The ", n_chars: int = 80) -> str:
 
 
 def open_monitor(setup: Setup, run_dir: str | Path):
-    """``fp8scope.Monitor`` for this setup (recipe and metadata filled in)."""
+    """``fp8scope.Monitor`` for this setup (recipe and metadata filled in).
+
+    With ``--fp8 off`` the monitor still gets a recipe: the one ``--fp8 delayed``
+    would have used, so its what-if statistics answer "what would FP8 have done here".
+    """
     import fp8scope
 
     if not hasattr(fp8scope, "Monitor"):
         raise RuntimeError("fp8scope.Monitor is not available in this install; use --no-monitor")
+    recipe = setup.recipe
+    if recipe is None:  # --fp8 off: what-if stats against the delayed recipe the flags describe
+        recipe = make_recipe(argparse.Namespace(**{**vars(setup.args), "fp8": "delayed"}))
     return fp8scope.Monitor(setup.model, str(run_dir), every=setup.args.every,
-                            recipe=setup.recipe, meta=setup.meta())
+                            recipe=recipe, meta=setup.meta())
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -394,7 +406,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.overwrite and run_dir.exists():
         shutil.rmtree(run_dir)
     setup = build(args)
-    say = (lambda *a: None) if args.quiet else print
+    say = (lambda *a: None) if args.quiet else (lambda *a: print(*a, flush=True))
     n_params = sum(p.numel() for p in setup.model.parameters())
     say(f"tiny-gpt: {n_params / 1e6:.2f}M params, vocab {setup.cfg.vocab}, fp8={args.fp8}"
         + (f" (history {args.amax_history_len}, margin {args.margin})" if args.fp8 == "delayed" else "")
