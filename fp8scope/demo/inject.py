@@ -28,8 +28,10 @@ being told about it:
     its share of upstream gradients shrink by FACTOR in any precision (the residual
     path keeps upstream layers alive).
 ``lr:STEP[:FACTOR]``
-    From STEP on, multiply the learning rate by FACTOR (default 100): a blow-up that
-    is *not* FP8's fault, so the monitor can show it happens in BF16 too (signature 9).
+    From STEP on, multiply the learning rate by FACTOR (default 100): a loss blow-up
+    that is *not* FP8's fault (on the demo the loss jumps from ~2.0 back to ~3.0 and
+    stays there; grad clipping keeps it finite), so the monitor can show it happens
+    in BF16 too (signatures 8 and 9).
 
 Steps are 0-based optimizer-step indices: the training loop sets ``Injector.step``
 before each forward pass. Hooks are registered with ``prepend=True`` so they run
