@@ -1,0 +1,189 @@
+"""Load benchmark: 8 writer processes log 2,000 tensors per step into one run while readers
+(the CLI, load_run().refresh(), the dashboard's data layer) read it. Reports reader errors and the
+writers' per-step write time with and without readers, interleaved in one run (phases alternate).
+
+    .venv/bin/python benchmarks/reliability_load.py [--writers 8] [--tensors 2000] [--phase-s 6]
+        [--rounds 3] [--step-ms 100] [--out results.json]
+
+Writers: one process per rank; each step builds its 2,000-row tensors batch and scalars from a
+stats matrix (what the monitor's writer thread does: step_records.tensor_batch) and appends them
+with RunWriter; a training step is simulated by sleeping to the next --step-ms tick (a GPU step
+does not use the host CPU). "write time" = build + append, measured per step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+
+def writer(rank: int, run: str, duration: float, step_ms: float, n_tensors: int, out: str) -> None:
+    import numpy as np
+
+    from fp8scope.capture.collector import TensorKey
+    from fp8scope.schema import N_FIELDS
+    from fp8scope.step_records import scalar_batch, tensor_batch
+    from fp8scope.store import RunWriter
+
+    keys = [TensorKey(f"blocks.{i // 3}.mlp.fc{i % 2}", ("activation", "weight", "gradient")[i % 3], "emulated",
+                      "e4m3", 448.0, (1024, 1024)) for i in range(n_tensors)]
+    rng = np.random.default_rng(rank)
+    w = RunWriter(run, rank)
+    samples = []
+    t_end = time.time() + duration
+    step = 0
+    next_tick = time.perf_counter()
+    while time.time() < t_end:
+        m = rng.random((n_tensors, N_FIELDS)) * 100
+        t0 = time.perf_counter()
+        tb = tensor_batch(step, rank, m, list(range(n_tensors)), keys, True)
+        w.write("tensors", tb)
+        w.write("scalars", scalar_batch(step, rank, ["loss", "lr"], [float(m[0, 0]), 1e-3], time.time()))
+        dt = time.perf_counter() - t0
+        samples.append((time.time(), dt))
+        step += 1
+        next_tick += step_ms / 1000
+        time.sleep(max(0.0, next_tick - time.perf_counter()))
+    w.close()
+    Path(out).write_text(json.dumps(samples))
+
+
+def reader(kind: str, run: str, stop: str, out: str) -> None:
+    errors, n = [], 0
+    if kind == "api":
+        import fp8scope
+
+        r = None
+        while not os.path.exists(stop):
+            try:
+                if r is None:
+                    r = fp8scope.load_run(run)
+                else:
+                    r.refresh()
+                r.tensors(last=1)
+                r.info()
+                n += 1
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {e}")
+            time.sleep(0.5)
+    elif kind == "dashboard":
+        from dashboard import data as D
+
+        cache = D.RunCache()
+        while not os.path.exists(stop):
+            try:
+                p = Path(run)
+                e = cache.get(p)
+                cache.refresh(p, force=True)
+                D.run_status(p, cache)
+                D.heatmap_frame(e, "log2_amax", None)
+                D.scalars_frame(e)
+                n += 1
+            except Exception as e:  # noqa: BLE001
+                errors.append(f"{type(e).__name__}: {e}")
+            time.sleep(2.0)  # the dashboard's default refresh interval
+    else:  # cli: a fresh process each time, like a user typing
+        while not os.path.exists(stop):
+            for args in (["info", run], ["tensors", run, "--last", "1", "--csv"]):
+                r = subprocess.run([sys.executable, "-m", "fp8scope", *args], capture_output=True, text=True, cwd=ROOT)
+                n += 1
+                if r.returncode != 0:
+                    errors.append(r.stderr.strip()[:300])
+            time.sleep(1.0)
+    Path(out).write_text(json.dumps({"kind": kind, "reads": n, "errors": errors}))
+
+
+def run_load(writers=8, tensors=2000, phase_s=6.0, rounds=3, step_ms=100.0, readers=("cli", "api", "dashboard"),
+             work: str | None = None) -> dict:
+    from fp8scope.store import new_manifest, write_manifest
+
+    work = Path(work or tempfile.mkdtemp(prefix="fp8load-"))
+    run = work / "run"
+    write_manifest(run, new_manifest(world_size=writers))
+    duration = phase_s * 2 * rounds + 2
+    me = str(Path(__file__).resolve())
+    wprocs = [subprocess.Popen([sys.executable, me, "--_writer", str(r), str(run), str(duration), str(step_ms),
+                                str(tensors), str(work / f"w{r}.json")], cwd=ROOT) for r in range(writers)]
+    time.sleep(1.5)  # writers up
+    phases = []  # (start, end, with_readers)
+    reader_results = []
+    try:
+        for k in range(rounds):
+            for with_readers in (False, True):  # interleaved: A B A B ...
+                t0 = time.time()
+                rprocs = []
+                stop = work / f"stop{k}{int(with_readers)}"
+                if with_readers:
+                    rprocs = [subprocess.Popen([sys.executable, me, "--_reader", kind, str(run), str(stop),
+                                                str(work / f"r{k}-{kind}.json")], cwd=ROOT) for kind in readers]
+                time.sleep(phase_s)
+                stop.touch()
+                for p in rprocs:
+                    p.wait(timeout=120)
+                phases.append((t0, time.time(), with_readers))
+                if with_readers:
+                    reader_results += [json.loads((work / f"r{k}-{kind}.json").read_text()) for kind in readers]
+    finally:
+        for p in wprocs:
+            p.wait(timeout=duration + 120)
+    samples = []
+    for r in range(writers):
+        samples += json.loads((work / f"w{r}.json").read_text())
+
+    def in_phase(t, flag):
+        # skip the first second of each phase: readers' interpreter start-up is a transient
+        return any(a + 1.0 <= t < b and f == flag for a, b, f in phases)
+
+    a = [dt * 1000 for t, dt in samples if in_phase(t, False)]
+    b = [dt * 1000 for t, dt in samples if in_phase(t, True)]
+
+    def summ(x):
+        x = sorted(x)
+        return {"n": len(x), "mean_ms": round(statistics.fmean(x), 3), "median_ms": round(statistics.median(x), 3),
+                "p95_ms": round(x[int(0.95 * (len(x) - 1))], 3)}
+
+    import fp8scope
+
+    final = fp8scope.load_run(run).info()
+    errors = [e for r in reader_results for e in r["errors"]]
+    return {
+        "writers": writers, "tensors_per_step": tensors, "step_ms": step_ms, "phase_s": phase_s, "rounds": rounds,
+        "without_readers": summ(a), "with_readers": summ(b),
+        "slowdown_mean_pct": round(100 * (statistics.fmean(b) / statistics.fmean(a) - 1), 1),
+        "slowdown_median_pct": round(100 * (statistics.median(b) / statistics.median(a) - 1), 1),
+        "reads": {k: sum(r["reads"] for r in reader_results if r["kind"] == k) for k in readers},
+        "reader_errors": errors, "rows_written": final["tables"], "cpus": os.cpu_count(),
+        "loadavg_1m": round(os.getloadavg()[0], 1),
+    }
+
+
+if __name__ == "__main__":
+    if len(sys.argv) > 1 and sys.argv[1] == "--_writer":
+        a = sys.argv[2:]
+        writer(int(a[0]), a[1], float(a[2]), float(a[3]), int(a[4]), a[5])
+        sys.exit(0)
+    if len(sys.argv) > 1 and sys.argv[1] == "--_reader":
+        reader(*sys.argv[2:6])
+        sys.exit(0)
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--writers", type=int, default=8)
+    ap.add_argument("--tensors", type=int, default=2000)
+    ap.add_argument("--phase-s", type=float, default=6.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--step-ms", type=float, default=100.0)
+    ap.add_argument("--out")
+    args = ap.parse_args()
+    res = run_load(args.writers, args.tensors, args.phase_s, args.rounds, args.step_ms)
+    print(json.dumps(res, indent=2))
+    if args.out:
+        Path(args.out).write_text(json.dumps(res, indent=2))
