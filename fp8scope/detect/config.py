@@ -31,7 +31,7 @@ class DetectConfig:
     sat_tol: float = 1e-3
     sat_warn_ratio: float = 8.0  # amax / range >= this (clipped by 3 binades or more): warning
     sat_critical_ratio: float = 32.0  # amax / range >= this: critical
-    sat_warn_fraction: float = 1e-3  # or >= 0.1% of the elements overflowed (full-stats rows): warning
+    sat_warn_fraction: float = 0.02  # or >= 2% of the elements overflowed (full-stats rows): warning
     # saturation_rate: share of the last sat_rate_window logged steps with amax/range >= sat_rate_min_ratio
     sat_rate_window: int = 100
     sat_rate_min_ratio: float = 1.25
@@ -50,10 +50,11 @@ class DetectConfig:
     # is "info" (most tiny values are harmless); it becomes a warning when underflow is also high
     dynamic_range_excess: float = 0.0
 
-    # scale_collapse: scale_inv rose >= collapse_factor x over the last collapse_window logged steps
-    # and is at its highest
+    # scale_collapse: scale_inv rose >= collapse_factor x over the last collapse_window logged steps,
+    # step after step (not one jump), and is at its highest
     collapse_factor: float = 64.0
     collapse_window: int = 50
+    collapse_max_jump: float = 8.0  # and no single step raised it more than 8x (gradual, not one spike)
 
     # layer_outlier: robust z-score of log2(amax) among layers of the same kind (same role, same
     # name with digits replaced), at the same step

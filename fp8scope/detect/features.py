@@ -50,6 +50,9 @@ def window_features_sql(src: str, cfg: DetectConfig) -> str:
     w, k, r = int(cfg.spike_window), int(cfg.collapse_window), int(cfg.sat_rate_window)
     o = f"partition by {KEY} order by step"
     return f"""
+    with _up as (
+        select *, scale_inv_f / lag(scale_inv_f) over ({o}) as si_jump from {src}
+    )
     select *,
         max(amax_f) over wp as prev_max,
         count(amax_f) over wp as n_prev,
@@ -58,12 +61,14 @@ def window_features_sql(src: str, cfg: DetectConfig) -> str:
         first_value(scale_inv_f) over wc as si_old,
         max(scale_inv_f) over wc as si_max,
         count(scale_inv_f) over wc as n_si,
+        max(si_jump) over wu as max_jump,
         sum(sat_hit) over wr as n_sat,
         count(*) over wr as n_rate
-    from {src}
+    from _up
     window wo as ({o}),
            wp as ({o} rows between {w} preceding and 1 preceding),
            wc as ({o} rows between {k} preceding and current row),
+           wu as ({o} rows between {k - 1} preceding and current row),
            wr as ({o} rows between {r - 1} preceding and current row)
     """
 

@@ -65,6 +65,7 @@ class OnlineDetector:
         self._amax = np.full((n0, self._W), np.nan)
         self._si = np.full((n0, self._K), np.nan)
         self._sat = np.zeros((n0, self._R), dtype=np.int64)
+        self._up = np.full((n0, self._K - 1), np.nan)
         self._prev_bad = np.full(n0, np.nan)  # NaN: no previous row
         self._prev_si = np.full(n0, np.nan)
         self._flags = {n: np.zeros(n0, dtype=bool) for n in self.edge_names}
@@ -133,6 +134,7 @@ class OnlineDetector:
         self._amax = np.vstack([self._amax, np.full((m, self._W), np.nan)])
         self._si = np.vstack([self._si, np.full((m, self._K), np.nan)])
         self._sat = np.vstack([self._sat, np.zeros((m, self._R), dtype=np.int64)])
+        self._up = np.vstack([self._up, np.full((m, self._K - 1), np.nan)])
         self._prev_bad = np.concatenate([self._prev_bad, np.full(m, np.nan)])
         self._prev_si = np.concatenate([self._prev_si, np.full(m, np.nan)])
         for k in self._flags:
@@ -175,6 +177,13 @@ class OnlineDetector:
 
         prev_bad = self._prev_bad[idx]
         prev_si = self._prev_si[idx]
+        # largest one-step rise of scale_inv over the last collapse_window rows, current included
+        with np.errstate(invalid="ignore", divide="ignore"):
+            jump = si_f / prev_si  # NaN when either side is missing (SQL: NULL)
+        self._up[idx, before % (self._K - 1)] = jump
+        ju = self._up[idx]
+        jfin = np.isfinite(ju)
+        max_jump = np.where(jfin.any(axis=1), np.max(np.where(jfin, ju, -np.inf), axis=1), np.nan)
         self._prev_bad[idx] = rowf["bad_amax"].to_numpy(dtype=bool).astype(float)
         self._prev_si[idx] = si_f
         self._rows[idx] = before + 1
@@ -182,7 +191,7 @@ class OnlineDetector:
         feat = rowf.assign(
             prev_max=prev_max, n_prev=n_prev, prev_bad_amax=pd.array(
                 [None if np.isnan(v) else bool(v) for v in prev_bad], dtype="boolean"),
-            prev_scale_inv=prev_si, si_old=si_old, si_max=si_max, n_si=n_si, n_sat=n_sat, n_rate=n_rate,
+            prev_scale_inv=prev_si, si_old=si_old, si_max=si_max, n_si=n_si, max_jump=max_jump, n_sat=n_sat, n_rate=n_rate,
         )
         con.register("_feat", pa.Table.from_pandas(feat, preserve_index=False))
         try:

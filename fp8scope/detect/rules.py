@@ -185,14 +185,14 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             "scale_collapse",
             cond=(
                 f"n_si > {int(cfg.collapse_window)} and si_old > 0 and scale_inv_f >= {_g(cfg.collapse_factor)} * si_old "
-                "and scale_inv_f >= si_max"
+                f"and scale_inv_f >= si_max and max_jump <= {_g(cfg.collapse_max_jump)}"
             ),
             value="scale_inv_f / si_old",
             threshold=_g(cfg.collapse_factor),
             severity=_early(cfg, "'warning'"),
             message=lambda r: (
                 f"{_where(r)}: scale_inv rose {_fmt(r['value'])}x over the last {int(cfg.collapse_window)} logged "
-                f"steps (scale {_fmt(r['scale'])}): the scale is collapsing toward zero"
+                f"steps, at most {_fmt(r['max_jump'])}x in one step (scale {_fmt(r['scale'])}): the scale is collapsing toward zero"
             ),
         ),
         RowRule(
