@@ -33,7 +33,7 @@ def _free_port() -> int:
 def _train_one(rank: int, run_dir: str, reduce: str, check, plant: bool) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    from conftest import MLP
+    from tests.conftest import MLP
     from fp8scope.emulate import DelayedScaling, ScalingState, convert_to_fp8
 
     torch.manual_seed(0)

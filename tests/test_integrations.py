@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 import fp8scope
-from conftest import MLP
+from tests.conftest import MLP
 
 
 # ---- plain loop: gradient accumulation + activation checkpointing ------------------------
