@@ -139,7 +139,7 @@ def replay(run, recipes: list[WhatIfRecipe], risk_binades: float = 4.0, progress
         tick()
     con.close()
     res = pd.concat(out, ignore_index=True).merge(order, on=["rank", "layer", "tensor"], how="left")
-    return res.sort_values(["order", "tensor", "rank", "recipe"], kind="stable").reset_index(drop=True)
+    return res.sort_values(["order", "tensor", "rank"], kind="stable").reset_index(drop=True)
 
 
 def replay_series(amax: np.ndarray, fp8_max: float, r: WhatIfRecipe) -> np.ndarray:

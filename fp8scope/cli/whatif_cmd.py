@@ -1,0 +1,81 @@
+"""``fp8scope whatif RUN``: replay the logged amax series through other scaling recipes.
+
+Answers "which amax_history_len / margin should I use?" (TE issue #1169) from the run's own
+data: per layer and tensor, how many steps would have saturated (amax above the range the
+scale allowed) and how many would have wasted >= RISK binades of range at the top
+(underflow risk), under each recipe.
+"""
+
+from __future__ import annotations
+
+from fp8scope.errors import UsageError
+
+DEFAULT_COMPARE = "logged,delayed:1024:0,delayed:16:0,delayed:16:1,current"
+
+
+def register(sub) -> None:
+    p = sub.add_parser("whatif", help="replay the logged amax through other scaling recipes (saturation / underflow risk)")
+    p.add_argument("run", help="run folder")
+    p.add_argument("--recipe", choices=("delayed", "current"), help="one recipe to replay")
+    p.add_argument("--amax-history-len", type=int, default=1024, help="delayed: history length")
+    p.add_argument("--margin", type=float, default=0.0, help="scale margin in binades")
+    p.add_argument("--algo", choices=("max", "most_recent"), default="max", help="delayed: amax_compute_algo")
+    p.add_argument("--compare", help="comma-separated recipes: delayed[:HIST[:MARGIN[:ALGO]]], current[:MARGIN], "
+                                     f"logged (default when --recipe is not given: {DEFAULT_COMPARE})")
+    p.add_argument("--risk-binades", type=float, default=4.0,
+                   help="underflow-risk step: range >= amax x 2**RISK (that many binades wasted at the top)")
+    p.add_argument("--by-layer", action="store_true", help="sum the tensors of each layer")
+    p.add_argument("--json", action="store_true", help="print rows as JSON")
+    p.set_defaults(func=run)
+
+
+def recipes_from_args(args):
+    from fp8scope.detect.whatif import WhatIfRecipe, parse_recipe
+
+    if args.recipe and args.compare:
+        raise UsageError("give either --recipe or --compare, not both")
+    if args.amax_history_len < 1:
+        raise UsageError("--amax-history-len must be >= 1")
+    if args.margin < 0:
+        raise UsageError("--margin must be >= 0")
+    if args.recipe == "delayed":
+        r = WhatIfRecipe("delayed", args.amax_history_len, args.margin, args.algo)
+        return [parse_recipe("logged"), parse_recipe(r.label)]
+    if args.recipe == "current":
+        return [parse_recipe("logged"), WhatIfRecipe("current", margin=args.margin)]
+    specs = [s for s in (args.compare or DEFAULT_COMPARE).split(",") if s.strip()]
+    if not specs:
+        raise UsageError("--compare needs at least one recipe")
+    out = list(dict.fromkeys(parse_recipe(s) for s in specs))
+    return out
+
+
+def run(args) -> int:
+    from fp8scope.cli.output import print_frame, print_json
+    from fp8scope.cli.progress import items
+    from fp8scope.detect.whatif import pivot, replay
+    from fp8scope.run import load_run
+
+    recipes = recipes_from_args(args)
+    r = load_run(args.run)
+    if "tensors" not in r.table_names():
+        raise UsageError(f"{args.run}: no tensor statistics to replay")
+    with items("replaying recipes", len(recipes)) as advance:
+        res = replay(r, recipes, risk_binades=args.risk_binades, progress=advance)
+    if args.json:
+        rows = res.drop(columns=["order"]).to_dict("records")
+        for d in rows:
+            for k, v in list(d.items()):
+                if hasattr(v, "item"):
+                    d[k] = v.item()
+                if isinstance(d[k], float) and d[k] != d[k]:
+                    d[k] = None
+        print_json(rows)
+        return 0
+    table = pivot(res, by_layer=args.by_layer)
+    print_frame(table, title=f"{args.run}: saturation steps / underflow-risk steps (>= {args.risk_binades:g} binades "
+                             "of headroom) per recipe")
+    tot = res.groupby("recipe", sort=False)[["sat_steps", "risk_steps"]].sum()
+    best = tot.assign(score=tot["sat_steps"] * 10 + tot["risk_steps"]).sort_values("score")
+    print(f"fewest problems: {best.index[0]}  (saturation counts 10x an underflow-risk step)")
+    return 0
