@@ -153,7 +153,11 @@ class StreamTail:
             msg = pa.ipc.read_message(buf.slice(*span))
             if msg.type != "schema":
                 raise _Garbage(f"first message is a {msg.type}, not a schema")
-            return pa.ipc.read_schema(msg)
+            schema = pa.ipc.read_schema(msg)
+            schema.names, schema.metadata  # noqa: B018 - decode now: a corrupt name is not UTF-8
+            return schema
+        except UnicodeDecodeError:
+            raise self._garbage("schema names are not UTF-8") from None
         except (pa.ArrowException, OSError, _Garbage) as e:  # ArrowIOError is an OSError
             raise self._garbage(str(e).splitlines()[0]) from None
 
