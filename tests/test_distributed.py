@@ -119,7 +119,7 @@ def test_ddp_two_ranks_per_rank_and_aggregated_series(two_ranks):
     loss = run.scalars("loss")
     per_loss = loss[loss["rank"] >= 0].groupby("step")["value"].mean()
     np.testing.assert_allclose(loss[loss["rank"] == -1].set_index("step")["value"], per_loss)
-    assert run.events().empty
+    assert "cross_rank_scale_mismatch" not in set(run.events()["rule"])
     assert cross_rank_scale_mismatch(run).empty
     assert len(run.tensors(rank=-1)) == STEPS * 9
 
@@ -130,9 +130,11 @@ def test_four_ranks_aggregate_only_and_a_planted_scale_is_a_critical_event(tmp_p
     df = run.tensors()
     assert set(df["rank"]) == {AGGREGATE_RANK}  # one series instead of four
     assert set(run.scalars()["rank"]) == {AGGREGATE_RANK}
-    ev = run.events()
+    all_ev = run.events()
+    # online detection may also flag real saturation in this tiny delayed-scaling model
+    ev = all_ev[all_ev["rule"] == "cross_rank_scale_mismatch"]
     assert len(ev) >= 1
-    assert set(ev["rule"]) == {"cross_rank_scale_mismatch"} and set(ev["severity"]) == {"critical"}
+    assert set(ev["severity"]) == {"critical"}
     assert set(ev["rank"]) == {1} and set(ev["layer"]) == {"down"} and set(ev["tensor"]) == {"weight"}
     assert ev["step"].min() == 1  # delayed scaling: step 0 runs at scale 1 on every rank
     assert (ev["value"] > 0.5).all()  # margin 2: the scale is 4x off
@@ -141,7 +143,7 @@ def test_four_ranks_aggregate_only_and_a_planted_scale_is_a_critical_event(tmp_p
 def test_per_rank_only_run_is_checked_offline(two_ranks):
     run, infos = two_ranks["planted"]
     assert [i["exchanges"] for i in infos] == [0, 0]  # nothing exchanged by default
-    assert run.events().empty
+    assert "cross_rank_scale_mismatch" not in set(run.events()["rule"])
     ev = cross_rank_scale_mismatch(run)
     assert len(ev) == 1 and ev.iloc[0]["rank"] == 1 and ev.iloc[0]["layer"] == "down"
     assert ev.iloc[0]["step"] == 1

@@ -267,7 +267,8 @@ def test_sigkill_never_loses_returned_writes(run_dir: Path):
         first = proc.stdout.readline().split()
         assert first[0] == "segment"
         seg = int(first[1])
-        assert seg == attempt
+        # a writer killed before its first write leaves no file, so its number may be reused
+        assert seg <= attempt
         time.sleep(rng.uniform(0.05, 0.4))
         os.kill(proc.pid, signal.SIGKILL)
         out, _ = proc.communicate()
