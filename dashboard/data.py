@@ -26,7 +26,7 @@ import pandas as pd
 import pyarrow as pa
 
 from fp8scope.errors import Fp8ScopeError, RunError
-from fp8scope.run import Run
+from fp8scope.run import Run, disk_usage
 from fp8scope.store.layout import list_parquet_tables, list_streams, parquet_path
 from fp8scope.store.manifest import read_manifest
 
@@ -163,19 +163,6 @@ class RunCache:
 
 
 # ---- run list summaries (cheap: never loads the tensors table of an uncached run) ----------
-def _disk(path: Path) -> tuple[int, float | None]:
-    size, last = 0, None
-    for root, _, files in os.walk(path):
-        for f in files:
-            try:
-                st = os.stat(os.path.join(root, f))
-            except OSError:
-                continue
-            size += st.st_size
-            last = st.st_mtime if last is None else max(last, st.st_mtime)
-    return size, last
-
-
 def _ends_cleanly(p: Path) -> bool:
     """True when the stream file ends with the Arrow end-of-stream marker RunWriter.close() writes."""
     try:
@@ -214,7 +201,7 @@ def run_status(path: Path, cache: RunCache | None = None, now: float | None = No
     try:
         m = read_manifest(path)
         out["created"] = m.get("created")
-        size, last = _disk(path)
+        size, last = disk_usage(path)
         out["size"], out["last_write"] = size, last
         streams = list_streams(path)
         e = cache.peek(path) if cache else None

@@ -143,7 +143,7 @@ class Run:
         if not n_tensors and "tensors" in self.table_names():
             t = self._data.table("tensors")
             n_tensors = t.select(["layer", "tensor"]).group_by(["layer", "tensor"]).aggregate([]).num_rows
-        size, last_write = _disk_usage(self.path)
+        size, last_write = disk_usage(self.path)
         return {
             "path": str(self.path),
             "steps": len(all_steps),
@@ -212,13 +212,14 @@ def _sorted(t: pa.Table, keys: list[str]) -> pa.Table:
     return t.sort_by([(k, "ascending") for k in keys])
 
 
-def _disk_usage(path: Path) -> tuple[int, float | None]:
+def disk_usage(path: str | os.PathLike) -> tuple[int, float | None]:
+    """(bytes on disk, last modification time) of a run folder; files vanishing meanwhile are skipped."""
     size, last = 0, None
     for root, _, files in os.walk(path):
         for f in files:
             try:
                 st = os.stat(os.path.join(root, f))
-            except FileNotFoundError:
+            except OSError:
                 continue
             size += st.st_size
             last = st.st_mtime if last is None else max(last, st.st_mtime)
