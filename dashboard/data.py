@@ -14,7 +14,6 @@ which reads only the bytes appended since the last call (a torn tail is retried 
 from __future__ import annotations
 
 import math
-import os
 import threading
 import time
 from collections import OrderedDict
