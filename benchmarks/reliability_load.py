@@ -114,7 +114,10 @@ def run_load(writers=8, tensors=2000, phase_s=6.0, rounds=3, step_ms=100.0, read
     me = str(Path(__file__).resolve())
     wprocs = [subprocess.Popen([sys.executable, me, "--_writer", str(r), str(run), str(duration), str(step_ms),
                                 str(tensors), str(work / f"w{r}.json")], cwd=ROOT) for r in range(writers)]
-    time.sleep(1.5)  # writers up
+    deadline = time.time() + 120  # wait until every writer has written its first step
+    while time.time() < deadline and len(list((run / "streams").glob("tensors-*"))) < writers:
+        time.sleep(0.1)
+    time.sleep(0.5)
     phases = []  # (start, end, with_readers)
     reader_results = []
     try:
@@ -148,6 +151,8 @@ def run_load(writers=8, tensors=2000, phase_s=6.0, rounds=3, step_ms=100.0, read
     b = [dt * 1000 for t, dt in samples if in_phase(t, True)]
 
     def summ(x):
+        if not x:
+            return {"n": 0}
         x = sorted(x)
         return {"n": len(x), "mean_ms": round(statistics.fmean(x), 3), "median_ms": round(statistics.median(x), 3),
                 "p95_ms": round(x[int(0.95 * (len(x) - 1))], 3)}
@@ -159,8 +164,8 @@ def run_load(writers=8, tensors=2000, phase_s=6.0, rounds=3, step_ms=100.0, read
     return {
         "writers": writers, "tensors_per_step": tensors, "step_ms": step_ms, "phase_s": phase_s, "rounds": rounds,
         "without_readers": summ(a), "with_readers": summ(b),
-        "slowdown_mean_pct": round(100 * (statistics.fmean(b) / statistics.fmean(a) - 1), 1),
-        "slowdown_median_pct": round(100 * (statistics.median(b) / statistics.median(a) - 1), 1),
+        "slowdown_mean_pct": round(100 * (statistics.fmean(b) / statistics.fmean(a) - 1), 1) if a and b else None,
+        "slowdown_median_pct": round(100 * (statistics.median(b) / statistics.median(a) - 1), 1) if a and b else None,
         "reads": {k: sum(r["reads"] for r in reader_results if r["kind"] == k) for k in readers},
         "reader_errors": errors, "rows_written": final["tables"], "cpus": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 1),

@@ -18,7 +18,7 @@ def test_readers_never_fail_under_8_writers(tmp_path):
         readers = ("cli", "api", "dashboard")
     except Exception:
         readers = ("cli", "api")
-    res = mod.run_load(writers=8, tensors=2000, phase_s=5.0, rounds=1, step_ms=100.0, readers=readers,
+    res = mod.run_load(writers=8, tensors=2000, phase_s=4.0, rounds=1, step_ms=100.0, readers=readers,
                        work=str(tmp_path))
     assert res["reader_errors"] == [], res["reader_errors"][:5]
     assert all(res["reads"][k] >= 1 for k in readers), res["reads"]
