@@ -48,9 +48,17 @@ def _connect():
 
 
 # ---- shared evaluation (offline and online) ---------------------------------------------------
+NONFINITE = RowRule("nonfinite", cond="bad", value="0", threshold="0", severity="'critical'",
+                    message=lambda r: "", edge=True, evaluable="true")
+
+
 def flag_columns(rules: list[RowRule]) -> str:
-    cols = [f"({r.cond}) as f_{r.name}" for r in rules]
-    cols.append("bad as f_nonfinite")
+    """f_<rule>: the rule holds (never NULL); ev_<rule>: the row can be judged (edge bookkeeping)."""
+    cols = []
+    for r in list(rules) + [NONFINITE]:
+        cols.append(f"coalesce(({r.evaluable}) and ({r.cond}), false) as f_{r.name}")
+        if r.edge:
+            cols.append(f"coalesce(({r.evaluable}), false) as ev_{r.name}")
     return ", ".join(cols)
 
 
@@ -245,27 +253,40 @@ def detect(run, config: DetectConfig | None = None, progress: Callable[[str], No
 
 
 def _tensor_events(con, table: pa.Table, cfg: DetectConfig) -> list[dict]:
+    """One window pass (features + running count of evaluable rows per edge rule); only candidate
+    rows (some rule holds) come back. A candidate is an edge unless the previous evaluable row of
+    the same tensor (running count - 1) is also a candidate for that rule."""
+    from fp8scope.detect.features import KeyMap
+
     rules = row_rules(cfg)
-    con.register("tensors_raw", table)
-    edges = []
-    wo = "partition by rank, layer, tensor order by step"
-    edge_names = set(edge_rules(rules))
-    for name in [r.name for r in rules] + ["nonfinite"]:
-        if name in edge_names:
-            edges.append(f"f_{name} and not coalesce(lag(f_{name} ignore nulls) over ({wo}), false) as e_{name}")
-        else:
-            edges.append(f"f_{name} as e_{name}")
-    any_fired = " or ".join(f"coalesce(e_{n}, false)" for n in [r.name for r in rules] + ["nonfinite"])
+    km = KeyMap()
+    con.register("tensors_num", km.narrow(table))
+    edge = [r for r in rules if r.edge] + [NONFINITE]
+    allr = [r.name for r in rules] + ["nonfinite"]
+    any_f = " or ".join(f"f_{n}" for n in allr)
     q = f"""
-    with rowf as ({row_features_sql('tensors_raw', cfg)}),
-    win as ({window_features_sql('rowf', cfg)}),
+    with rowf as ({row_features_sql('tensors_num', cfg)}),
+    win as ({window_features_sql('rowf', cfg, edge)}),
     feat as ({group_features_sql('win')}),
-    flags as (select *, {flag_columns(rules)} from feat),
-    edges as (select *, {', '.join(edges)} from flags)
-    select * from edges where {any_fired}
+    flags as (select *, {flag_columns(rules)} from feat)
+    select * from flags where {any_f}
     """
-    fired = con.execute(q).df()
-    con.unregister("tensors_raw")
+    cand = con.execute(q).df()
+    con.unregister("tensors_num")
+    if cand.empty:
+        return []
+    edge_names = {r.name for r in edge}
+    for n in allr:
+        f = cand[f"f_{n}"].to_numpy(dtype=bool)
+        if n in edge_names:
+            hit = cand.loc[f, ["key", f"rn_{n}"]]
+            prev = set(zip(hit["key"].astype(int), hit[f"rn_{n}"].astype(int)))
+            e = [bool(ff) and (int(k), int(rn) - 1) not in prev
+                 for ff, k, rn in zip(f, cand["key"], cand[f"rn_{n}"])]
+            cand[f"e_{n}"] = e
+        else:
+            cand[f"e_{n}"] = f
+    fired = km.names(cand[cand[[f"e_{n}" for n in allr]].any(axis=1)])
     return emit_row_events(con, fired, rules, cfg, {})
 
 

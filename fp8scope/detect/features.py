@@ -14,16 +14,100 @@ of the same kind at the same step) used by the ``layer_outlier`` rule.
 from __future__ import annotations
 
 from fp8scope.detect.config import DetectConfig
-from fp8scope.detect.rules import binades_case
 
-KEY = "rank, layer, tensor"
+KEY = "key"
 MAD_FLOOR_BINADES = 0.1
+NUMERIC = ["step", "order", "full", "amax", "min_nonzero", "scale", "scale_inv", "expected_amax", "fp8_max",
+           "numel", "zeros", "nonfinite", "overflow", "underflow"]
+
+
+class KeyMap:
+    """Integer ids for (rank, layer, tensor) and for layer kinds, so DuckDB sorts ints, not strings.
+
+    ``narrow(table)`` returns the numeric table the feature SQL reads (``key``, ``rank``,
+    ``is_grad``, ``kind``, ``binades`` + NUMERIC columns); ``names(df)`` adds ``layer``,
+    ``tensor``, ``fp8_format`` and the kind's name back to the few rows that fired.
+    """
+
+    def __init__(self) -> None:
+        self.keys: dict[tuple, int] = {}
+        self.info: list[tuple] = []  # key -> (rank, layer, tensor, fp8_format, kind_name)
+        self.kinds: dict[str, int] = {}
+        self.roles: dict[str, int] = {}
+
+    def _kind(self, layer: str) -> int:
+        import re
+
+        k = re.sub(r"[0-9]+", "#", layer)
+        return self.kinds.setdefault(k, len(self.kinds))
+
+    def narrow(self, t):
+        import numpy as np
+        import pyarrow as pa
+
+        from fp8scope.formats import get_format
+
+        cols = {c: t[c] for c in NUMERIC}
+        # distinct (rank, layer, tensor, fp8_format) combos -> key ids, via a tiny group-by
+        combo = t.select(["rank", "layer", "tensor", "fp8_format"]).group_by(
+            ["rank", "layer", "tensor", "fp8_format"]).aggregate([])
+        for rk, ly, tn, fm in zip(*(combo[c].to_pylist() for c in combo.column_names)):
+            if (rk, ly, tn) not in self.keys:
+                self.keys[(rk, ly, tn)] = len(self.info)
+                self.info.append((rk, ly, tn, fm, self._kind(ly), self.roles.setdefault(tn, len(self.roles))))
+        # per row: look the key up through dictionary indices (vectorized)
+        lay = t["layer"].combine_chunks().dictionary_encode()
+        ten = t["tensor"].combine_chunks().dictionary_encode()
+        rank = t["rank"].to_numpy().astype(np.int64)
+        ld, td = lay.dictionary.to_pylist(), ten.dictionary.to_pylist()
+        li, ti = lay.indices.to_numpy().astype(np.int64), ten.indices.to_numpy().astype(np.int64)
+        ranks = np.unique(rank)
+        lut = np.full((len(ranks), len(ld), len(td)), -1, dtype=np.int64)
+        rpos = {int(r): i for i, r in enumerate(ranks)}
+        for (rk, ly, tn), k in self.keys.items():
+            if rk in rpos and ly in ld and tn in td:
+                lut[rpos[rk], ld.index(ly), td.index(tn)] = k
+        ri = np.searchsorted(ranks, rank)
+        key = lut[ri, li, ti]
+        info = self.info
+        kind_of = np.array([i[4] for i in info], dtype=np.int32)
+        grad_of = np.array([i[2] == "gradient" for i in info], dtype=bool)
+        role_of = np.array([i[5] for i in info], dtype=np.int32)
+        bin_of = np.array([_binades(i[3]) for i in info], dtype=float)
+        cols.update({
+            "key": pa.array(key.astype(np.int32)),
+            "rank": t["rank"],
+            "kind": pa.array(kind_of[key]),
+            "is_grad": pa.array(grad_of[key]),
+            "role": pa.array(role_of[key]),
+            "binades": pa.array(bin_of[key]),
+        })
+        return pa.table(cols)
+
+    def names(self, df):
+        """Add layer, tensor, fp8_format, kind name columns to rows that carry ``key``."""
+        if df is None or df.empty:
+            return df
+        info = self.info
+        kinds = {v: k for k, v in self.kinds.items()}
+        k = df["key"].astype(int).tolist()
+        return df.assign(layer=[info[i][1] for i in k], tensor=[info[i][2] for i in k],
+                         fp8_format=[info[i][3] for i in k], kind=[kinds[info[i][4]] for i in k])
+
+
+def _binades(fmt) -> float:
+    from fp8scope.formats import get_format
+
+    try:
+        return get_format(str(fmt)).binades
+    except ValueError:
+        return float("nan")
 
 
 def row_features_sql(src: str, cfg: DetectConfig) -> str:
     rate_min = repr(float(cfg.sat_rate_min_ratio))
     return f"""
-    select step, rank, layer, tensor, "order", fp8_format, "full", amax,
+    select step, rank, key, is_grad, role, kind, binades, "order", "full", amax,
         case when isfinite(amax) then amax end as amax_f,
         min_nonzero, scale, expected_amax, numel, nonfinite, overflow, underflow,
         case when isfinite(scale_inv) and scale_inv > 0 then scale_inv end as scale_inv_f,
@@ -35,18 +119,16 @@ def row_features_sql(src: str, cfg: DetectConfig) -> str:
             / nullif(numel - coalesce(zeros, 0) - coalesce(nonfinite, 0), 0) as uf_frac,
         case when isfinite(amax) and amax > 0 and min_nonzero > 0 and isfinite(min_nonzero)
              then log2(amax / min_nonzero) end as dr,
-        {binades_case()} as binades,
         coalesce(not isfinite(amax), false) as bad_amax,
         coalesce(not isfinite(amax), false) or coalesce(nonfinite, 0) > 0 as bad,
         case when isfinite(amax) and amax > 0 and isfinite(expected_amax) then expected_amax / amax end as stale_r,
         case when isfinite(amax) and amax / nullif(fp8_max * scale_inv, 0) >= {rate_min} then 1 else 0 end as sat_hit,
-        case when isfinite(amax) and amax > 0 then log2(amax) end as l2,
-        regexp_replace(layer, '[0-9]+', '#', 'g') as kind
+        case when isfinite(amax) and amax > 0 then log2(amax) end as l2
     from {src}
     """
 
 
-def window_features_sql(src: str, cfg: DetectConfig) -> str:
+def window_features_sql(src: str, cfg: DetectConfig, rules=()) -> str:
     w, k, r = int(cfg.spike_window), int(cfg.collapse_window), int(cfg.sat_rate_window)
     o = f"partition by {KEY} order by step"
     return f"""
@@ -63,24 +145,33 @@ def window_features_sql(src: str, cfg: DetectConfig) -> str:
         count(scale_inv_f) over wc as n_si,
         max(si_jump) over wu as max_jump,
         sum(sat_hit) over wr as n_sat,
-        count(*) over wr as n_rate
+        count(*) over wr as n_rate{_eval_counts(rules)}
     from _up
     window wo as ({o}),
            wp as ({o} rows between {w} preceding and 1 preceding),
            wc as ({o} rows between {k} preceding and current row),
            wu as ({o} rows between {k - 1} preceding and current row),
-           wr as ({o} rows between {r - 1} preceding and current row)
+           wr as ({o} rows between {r - 1} preceding and current row),
+           wa as ({o} rows between unbounded preceding and current row)
     """
+
+
+def _eval_counts(rules) -> str:
+    """Per edge rule: running count of evaluable rows (to find the previous evaluable row)."""
+    out = ""
+    for r in rules:
+        out += f",\n        sum(case when ({r.evaluable}) then 1 else 0 end) over wa as rn_{r.name}"
+    return out
 
 
 def group_features_sql(src: str) -> str:
     """Adds n_kind, z, dev (binades above the median of the kind) to every row of ``src``."""
-    g = "step, rank, tensor, kind"
+    g = "step, rank, role, kind"
     return f"""
     with _med as (
         select {g}, median(l2) as med, count(l2) as n_kind from {src} group by {g}
     ), _mad as (
-        select s.step, s.rank, s.tensor, s.kind, median(abs(s.l2 - m.med)) as mad
+        select s.step, s.rank, s.role, s.kind, median(abs(s.l2 - m.med)) as mad
         from {src} s join _med m using ({g}) group by all
     )
     select s.*, m.n_kind, s.l2 - m.med as dev,

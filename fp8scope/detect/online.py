@@ -57,7 +57,9 @@ class OnlineDetector:
         self.on_event = on_event
         self.events: list[dict] = []  # everything emitted so far (also written to the store)
         self._con = None
-        self._keys: dict[tuple, int] = {}
+        from fp8scope.detect.features import KeyMap
+
+        self._km = KeyMap()
         n0 = 0
         c = self.cfg
         self._W, self._K, self._R = int(c.spike_window), int(c.collapse_window) + 1, int(c.sat_rate_window)
@@ -75,7 +77,7 @@ class OnlineDetector:
         self._callback_failed = False
 
     def __repr__(self) -> str:
-        return f"OnlineDetector({len(self._keys)} tensors, {len(self.events)} events)"
+        return f"OnlineDetector({len(self._km.info)} tensors, {len(self.events)} events)"
 
     # ---- listener ------------------------------------------------------------------------
     def __call__(self, step: int, rank: int, tensors: pa.RecordBatch | None, scalars: pa.RecordBatch | None):
@@ -115,19 +117,6 @@ class OnlineDetector:
             self._con.execute("set threads to 1")
         return self._con
 
-    def _index(self, ranks, layers, tensors) -> np.ndarray:
-        idx = np.empty(len(layers), dtype=np.int64)
-        new = 0
-        for i, k in enumerate(zip(ranks, layers, tensors)):
-            j = self._keys.get(k)
-            if j is None:
-                j = self._keys[k] = len(self._keys)
-                new += 1
-            idx[i] = j
-        if new:
-            self._grow(len(self._keys))
-        return idx
-
     def _grow(self, n: int) -> None:
         m = n - len(self._rows)
         self._rows = np.concatenate([self._rows, np.zeros(m, dtype=np.int64)])
@@ -143,12 +132,14 @@ class OnlineDetector:
     # ---- tensors ---------------------------------------------------------------------------
     def _tensor_step(self, batch: pa.RecordBatch) -> list[dict]:
         con, cfg = self.con, self.cfg
-        con.register("_batch", pa.Table.from_batches([batch]).select(TENSOR_COLUMNS))
+        con.register("_batch", self._km.narrow(pa.Table.from_batches([batch])))
         try:
             rowf = con.execute(row_features_sql("_batch", cfg)).df()
         finally:
             con.unregister("_batch")
-        idx = self._index(rowf["rank"].tolist(), rowf["layer"].tolist(), rowf["tensor"].tolist())
+        if len(self._km.info) > len(self._rows):
+            self._grow(len(self._km.info))
+        idx = rowf["key"].to_numpy(dtype=np.int64)
         before = self._rows[idx]
         amax_f = _floats(rowf["amax_f"])
         si_f = _floats(rowf["scale_inv_f"])
@@ -200,21 +191,19 @@ class OnlineDetector:
             ).df()
         finally:
             con.unregister("_feat")
-        fidx = self._index(flags["rank"].tolist(), flags["layer"].tolist(), flags["tensor"].tolist())
+        fidx = flags["key"].to_numpy(dtype=np.int64)
         any_fired = np.zeros(len(flags), dtype=bool)
         for r in [r.name for r in self.rules] + ["nonfinite"]:
-            f = flags[f"f_{r}"].astype("boolean")
-            known = ~f.isna().to_numpy()
-            fv = f.fillna(False).to_numpy(dtype=bool)
+            fv = flags[f"f_{r}"].to_numpy(dtype=bool)
             if r in self._flags:
+                ev = flags[f"ev_{r}"].to_numpy(dtype=bool)
                 e = fv & ~self._flags[r][fidx]
-                upd = fidx[known]
-                self._flags[r][upd] = fv[known]
+                self._flags[r][fidx[ev]] = fv[ev]
             else:
                 e = fv
             flags[f"e_{r}"] = e
             any_fired |= e
-        fired = flags[any_fired]
+        fired = self._km.names(flags[any_fired])
         return emit_row_events(con, fired, self.rules, cfg, self._nan_state)
 
     # ---- scalars ---------------------------------------------------------------------------

@@ -82,6 +82,9 @@ class RowRule:
     severity: str  # SQL: 'info' / 'warning' / 'critical'
     message: Callable[[dict], str]
     edge: bool = True
+    # row-level SQL (no window columns): the rule can judge this row. Edge rules compare with the
+    # previous *evaluable* row of the same tensor (full-stats rules skip cheap rows).
+    evaluable: str = "true"
 
 
 def _early(cfg: DetectConfig, sev: str) -> str:
@@ -91,7 +94,7 @@ def _early(cfg: DetectConfig, sev: str) -> str:
 
 def row_rules(cfg: DetectConfig) -> list[RowRule]:
     mh = int(cfg.min_history)
-    uf_thr = f"(case when tensor = 'gradient' then {_g(cfg.underflow_grad_warn)} else {_g(cfg.underflow_warn)} end)"
+    uf_thr = f"(case when is_grad then {_g(cfg.underflow_grad_warn)} else {_g(cfg.underflow_warn)} end)"
     rules = [
         RowRule(
             "amax_spike",
@@ -107,6 +110,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "saturation",
+            evaluable="sat_ratio is not null",
             cond=(
                 f"sat_ratio > 1 + {_g(cfg.sat_tol)} and (sat_ratio >= {_g(cfg.sat_warn_ratio)} "
                 f"or coalesce(ovf_frac, 0) >= {_g(cfg.sat_warn_fraction)})"
@@ -136,6 +140,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "stale_scale",
+            evaluable="stale_r is not null",
             cond=(
                 f"n_prev >= 1 and stale_r >= {_g(cfg.stale_ratio)} and prev_max >= 0.5 * expected_amax"
             ),
@@ -150,6 +155,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "underflow",
+            evaluable="uf_frac is not null",
             cond=f"n_prev >= 1 and uf_frac >= {uf_thr}",  # the first row uses the recipe's initial scale
             value="uf_frac",
             threshold=uf_thr,
@@ -161,6 +167,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "dynamic_range",
+            evaluable="dr is not null",
             cond=f"n_prev >= 1 and dr > binades + {_g(cfg.dynamic_range_excess)}",
             value="dr",
             threshold=f"binades + {_g(cfg.dynamic_range_excess)}",
@@ -183,6 +190,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "scale_collapse",
+            evaluable="scale_inv_f is not null",
             cond=(
                 f"n_si > {int(cfg.collapse_window)} and si_old > 0 and scale_inv_f >= {_g(cfg.collapse_factor)} * si_old "
                 f"and scale_inv_f >= si_max and max_jump <= {_g(cfg.collapse_max_jump)}"
@@ -197,6 +205,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "layer_outlier",
+            evaluable="l2 is not null",
             cond=(
                 f"n_kind >= {int(cfg.outlier_min_layers)} and z >= {_g(cfg.outlier_z)} "
                 f"and dev >= {_g(cfg.outlier_min_binades)}"
