@@ -93,6 +93,13 @@ def cheap_stats(
     return out
 
 
+def _sum_squares(t: torch.Tensor, unit: torch.Tensor) -> torch.Tensor:
+    """sum(t**2) as float64, ``t`` scaled in place by ``unit`` (a power of two near 1/amax) first:
+    a float32 dot of raw values overflows past ~1e19 and loses tiny ones, scaled it does neither."""
+    t.mul_(unit)
+    return torch.dot(t, t).to(torch.float64) / (unit.to(torch.float64) ** 2)
+
+
 _CHUNK = 1 << 20  # elements per pass: bounds scratch memory to a few MiB whatever the tensor size
 _scratch = threading.local()
 
@@ -159,6 +166,11 @@ def full_stats(
     acc = torch.zeros(8, dtype=torch.float64, device=dev)
     min_nz = torch.full((), _INF, dtype=torch.float32, device=dev)
     deq_parts = _row_chunks(deq.detach(), torch.zeros(())) if deq is not None else None
+    # power of two near 1/amax (1 when amax is 0, inf or NaN) that keeps sums of squares in range
+    amax = out[FIELD_INDEX["amax"]].float()
+    ok = torch.isfinite(amax) & (amax > 0) & (amax < _FLT_MAX)
+    exponent = (-torch.floor(torch.log2(torch.where(ok, amax, 1.0)))).clamp_(-126, 126)
+    unit = torch.where(ok, torch.exp2(exponent), 1.0)
     for xp, sp in _row_chunks(x, scale_t):
         m = xp.numel()
         a, y, t = _buffers(dev, m)
@@ -174,9 +186,9 @@ def full_stats(
             t.view(xp.shape).copy_(yv.to(fmt.dtype))  # the real cast, decoded back to float32
             t.view(xp.shape).mul_(inv_t if inv_t.dim() == 0 or sp is scale_t else inv_t[: xp.shape[0]])
         t.sub_(a).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
-        sq_err = torch.dot(t, t)
+        sq_err = _sum_squares(t, unit)
         torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0, out=t)
-        sq_sig = torch.dot(t, t)
+        sq_sig = _sum_squares(t, unit)
         # magnitudes; NaN -> -1 so it falls below every threshold and is counted on its own
         a.abs_().nan_to_num_(nan=-1.0, posinf=_INF)
         torch.mul(a.view(xp.shape), sp, out=y.view(xp.shape))  # scaled magnitudes: what the cast sees
@@ -201,7 +213,8 @@ def full_stats(
     out[FIELD_INDEX["sq_err"]] = acc[6]
     out[FIELD_INDEX["sq_signal"]] = acc[7]
     mn = min_nz.to(torch.float64)
-    out[FIELD_INDEX["min_nonzero"]] = torch.where(mn >= _FLT_MAX, _INF, mn)
+    # FLT_MAX marks "no finite non-zero element"; a real FLT_MAX element is told apart by the counts
+    out[FIELD_INDEX["min_nonzero"]] = torch.where(nonzero - n_inf > 0, mn, _INF)
     # amax must propagate NaN like the recipe's amax does.
     out[FIELD_INDEX["amax"]] = torch.where(n_nan > 0, torch.tensor(_NAN, dtype=torch.float64, device=dev),
                                            out[FIELD_INDEX["amax"]])
