@@ -44,7 +44,8 @@ def empty_events() -> pd.DataFrame:
 def _connect():
     import duckdb
 
-    return duckdb.connect()
+    con = duckdb.connect()
+    return con
 
 
 # ---- shared evaluation (offline and online) ---------------------------------------------------
@@ -258,21 +259,59 @@ def _tensor_events(con, table: pa.Table, cfg: DetectConfig) -> list[dict]:
     the same tensor (running count - 1) is also a candidate for that rule."""
     from fp8scope.detect.features import KeyMap
 
+    import numpy as np
+
+    from fp8scope.detect.features import window_features_numpy
+
     rules = row_rules(cfg)
     km = KeyMap()
-    con.register("tensors_num", km.narrow(table))
+    num = km.narrow(table)
+    con.register("tensors_num", num)
     edge = [r for r in rules if r.edge] + [NONFINITE]
     allr = [r.name for r in rules] + ["nonfinite"]
     any_f = " or ".join(f"f_{n}" for n in allr)
+    evs = ", ".join(f"coalesce(({r.evaluable}), false) as ev_{r.name}" for r in edge)
+    rowf = con.sql(f"select *, {evs} from ({row_features_sql('tensors_num', cfg)})").to_arrow_table()
+    con.unregister("tensors_num")
+    del num
+
+    def col(name, dtype=float):
+        c = rowf[name]
+        return c.to_numpy() if dtype is bool else c.to_numpy(zero_copy_only=False).astype(dtype)
+
+    # windows run over the rows sorted by (tensor, step) through a permutation; results go back
+    # to the table's order (gathering five columns is far cheaper than sorting the table)
+    key = col("key", np.int64)
+    order = np.lexsort((col("step", np.int64), key))
+    w = window_features_numpy(key[order], {"amax_f": col("amax_f")[order], "scale_inv_f": col("scale_inv_f")[order],
+                                           "sat_hit": col("sat_hit", np.int64)[order],
+                                           "bad_amax": col("bad_amax", bool)[order]},
+                              cfg, {r.name: col(f"ev_{r.name}", bool)[order] for r in edge})
+
+    def unpermute(v):
+        out = np.empty_like(v)
+        out[order] = v
+        return out
+
+    for name, v in w.items():
+        if isinstance(v, tuple):
+            arr = pa.array(unpermute(v[0]), mask=unpermute(v[1]))
+            rowf = rowf.append_column(name, arr)
+            continue
+        v = unpermute(v)
+        if v.dtype.kind == "f":
+            arr = pa.array(v, from_pandas=True)
+        else:
+            arr = pa.array(v)
+        rowf = rowf.append_column(name, arr)
+    con.register("win", rowf)
     q = f"""
-    with rowf as ({row_features_sql('tensors_num', cfg)}),
-    win as ({window_features_sql('rowf', cfg, edge)}),
-    feat as ({group_features_sql('win')}),
+    with feat as ({group_features_sql('win')}),
     flags as (select *, {flag_columns(rules)} from feat)
     select * from flags where {any_f}
     """
     cand = con.execute(q).df()
-    con.unregister("tensors_num")
+    con.unregister("win")
     if cand.empty:
         return []
     edge_names = {r.name for r in edge}

@@ -207,3 +207,83 @@ def scalar_window_sql(src: str, cfg: DetectConfig) -> str:
 
 def _q(s: str) -> str:
     return "'" + str(s).replace("'", "''") + "'"
+
+
+# ---- the same window features in numpy (offline fast path) ----------------------------------
+def _sliding_max(x, w: int):
+    """max over the trailing window x[i-w+1 .. i] (van Herk / Gil-Werman, O(n)); -inf = missing."""
+    import numpy as np
+
+    n = len(x)
+    m = -(-n // w) * w
+    xp = np.full(m, -np.inf)
+    xp[:n] = x
+    b = xp.reshape(-1, w)
+    pre = np.maximum.accumulate(b, axis=1).ravel()
+    suf = np.maximum.accumulate(b[:, ::-1], axis=1)[:, ::-1].ravel()
+    out = pre[:n].copy()
+    j = np.arange(n) - w + 1
+    ok = j >= 0
+    out[ok] = np.maximum(suf[j[ok]], pre[:n][ok])
+    return out
+
+
+def window_features_numpy(key, cols: dict, cfg: DetectConfig, ev: dict):
+    """Window features of rows sorted by (key, step), as numpy arrays (semantics of window_features_sql).
+
+    cols: amax_f, scale_inv_f (NaN = NULL), sat_hit (int), bad_amax (bool); ev: rule -> evaluable bool.
+    Windows never cross a tensor: each tensor's rows are preceded by ``pad`` missing values.
+    """
+    import numpy as np
+
+    W, K, R = int(cfg.spike_window), int(cfg.collapse_window), int(cfg.sat_rate_window)
+    n = len(key)
+    out: dict = {}
+    if n == 0:
+        return out
+    start = np.r_[True, key[1:] != key[:-1]]
+    seg = np.cumsum(start) - 1
+    seg_start = np.flatnonzero(start)
+    rel = np.arange(n) - seg_start[seg]
+    pad = max(W, K, R) + 2
+    pos = np.arange(n) + (seg + 1) * pad
+    size = n + (seg[-1] + 2) * pad
+
+    def padded(v, fill):
+        a = np.full(size, fill, dtype=float)
+        a[pos] = v
+        return a
+
+    def count_window(valid, width, include_current):
+        c = np.cumsum(padded(valid.astype(float), 0.0))
+        end = pos if include_current else pos - 1
+        return (c[end] - c[end - width]).astype(np.int64)
+
+    def max_window(v, width, include_current):
+        a = padded(np.where(np.isnan(v), -np.inf, v), -np.inf)
+        mx = _sliding_max(a, width)
+        r = mx[pos if include_current else pos - 1]
+        return np.where(np.isneginf(r), np.nan, r)
+
+    amax_f, si = cols["amax_f"], cols["scale_inv_f"]
+    out["prev_max"] = max_window(amax_f, W, False)
+    out["n_prev"] = count_window(~np.isnan(amax_f), W, False)
+    first = rel == 0
+    prev_bad = np.r_[False, cols["bad_amax"][:-1]]
+    out["prev_bad_amax"] = (prev_bad, first)  # (values, null mask)
+    prev_si = np.r_[np.nan, si[:-1]]
+    prev_si[first] = np.nan
+    out["prev_scale_inv"] = prev_si
+    out["si_old"] = si[np.arange(n) - np.minimum(rel, K)]
+    out["si_max"] = max_window(si, K + 1, True)
+    out["n_si"] = count_window(~np.isnan(si), K + 1, True)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        jump = si / prev_si
+    out["max_jump"] = max_window(jump, K, True)
+    out["n_sat"] = count_window(cols["sat_hit"].astype(bool), R, True)
+    out["n_rate"] = np.minimum(rel + 1, R).astype(np.int64)
+    for name, e in ev.items():
+        c = np.cumsum(e.astype(np.int64))
+        base = np.r_[0, c][seg_start][seg]
+        out[f"rn_{name}"] = c - base
+    return out
