@@ -299,12 +299,18 @@ class Monitor:
             return
         try:
             from fp8scope.detect import DetectConfig
-            from fp8scope.detect.online import OnlineDetector
+            from fp8scope.detect.online import BackgroundDetector, OnlineDetector
 
-            self.detector = OnlineDetector(detect if isinstance(detect, DetectConfig) else None, on_event=on_event)
+            det = OnlineDetector(detect if isinstance(detect, DetectConfig) else None, on_event=on_event)
+            # own thread: the writer thread (which step() waits for on CPU) only queues the step
+            self.detector = BackgroundDetector(det, self._submit_events)
             self.add_step_listener(self.detector)
         except Exception as exc:  # fail open: no detection, logging goes on
             self._warn("detect", f"online detection disabled ({type(exc).__name__}: {exc})")
+
+    def _submit_events(self, table: str, batch) -> None:
+        if self._writer is not None:
+            self._writer.submit_table(table, batch)
 
     def log_table(self, table: str, batch) -> None:
         """Append rows to another table of the run (``schema.register_table`` first)."""
@@ -330,6 +336,9 @@ class Monitor:
             except Exception:
                 pass
         self._detach.clear()
+        if self.detector is not None and self._writer is not None:
+            self.flush()  # every step has reached the detector
+            self.detector.close()  # its last events are queued before the writer closes
         if self._writer is not None:
             self.flush()
             self._writer.close()

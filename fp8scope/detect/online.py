@@ -250,3 +250,73 @@ def _floats(s: pd.Series) -> np.ndarray:
 
 def _esc(s: str) -> str:
     return str(s).replace("'", "''")
+
+
+class BackgroundDetector:
+    """Runs an :class:`OnlineDetector` in its own thread so detection never delays ``Monitor.step``.
+
+    Installed by ``Monitor(detect=...)``: as a step listener it only queues the step's record
+    batches (the writer thread returns at once); the detection thread writes its events through
+    ``submit(table, batch)`` (``Monitor.log_table``). ``close()`` drains the queue. If detection
+    falls more than ``max_queue`` steps behind, steps are skipped for detection (warned once);
+    the statistics themselves are always written. Attribute access falls through to the detector
+    (``.events``, ``.frame()``).
+    """
+
+    def __init__(self, detector: OnlineDetector, submit: Callable[[str, pa.RecordBatch], Any], max_queue: int = 256):
+        import queue
+        import threading
+
+        self.detector = detector
+        self._submit = submit
+        self._q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self.skipped = 0
+        self._thread = threading.Thread(target=self._run, name="fp8scope-detect", daemon=True)
+        self._thread.start()
+
+    def __getattr__(self, name):
+        return getattr(self.detector, name)
+
+    def __repr__(self) -> str:
+        return f"BackgroundDetector({self.detector!r})"
+
+    def __call__(self, step, rank, tensors, scalars):
+        import queue
+
+        try:
+            self._q.put_nowait((step, rank, tensors, scalars))
+        except queue.Full:
+            self.skipped += 1
+            if self.skipped == 1:
+                warnings.warn("fp8scope: online detection is behind; skipping steps for detection "
+                              "(statistics are still written; run `fp8scope events` afterwards)",
+                              RuntimeWarning, stacklevel=2)
+        return None
+
+    def _run(self) -> None:
+        failed = False
+        while True:
+            item = self._q.get()
+            try:
+                if item is None:
+                    return
+                if failed:
+                    continue
+                try:
+                    out = self.detector(*item)
+                    for table, batch in (out or {}).items():
+                        self._submit(table, batch)
+                except Exception as exc:  # fail open: detection stops, training and logging go on
+                    failed = True
+                    warnings.warn(f"fp8scope: online detection stopped ({type(exc).__name__}: {exc})",
+                                  RuntimeWarning, stacklevel=2)
+            finally:
+                self._q.task_done()
+
+    def flush(self) -> None:
+        """Wait until every queued step has been examined."""
+        self._q.join()
+
+    def close(self, timeout: float = 60.0) -> None:
+        self._q.put(None)
+        self._thread.join(timeout)
