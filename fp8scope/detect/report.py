@@ -237,6 +237,8 @@ def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
 
 
 def _verdict(rep: dict, serious: pd.DataFrame) -> str:
+    if not rep.get("steps"):
+        return "no statistics logged yet"
     if serious.empty:
         return "clean: no warning or critical events"
     f = rep["first_anomaly"]
