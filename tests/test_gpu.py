@@ -1,0 +1,61 @@
+"""CUDA paths: stats on the device, pinned non-blocking transfer, real torchao FP8 GEMMs.
+
+Marked ``gpu``: skipped on machines without CUDA (CI never has one).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import fp8scope
+from fp8scope.emulate import DelayedScaling, convert_to_fp8
+from tests.conftest import MLP
+
+pytestmark = pytest.mark.gpu
+
+
+def _train(model, mon, steps, d=16):
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    for _ in range(steps):
+        loss = model(torch.randn(32, d, device="cuda")).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.step(loss=loss.detach())
+
+
+def test_emulated_fp8_on_cuda_matches_cpu_semantics(tmp_path):
+    torch.manual_seed(0)
+    m = convert_to_fp8(MLP().cuda(), recipe=DelayedScaling(amax_history_len=4))
+    with fp8scope.Monitor(m, tmp_path / "r", every=1) as mon:
+        _train(m, mon, steps=5)
+        payload = mon.collector.end_step({})  # an empty step still uses the async path
+        assert payload.ready is not None and payload.host.is_pinned()
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert len(df) == 5 * 9 and df.amax.notna().all()
+    up = df[(df.layer == "up") & (df.tensor == "activation")].set_index("step")
+    assert up.loc[1, "scale"] == pytest.approx(448 / up.loc[0, "amax"], rel=1e-5)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 tensor cores (sm_89+)")
+def test_torchao_real_fp8_gemms(tmp_path):
+    pytest.importorskip("torchao")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.float8 import convert_to_float8_training
+    torch.manual_seed(0)
+    m = MLP(d=64, h=128, out=64).cuda().to(torch.bfloat16)
+    convert_to_float8_training(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with fp8scope.Monitor(m, tmp_path / "r", every=1) as mon:
+        for _ in range(3):
+            loss = m(torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)).float().pow(2).mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+            mon.step(loss=loss.detach())
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert set(df.source) == {"torchao"} and len(df) == 27
+    assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-3)).all()
