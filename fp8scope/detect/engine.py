@@ -1,16 +1,20 @@
-"""Offline detection: ``detect(run, config) -> events DataFrame``, vectorized in DuckDB.
+"""Offline detection: ``detect(run, config) -> events DataFrame``, vectorized in numpy.
 
-One pass of window functions over the tensors table (partitioned by rank, layer, tensor,
-ordered by step) computes every rule's features; the predicates run in the same query and
-only the rows that fire come back to Python, where the one-line messages are written.
-A 10,000-step x 500-tensor run (5M rows) takes a few seconds on two cores.
+The tensors table's rows are sorted by (tensor, step) through a permutation; per chunk of
+whole tensors numpy computes the row features, the window features (O(n) sliding max and
+running counts) and the layer-kind features, then every rule's predicate
+(:mod:`fp8scope.detect.rules`); only the rows that fire become python dicts, where the
+one-line messages are written. A 10,000-step x 500-tensor run (5M rows) takes a few seconds.
 
-The per-row evaluation (:func:`emit_row_events`, :func:`emit_scalar_events`) is shared with the
-online detector, so both produce the same events for the same run.
+The rule predicates, the event construction (:func:`emit_row_events`, :func:`nan_events`) and the
+scalar rules (:class:`ScalarState`) are shared with the online detector, which evaluates the
+same functions over one step's rows, so both produce the same events for the same run.
 """
 
 from __future__ import annotations
 
+import math
+from collections import deque
 from typing import Callable
 
 import numpy as np
@@ -18,22 +22,11 @@ import pandas as pd
 import pyarrow as pa
 
 from fp8scope.detect.config import DetectConfig
-from fp8scope.detect.features import (
-    group_features_sql,
-    row_features_sql,
-    scalar_row_sql,
-    scalar_window_sql,
-    window_features_sql,
-    _q,
-)
-from fp8scope.detect.rules import SEVERITY_RANK, RowRule, _fmt, _where, row_rules
+from fp8scope.detect.features import TENSOR_COLUMNS
+from fp8scope.detect.rules import NONFINITE, SEVERITY_RANK, RowRule, _fmt, _where, row_rules
 from fp8scope.schema import EVENT_SCHEMA
 
 EVENT_COLUMNS = list(EVENT_SCHEMA.names)
-TENSOR_COLUMNS = [
-    "step", "rank", "layer", "tensor", "order", "fp8_format", "full", "amax", "min_nonzero", "scale", "scale_inv",
-    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow",
-]
 SHADOW_TABLE = "shadow_compare"
 
 
@@ -49,86 +42,81 @@ def _connect():
 
 
 # ---- shared evaluation (offline and online) ---------------------------------------------------
-NONFINITE = RowRule("nonfinite", cond="bad", value="0", threshold="0", severity="'critical'",
-                    message=lambda r: "", edge=True, evaluable="true")
-
-
-def flag_columns(rules: list[RowRule]) -> str:
-    """f_<rule>: the rule holds (never NULL); ev_<rule>: the row can be judged (edge bookkeeping)."""
-    cols = []
-    for r in list(rules) + [NONFINITE]:
-        cols.append(f"coalesce(({r.evaluable}) and ({r.cond}), false) as f_{r.name}")
-        if r.edge:
-            cols.append(f"coalesce(({r.evaluable}), false) as ev_{r.name}")
-    return ", ".join(cols)
+def flags(c: dict, rules: list[RowRule]) -> tuple[dict, dict]:
+    """(f, ev): per rule, the rule holds on the row (bool) / the row can be judged (edge rules)."""
+    f, ev = {}, {}
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        for r in list(rules) + [NONFINITE]:
+            e = np.ones(len(c["key"]), bool) if r.evaluable is None else np.asarray(r.evaluable(c), bool)
+            f[r.name] = e & np.asarray(r.cond(c), bool)
+            if r.edge:
+                ev[r.name] = e
+    return f, ev
 
 
 def edge_rules(rules: list[RowRule]) -> list[str]:
     return [r.name for r in rules if r.edge] + ["nonfinite"]
 
 
-def emit_row_events(con, fired: pd.DataFrame, rules: list[RowRule], cfg: DetectConfig,
-                    nan_state: dict | None = None) -> list[dict]:
-    """Events from rows whose ``e_<rule>`` column is true (the features are in the row).
+def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: list | None = None) -> list[dict]:
+    """Events of the rows where ``fired[rule]`` (bool per row of ``c``) is true.
 
-    ``nan_state`` (rank -> origin dict) carries the NaN origin across calls (online); offline
-    passes a fresh dict and all rows at once.
+    Only those rows become python dicts. ``nonfinite`` rows are appended to ``nan_rows`` (they
+    need the whole run's order to find the NaN origin: :func:`nan_events`).
     """
     out: list[dict] = []
-    if fired is None or fired.empty:
-        return out
-    for rule in rules:
-        col = f"e_{rule.name}"
-        if col not in fired:
+    for rule in list(rules) + [NONFINITE]:
+        m = fired.get(rule.name)
+        if m is None or not m.any():
             continue
-        sub = fired[fired[col].fillna(False).astype(bool)]
-        if sub.empty:
+        idx = np.flatnonzero(m)
+        sub = {k: v[idx] for k, v in c.items()}
+        rows = _rows(sub, km)
+        if rule is NONFINITE:
+            if nan_rows is not None:
+                nan_rows.extend(rows)
             continue
-        con.register("_fired", sub)
-        try:
-            rows = con.execute(
-                f"select *, cast({rule.value} as double) as value, cast({rule.threshold} as double) as threshold, "
-                f"{rule.severity} as severity from _fired"
-            ).df()
-        finally:
-            con.unregister("_fired")
-        for r in rows.to_dict("records"):
-            r = {k: (None if _isnull(v) else v) for k, v in r.items()}
-            out.append(_event(r, rule.name, r["severity"], r["value"], r["threshold"], rule.message(r)))
-    if "e_nonfinite" in fired:
-        out.extend(_nan_events(fired[fired["e_nonfinite"].fillna(False).astype(bool)], nan_state
-                               if nan_state is not None else {}))
+        with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+            val = np.broadcast_to(np.asarray(rule.value(sub), float), idx.shape)
+            thr = np.broadcast_to(np.asarray(rule.threshold(sub), float), idx.shape)
+            sev = np.broadcast_to(np.asarray(rule.severity(sub)), idx.shape)
+        for r, v, t, s in zip(rows, val.tolist(), thr.tolist(), sev.tolist()):
+            r["value"], r["threshold"] = _none(v), _none(t)
+            out.append(_event(r, rule.name, s, v, t, rule.message(r)))
     return out
 
 
-def _nan_events(bad: pd.DataFrame, state: dict) -> list[dict]:
+def _none(v):
+    return None if isinstance(v, float) and v != v else v
+
+
+def _rows(sub: dict, km) -> list[dict]:
+    cols = {k: [_none(x) for x in v.tolist()] for k, v in sub.items()}
+    cols.update(km.names(sub["key"].tolist()))
+    names = list(cols)
+    return [dict(zip(names, vals)) for vals in zip(*cols.values())]
+
+
+def nan_events(rows: list[dict], state: dict) -> list[dict]:
+    """nan_origin (first non-finite row of a rank, in step then execution order) and nonfinite events.
+
+    ``state`` (rank -> origin dict) carries the origin across calls (online: one step at a time).
+    """
     out = []
-    if bad.empty:
-        return out
-    bad = bad.sort_values(["rank", "step", "order"])
-    for rank, grp in bad.groupby("rank", sort=True):
-        rank = int(rank)
-        for r in grp.to_dict("records"):
-            r = {k: (None if _isnull(v) else v) for k, v in r.items()}
-            what = "NaN/Inf amax" if r.get("bad_amax") else f"{int(r.get('nonfinite') or 0)} non-finite values"
-            origin = state.get(rank)
-            if origin is None:
-                state[rank] = origin = {"step": int(r["step"]), "layer": r["layer"], "tensor": r["tensor"]}
-                msg = (f"{_where(r)} produced the first non-finite value of the run at step {int(r['step'])} "
-                       f"({what}; first in execution order): NaN origin")
-                out.append(_event(r, "nan_origin", "critical", _nan_value(r), 0.0, msg))
-            else:
-                msg = (f"{_where(r)}: {what}, propagated from {origin['layer']} {origin['tensor']} "
-                       f"(first non-finite at step {origin['step']})")
-                out.append(_event(r, "nonfinite", "warning", _nan_value(r), 0.0, msg))
+    for r in sorted(rows, key=lambda r: (r["rank"], r["step"], r.get("order") or 0)):
+        rank = int(r["rank"])
+        what = "NaN/Inf amax" if r.get("bad_amax") else f"{int(r.get('nonfinite') or 0)} non-finite values"
+        origin = state.get(rank)
+        if origin is None:
+            state[rank] = origin = {"step": int(r["step"]), "layer": r["layer"], "tensor": r["tensor"]}
+            msg = (f"{_where(r)} produced the first non-finite value of the run at step {int(r['step'])} "
+                   f"({what}; first in execution order): NaN origin")
+            out.append(_event(r, "nan_origin", "critical", _nan_value(r), 0.0, msg))
+        else:
+            msg = (f"{_where(r)}: {what}, propagated from {origin['layer']} {origin['tensor']} "
+                   f"(first non-finite at step {origin['step']})")
+            out.append(_event(r, "nonfinite", "warning", _nan_value(r), 0.0, msg))
     return out
-
-
-def _nan_value(r: dict) -> float:
-    n = r.get("nonfinite")
-    if n is not None:
-        return float(n)
-    return float("nan")
 
 
 def _isnull(v) -> bool:
@@ -138,6 +126,13 @@ def _isnull(v) -> bool:
         return isinstance(v, float) and np.isnan(v)
     except TypeError:
         return False
+
+
+def _nan_value(r: dict) -> float:
+    n = r.get("nonfinite")
+    if n is not None:
+        return float(n)
+    return float("nan")
 
 
 def _event(r: dict, rule: str, severity: str, value, threshold, message: str) -> dict:
@@ -150,44 +145,52 @@ def _event(r: dict, rule: str, severity: str, value, threshold, message: str) ->
     }
 
 
-def scalar_flags_sql(src: str, cfg: DetectConfig) -> str:
-    ln, gn = _q(cfg.loss_name), _q(cfg.grad_norm_name)
-    warm = int(cfg.warmup_steps)
-    return f"""
-    select *,
-        (name = {ln} and n_prev >= {int(cfg.loss_window)} and prev_mean > 0
-            and v_f > {float(cfg.loss_spike_factor)!r} * prev_mean) as f_loss_spike,
-        (name = {gn} and n_prev >= {int(cfg.min_history)} and prev_mean > 0
-            and v_f > {float(cfg.grad_spike_factor)!r} * prev_mean) as f_grad_norm_spike,
-        bad as f_loss_nonfinite,
-        case when step < {warm} then 'info' else 'warning' end as spike_severity
-    from {src}
-    """
+class ScalarState:
+    """Loss / grad-norm rules, one value at a time (the online detector feeds each step, the
+    offline engine the whole series in step order): loss_spike, grad_norm_spike, loss_nonfinite."""
 
+    def __init__(self, cfg: DetectConfig):
+        self.cfg = cfg
+        self.hist: dict[tuple, deque] = {}
+        self.bad: dict[tuple, bool] = {}
 
-def emit_scalar_events(fired: pd.DataFrame, cfg: DetectConfig) -> list[dict]:
-    out = []
-    if fired is None or fired.empty:
+    def update(self, step: int, rank: int, name: str, value) -> list[dict]:
+        cfg = self.cfg
+        if name == cfg.grad_norm_name:
+            w, need, factor, rule, what = int(cfg.grad_window), int(cfg.min_history), float(cfg.grad_spike_factor), \
+                "grad_norm_spike", "grad norm"
+        elif name == cfg.loss_name:
+            w, need, factor, rule, what = int(cfg.loss_window), int(cfg.loss_window), float(cfg.loss_spike_factor), \
+                "loss_spike", "loss"
+        else:
+            return []
+        key = (rank, name)
+        dq = self.hist.get(key)
+        if dq is None:
+            dq = self.hist[key] = deque(maxlen=w)
+        vals = [v for v in dq if v == v]
+        n_prev = len(vals)
+        prev_mean = sum(vals) / n_prev if n_prev else float("nan")
+        v = float("nan") if value is None else float(value)
+        fin = math.isfinite(v)
+        dq.append(v if fin else float("nan"))
+        was_bad, self.bad[key] = self.bad.get(key, False), (not fin and value is not None)
+        out = []
+        base = {"step": step, "rank": rank, "layer": "", "tensor": name, "order": -1}
+        sev = "info" if step < int(cfg.warmup_steps) else "warning"
+        if fin and n_prev >= need and prev_mean > 0 and v > factor * prev_mean and rule not in cfg.disabled:
+            ratio = v / prev_mean
+            if rule == "loss_spike":
+                msg = (f"loss {_fmt(v)} is {_fmt(ratio)}x the mean of the previous {n_prev} "
+                       f"steps ({_fmt(prev_mean)})")
+            else:
+                msg = (f"grad norm {_fmt(v)} is {_fmt(ratio)}x its moving average over "
+                       f"{n_prev} steps ({_fmt(prev_mean)})")
+            out.append(_event(base, rule, sev, ratio, factor, msg))
+        if self.bad[key] and not was_bad and "loss_nonfinite" not in cfg.disabled:
+            out.append(_event(base, "loss_nonfinite", "critical", v, float("nan"),
+                              f"{name} became non-finite ({_fmt(_none(v))}) at step {step}"))
         return out
-    for r in fired.to_dict("records"):
-        r = {k: (None if _isnull(v) else v) for k, v in r.items()}
-        r.setdefault("layer", "")
-        r.setdefault("tensor", "")
-        base = {**r, "layer": "", "tensor": r["name"], "order": -1}
-        if r.get("e_loss_spike") and "loss_spike" not in cfg.disabled:
-            v = r["v_f"] / r["prev_mean"]
-            out.append(_event(base, "loss_spike", r["spike_severity"], v, cfg.loss_spike_factor,
-                              f"loss {_fmt(r['v_f'])} is {_fmt(v)}x the mean of the previous {int(r['n_prev'])} "
-                              f"steps ({_fmt(r['prev_mean'])})"))
-        if r.get("e_grad_norm_spike") and "grad_norm_spike" not in cfg.disabled:
-            v = r["v_f"] / r["prev_mean"]
-            out.append(_event(base, "grad_norm_spike", r["spike_severity"], v, cfg.grad_spike_factor,
-                              f"grad norm {_fmt(r['v_f'])} is {_fmt(v)}x its moving average over "
-                              f"{int(r['n_prev'])} steps ({_fmt(r['prev_mean'])})"))
-        if r.get("e_loss_nonfinite") and "loss_nonfinite" not in cfg.disabled:
-            out.append(_event(base, "loss_nonfinite", "critical", r["value"], float("nan"),
-                              f"{r['name']} became non-finite ({_fmt(r['value'])}) at step {int(r['step'])}"))
-    return out
 
 
 def to_frame(events: list[dict]) -> pd.DataFrame:
@@ -200,6 +203,17 @@ def to_frame(events: list[dict]) -> pd.DataFrame:
     return df.astype({"step": "int64", "rank": "int32", "value": "float64", "threshold": "float64"})
 
 
+def sort_events(events: list[dict]) -> list[dict]:
+    """Events in the frame's order (step, rank, execution order, rule), EVENT_COLUMNS keys only."""
+    ev = sorted(events, key=lambda e: (e["step"], e["rank"], e["_order"], e["rule"]))
+    return [{k: e[k] for k in EVENT_COLUMNS} for e in ev]
+
+
+def events_batch_from_records(records: list[dict]) -> pa.RecordBatch:
+    """Event dicts (EVENT_COLUMNS keys) -> RecordBatch with EVENT_SCHEMA, without pandas."""
+    return pa.RecordBatch.from_pylist(records, schema=EVENT_SCHEMA)
+
+
 def events_batch(df: pd.DataFrame) -> pa.RecordBatch:
     """Events DataFrame -> RecordBatch with EVENT_SCHEMA (for the store)."""
     t = pa.Table.from_pandas(df[EVENT_COLUMNS], schema=EVENT_SCHEMA, preserve_index=False).combine_chunks()
@@ -208,6 +222,9 @@ def events_batch(df: pd.DataFrame) -> pa.RecordBatch:
 
 
 # ---- offline -------------------------------------------------------------------------------
+CHUNK_ROWS = 1 << 20  # rows per pass of the window features (bounds memory; whole tensors per chunk)
+
+
 def detect(run, config: DetectConfig | None = None, progress: Callable[[str], None] | None = None,
            rules: list[str] | None = None) -> pd.DataFrame:
     """Run every rule over a run (a :class:`fp8scope.run.Run` or a path); returns the events frame.
@@ -227,121 +244,97 @@ def detect(run, config: DetectConfig | None = None, progress: Callable[[str], No
         cfg = cfg.with_(disabled=tuple(n for n in all_rule_names(cfg) if n not in keep))
     tick = progress or (lambda phase: None)
     events: list[dict] = []
-    con = _connect()
-    try:
-        tick("reading run")
-        names = set(run.table_names())
-        if "tensors" in names:
-            t = run.table("tensors")
-            if t.num_rows:
-                tick("tensor rules")
-                events += _tensor_events(con, t.select(TENSOR_COLUMNS), cfg)
-                tick("cross-rank rules")
-                events += _cross_rank_events(t, cfg, run.manifest)
-        if "scalars" in names:
-            s = run.table("scalars")
-            if s.num_rows:
-                tick("loss and grad-norm rules")
-                con.register("scalars_raw", s.select(["step", "rank", "name", "value"]))
-                events += _scalar_events(con, cfg)
-        if SHADOW_TABLE in names and "fp8_vs_bf16" not in cfg.disabled:
-            tick("shadow rules")
+    tick("reading run")
+    names = set(run.table_names())
+    if "tensors" in names:
+        t = _read(run, "tensors", TENSOR_COLUMNS)
+        if t.num_rows:
+            tick("tensor rules")
+            events += _tensor_events(t, cfg)
+            tick("cross-rank rules")
+            events += _cross_rank_events(t, cfg, run.manifest)
+        del t
+    if "scalars" in names:
+        s = _read(run, "scalars", ["step", "rank", "name", "value"])
+        if s.num_rows:
+            tick("loss and grad-norm rules")
+            events += _scalar_events(s, cfg)
+    if SHADOW_TABLE in names and "fp8_vs_bf16" not in cfg.disabled:
+        tick("shadow rules")
+        con = _connect()
+        try:
             events += _shadow_events(con, run.table(SHADOW_TABLE), cfg)
-    finally:
-        con.close()
+        finally:
+            con.close()
     tick("done")
     return to_frame(events)
 
 
-def _tensor_events(con, table: pa.Table, cfg: DetectConfig) -> list[dict]:
-    """One window pass (features + running count of evaluable rows per edge rule); only candidate
-    rows (some rule holds) come back. A candidate is an edge unless the previous evaluable row of
-    the same tensor (running count - 1) is also a candidate for that rule."""
-    from fp8scope.detect.features import KeyMap
+def _read(run, name: str, columns: list[str]) -> pa.Table:
+    """Only the columns detection needs (when the run's reader can select columns)."""
+    try:
+        return run.table(name, columns=columns)
+    except TypeError:  # an older Run without columns=
+        t = run.table(name)
+        return t.select([c for c in columns if c in t.column_names])
 
-    import numpy as np
 
-    from fp8scope.detect.features import window_features_numpy
+def _tensor_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
+    """Row features, windows (per tensor, rows sorted by step), group features (per step and
+    kind) and the rules, in numpy; only the rows that fire become python dicts. Tensors are
+    processed in chunks of about CHUNK_ROWS rows so memory stays bounded."""
+    from fp8scope.detect.features import KeyMap, edges_sorted, floats, group_features, row_features, \
+        window_features_numpy
 
     rules = row_rules(cfg)
     km = KeyMap()
-    num = km.narrow(table)
-    con.register("tensors_num", num)
-    edge = [r for r in rules if r.edge] + [NONFINITE]
-    allr = [r.name for r in rules] + ["nonfinite"]
-    any_f = " or ".join(f"f_{n}" for n in allr)
-    evs = ", ".join(f"coalesce(({r.evaluable}), false) as ev_{r.name}" for r in edge)
-    rowf = con.sql(f"select *, {evs} from ({row_features_sql('tensors_num', cfg)})").to_arrow_table()
-    con.unregister("tensors_num")
-    del num
+    key = km.keys_of(table)
+    step = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    # layer_outlier's cross-layer columns, over all rows at once (groups span tensors)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        amax = floats(table.column("amax"))
+        l2 = np.where(np.isfinite(amax) & (amax > 0), np.log2(amax), np.nan)
+    del amax
+    g = {"l2": l2, "step": step, "key": key}
+    group_features(g, km.group_of)
+    grp = {k: g[k] for k in ("n_kind", "dev", "z")}
+    del g, l2
+    perm = np.lexsort((step, key))
+    del step
+    key_s = key[perm]
+    del key
+    starts = np.flatnonzero(np.r_[True, key_s[1:] != key_s[:-1]])
+    numeric = table.select([c for c in TENSOR_COLUMNS if c not in ("layer", "tensor", "fp8_format")])
+    events: list[dict] = []
+    nan_rows: list[dict] = []
+    a, n = 0, len(key_s)
+    while a < n:
+        b = starts[np.searchsorted(starts, a + CHUNK_ROWS)] if a + CHUNK_ROWS < starts[-1] else n
+        rows = perm[a:b]
+        c = row_features(numeric.take(rows), key_s[a:b], km, cfg)
+        for k, v in grp.items():
+            c[k] = v[rows]
+        c.update(window_features_numpy(c["key"], c, cfg))
+        f, ev = flags(c, rules)
+        fired = {r: (edges_sorted(c["key"], f[r], ev[r]) if r in ev else f[r]) for r in f}
+        events += emit_row_events(c, fired, rules, km, nan_rows)
+        a = b
+    return events + nan_events(nan_rows, {})
 
-    def col(name, dtype=float):
-        c = rowf[name]
-        return c.to_numpy() if dtype is bool else c.to_numpy(zero_copy_only=False).astype(dtype)
 
-    # windows run over the rows sorted by (tensor, step) through a permutation; results go back
-    # to the table's order (gathering five columns is far cheaper than sorting the table)
-    key = col("key", np.int64)
-    order = np.lexsort((col("step", np.int64), key))
-    w = window_features_numpy(key[order], {"amax_f": col("amax_f")[order], "scale_inv_f": col("scale_inv_f")[order],
-                                           "sat_hit": col("sat_hit", np.int64)[order],
-                                           "bad_amax": col("bad_amax", bool)[order]},
-                              cfg, {r.name: col(f"ev_{r.name}", bool)[order] for r in edge})
+def _scalar_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
+    names = pa.array([cfg.loss_name, cfg.grad_norm_name])
+    import pyarrow.compute as pc
 
-    def unpermute(v):
-        out = np.empty_like(v)
-        out[order] = v
-        return out
-
-    for name, v in w.items():
-        if isinstance(v, tuple):
-            arr = pa.array(unpermute(v[0]), mask=unpermute(v[1]))
-            rowf = rowf.append_column(name, arr)
-            continue
-        v = unpermute(v)
-        if v.dtype.kind == "f":
-            arr = pa.array(v, from_pandas=True)
-        else:
-            arr = pa.array(v)
-        rowf = rowf.append_column(name, arr)
-    con.register("win", rowf)
-    q = f"""
-    with feat as ({group_features_sql('win')}),
-    flags as (select *, {flag_columns(rules)} from feat)
-    select * from flags where {any_f}
-    """
-    cand = con.execute(q).df()
-    con.unregister("win")
-    if cand.empty:
+    t = table.filter(pc.is_in(table["name"], value_set=names))
+    if not t.num_rows:
         return []
-    edge_names = {r.name for r in edge}
-    for n in allr:
-        f = cand[f"f_{n}"].to_numpy(dtype=bool)
-        if n in edge_names:
-            hit = cand.loc[f, ["key", f"rn_{n}"]]
-            prev = set(zip(hit["key"].astype(int), hit[f"rn_{n}"].astype(int)))
-            e = [bool(ff) and (int(k), int(rn) - 1) not in prev
-                 for ff, k, rn in zip(f, cand["key"], cand[f"rn_{n}"])]
-            cand[f"e_{n}"] = e
-        else:
-            cand[f"e_{n}"] = f
-    fired = km.names(cand[cand[[f"e_{n}" for n in allr]].any(axis=1)])
-    return emit_row_events(con, fired, rules, cfg, {})
-
-
-def _scalar_events(con, cfg: DetectConfig) -> list[dict]:
-    q = f"""
-    with r as ({scalar_row_sql('scalars_raw')}),
-    w as ({scalar_window_sql('r', cfg)}),
-    f as ({scalar_flags_sql('w', cfg)}),
-    e as (select *, f_loss_spike as e_loss_spike, f_grad_norm_spike as e_grad_norm_spike,
-          f_loss_nonfinite and not coalesce(lag(f_loss_nonfinite) over (partition by rank, name order by step), false)
-              as e_loss_nonfinite
-          from f)
-    select * from e where coalesce(e_loss_spike, false) or coalesce(e_grad_norm_spike, false)
-        or coalesce(e_loss_nonfinite, false)
-    """
-    return emit_scalar_events(con.execute(q).df(), cfg)
+    t = t.sort_by([("rank", "ascending"), ("name", "ascending"), ("step", "ascending")])
+    st = ScalarState(cfg)
+    out: list[dict] = []
+    for step, rank, name, value in zip(*(t[c].to_pylist() for c in ("step", "rank", "name", "value"))):
+        out += st.update(int(step), int(rank), name, value)
+    return out
 
 
 def _cross_rank_events(table: pa.Table, cfg: DetectConfig, manifest: dict | None = None) -> list[dict]:

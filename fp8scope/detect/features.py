@@ -1,98 +1,126 @@
-"""Feature SQL shared by the offline and online detectors.
+"""Features shared by the offline and online detectors, in numpy (no DuckDB, no pandas).
 
-``row_features_sql(src)``: per-row derived columns (representable range, saturation ratio,
-underflow share, dynamic range, ...) from a tensors table or one step's batch.
+A *feature row* is one tensor at one logged step: its own statistics with derived columns
+(:func:`row_features`: representable range, saturation ratio, underflow share, dynamic range...),
+its history (window columns: offline :func:`window_features_numpy` over a whole run, online the
+ring buffers of :mod:`fp8scope.detect.online`; windows count logged rows of the tensor, not
+step numbers, so online and offline agree on runs with gaps) and its layer kind at the same
+step (:func:`group_features`: median / MAD of log2 amax, for ``layer_outlier``).
 
-``window_features_sql(src, cfg)``: the per-tensor history columns (offline only; the online
-detector computes the same columns from rolling state, see online.py). Windows count logged
-rows of the tensor, not step numbers, so online and offline agree on runs with gaps.
-
-``group_features_sql(src)``: the cross-layer columns (median / MAD of log2 amax among layers
-of the same kind at the same step) used by the ``layer_outlier`` rule.
+Columns are numpy arrays in a dict; a float column holds NaN where the value is missing
+(SQL NULL). The rules (:mod:`fp8scope.detect.rules`) are functions of such a dict.
 """
 
 from __future__ import annotations
 
+import re
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
 from fp8scope.detect.config import DetectConfig
 
-KEY = "key"
 MAD_FLOOR_BINADES = 0.1
-NUMERIC = ["step", "order", "full", "amax", "min_nonzero", "scale", "scale_inv", "expected_amax", "fp8_max",
-           "numel", "zeros", "nonfinite", "overflow", "underflow"]
+# columns of the tensors table the detector reads
+TENSOR_COLUMNS = [
+    "step", "rank", "layer", "tensor", "order", "fp8_format", "amax", "min_nonzero", "scale", "scale_inv",
+    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow",
+]
 
 
 class KeyMap:
-    """Integer ids for (rank, layer, tensor) and for layer kinds, so DuckDB sorts ints, not strings.
+    """Integer ids for (rank, layer, tensor) and for layer kinds / roles.
 
-    ``narrow(table)`` returns the numeric table the feature SQL reads (``key``, ``rank``,
-    ``is_grad``, ``kind``, ``binades`` + NUMERIC columns); ``names(df)`` adds ``layer``,
-    ``tensor``, ``fp8_format`` and the kind's name back to the few rows that fired.
+    ``keys_of(table)`` returns the key id of every row (vectorized through dictionary indices;
+    the online detector's batches usually repeat the previous step's names, which is cached);
+    ``info[key]`` is (rank, layer, tensor, fp8_format, kind id, role id).
     """
 
     def __init__(self) -> None:
         self.keys: dict[tuple, int] = {}
-        self.info: list[tuple] = []  # key -> (rank, layer, tensor, fp8_format, kind_name)
+        self.info: list[tuple] = []
         self.kinds: dict[str, int] = {}
         self.roles: dict[str, int] = {}
+        self.kind_names: list[str] = []
+        self._kind_of = np.zeros(0, np.int32)
+        self._role_of = np.zeros(0, np.int32)
+        self._grad_of = np.zeros(0, bool)
+        self._bin_of = np.zeros(0, float)
+        self.group_of = np.zeros(0, np.int64)  # key -> id of its (rank, role, kind)
+        self._groups: dict[tuple, int] = {}
+        self._last = None
 
     def _kind(self, layer: str) -> int:
-        import re
-
         k = re.sub(r"[0-9]+", "#", layer)
-        return self.kinds.setdefault(k, len(self.kinds))
+        if k not in self.kinds:
+            self.kinds[k] = len(self.kinds)
+            self.kind_names.append(k)
+        return self.kinds[k]
 
-    def narrow(self, t):
-        import numpy as np
-        import pyarrow as pa
+    def _add(self, rk: int, ly: str, tn: str, fm) -> int:
+        k = self.keys.get((rk, ly, tn))
+        if k is None:
+            k = self.keys[(rk, ly, tn)] = len(self.info)
+            self.info.append((rk, ly, tn, fm, self._kind(ly), self.roles.setdefault(tn, len(self.roles))))
+        return k
 
-        from fp8scope.formats import get_format
+    def keys_of(self, t) -> np.ndarray:
+        rank, lay, ten, fmt = (t.column(c) for c in ("rank", "layer", "tensor", "fp8_format"))
+        last = self._last
+        if last is not None and last[0].equals(rank) and last[1].equals(lay) and last[2].equals(ten):
+            return last[3]
+        n0 = len(self.info)
+        r = rank.to_numpy(zero_copy_only=False).astype(np.int64)
+        li, ld = _dict(lay)
+        ti, td = _dict(ten)
+        ranks = np.unique(r)
+        ri = np.searchsorted(ranks, r)
+        code = (ri * len(ld) + li) * max(len(td), 1) + ti
+        size = len(ranks) * len(ld) * max(len(td), 1)
+        if size <= 4 * len(code) + 1_000_000:
+            first = np.full(size, -1, np.int64)
+            first[code[::-1]] = np.arange(len(code) - 1, -1, -1)  # first row of each combination
+            combos = np.flatnonzero(first >= 0)
+            rows = first[combos]
+            lut = np.full(size, -1, np.int64)
+        else:
+            combos, rows = np.unique(code, return_index=True)
+            lut = None
+        fmts = fmt.take(pa.array(rows)).to_pylist() if len(rows) else []
+        lds, tds = ld.to_pylist(), td.to_pylist()
+        ids = np.array([self._add(int(ranks[c // (len(ld) * max(len(td), 1))]), lds[(c // max(len(td), 1)) % len(ld)],
+                                  tds[c % max(len(td), 1)], fm) for c, fm in zip(combos.tolist(), fmts)], np.int64)
+        if lut is not None:
+            lut[combos] = ids
+            key = lut[code]
+        else:
+            key = ids[np.searchsorted(combos, code)]
+        if len(self.info) > n0:
+            info = self.info
+            self._kind_of = np.array([i[4] for i in info], np.int32)
+            self._role_of = np.array([i[5] for i in info], np.int32)
+            self._grad_of = np.array([i[2] == "gradient" for i in info], bool)
+            self._bin_of = np.array([_binades(i[3]) for i in info], float)
+            self.group_of = np.array([self._groups.setdefault((i[0], i[5], i[4]), len(self._groups)) for i in info],
+                                     np.int64)
+        self._last = (rank, lay, ten, key)
+        return key
 
-        cols = {c: t[c] for c in NUMERIC}
-        # distinct (rank, layer, tensor, fp8_format) combos -> key ids, via a tiny group-by
-        combo = t.select(["rank", "layer", "tensor", "fp8_format"]).group_by(
-            ["rank", "layer", "tensor", "fp8_format"]).aggregate([])
-        for rk, ly, tn, fm in zip(*(combo[c].to_pylist() for c in combo.column_names)):
-            if (rk, ly, tn) not in self.keys:
-                self.keys[(rk, ly, tn)] = len(self.info)
-                self.info.append((rk, ly, tn, fm, self._kind(ly), self.roles.setdefault(tn, len(self.roles))))
-        # per row: look the key up through dictionary indices (vectorized)
-        lay = t["layer"].combine_chunks().dictionary_encode()
-        ten = t["tensor"].combine_chunks().dictionary_encode()
-        rank = t["rank"].to_numpy().astype(np.int64)
-        ld, td = lay.dictionary.to_pylist(), ten.dictionary.to_pylist()
-        li, ti = lay.indices.to_numpy().astype(np.int64), ten.indices.to_numpy().astype(np.int64)
-        ranks = np.unique(rank)
-        lut = np.full((len(ranks), len(ld), len(td)), -1, dtype=np.int64)
-        rpos = {int(r): i for i, r in enumerate(ranks)}
-        for (rk, ly, tn), k in self.keys.items():
-            if rk in rpos and ly in ld and tn in td:
-                lut[rpos[rk], ld.index(ly), td.index(tn)] = k
-        ri = np.searchsorted(ranks, rank)
-        key = lut[ri, li, ti]
+    def names(self, keys) -> dict:
+        """layer, tensor, fp8_format and kind name of each key (for the few rows that fire)."""
         info = self.info
-        kind_of = np.array([i[4] for i in info], dtype=np.int32)
-        grad_of = np.array([i[2] == "gradient" for i in info], dtype=bool)
-        role_of = np.array([i[5] for i in info], dtype=np.int32)
-        bin_of = np.array([_binades(i[3]) for i in info], dtype=float)
-        cols.update({
-            "key": pa.array(key.astype(np.int32)),
-            "rank": t["rank"],
-            "kind": pa.array(kind_of[key]),
-            "is_grad": pa.array(grad_of[key]),
-            "role": pa.array(role_of[key]),
-            "binades": pa.array(bin_of[key]),
-        })
-        return pa.table(cols)
+        return {"layer": [info[k][1] for k in keys], "tensor": [info[k][2] for k in keys],
+                "fp8_format": [info[k][3] for k in keys], "kind": [self.kind_names[info[k][4]] for k in keys]}
 
-    def names(self, df):
-        """Add layer, tensor, fp8_format, kind name columns to rows that carry ``key``."""
-        if df is None or df.empty:
-            return df
-        info = self.info
-        kinds = {v: k for k, v in self.kinds.items()}
-        k = df["key"].astype(int).tolist()
-        return df.assign(layer=[info[i][1] for i in k], tensor=[info[i][2] for i in k],
-                         fp8_format=[info[i][3] for i in k], kind=[kinds[info[i][4]] for i in k])
+
+def _dict(col):
+    """(indices as int64 numpy, dictionary) of a string column (plain or dictionary-encoded)."""
+    if isinstance(col, pa.ChunkedArray):
+        col = col.combine_chunks() if col.num_chunks != 1 else col.chunk(0)
+    if not pa.types.is_dictionary(col.type):
+        col = col.dictionary_encode()
+    return col.indices.to_numpy(zero_copy_only=False).astype(np.int64), col.dictionary
 
 
 def _binades(fmt) -> float:
@@ -104,116 +132,106 @@ def _binades(fmt) -> float:
         return float("nan")
 
 
-def row_features_sql(src: str, cfg: DetectConfig) -> str:
-    rate_min = repr(float(cfg.sat_rate_min_ratio))
-    return f"""
-    select step, rank, key, is_grad, role, kind, binades, "order", "full", amax,
-        case when isfinite(amax) then amax end as amax_f,
-        min_nonzero, scale, expected_amax, numel, nonfinite, overflow, underflow,
-        case when isfinite(scale_inv) and scale_inv > 0 then scale_inv end as scale_inv_f,
-        case when isfinite(fp8_max * scale_inv) and fp8_max * scale_inv > 0 then fp8_max * scale_inv end as rng,
-        case when isfinite(amax) and isfinite(fp8_max * scale_inv) and fp8_max * scale_inv > 0
-             then amax / (fp8_max * scale_inv) end as sat_ratio,
-        cast(overflow as double) / nullif(numel, 0) as ovf_frac,
-        cast(underflow as double)
-            / nullif(numel - coalesce(zeros, 0) - coalesce(nonfinite, 0), 0) as uf_frac,
-        case when isfinite(amax) and amax > 0 and min_nonzero > 0 and isfinite(min_nonzero)
-             then log2(amax / min_nonzero) end as dr,
-        coalesce(not isfinite(amax), false) as bad_amax,
-        coalesce(not isfinite(amax), false) or coalesce(nonfinite, 0) > 0 as bad,
-        case when isfinite(amax) and amax > 0 and isfinite(expected_amax) then expected_amax / amax end as stale_r,
-        case when isfinite(amax) and amax / nullif(fp8_max * scale_inv, 0) >= {rate_min} then 1 else 0 end as sat_hit,
-        case when isfinite(amax) and amax > 0 then log2(amax) end as l2
-    from {src}
-    """
+def floats(col) -> np.ndarray:
+    """Arrow column -> float64 numpy, NaN for nulls."""
+    if col.null_count:
+        col = pc.fill_null(pc.cast(col, pa.float64()), float("nan"))
+    return col.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
 
 
-def window_features_sql(src: str, cfg: DetectConfig, rules=()) -> str:
-    w, k, r = int(cfg.spike_window), int(cfg.collapse_window), int(cfg.sat_rate_window)
-    o = f"partition by {KEY} order by step"
-    return f"""
-    with _up as (
-        select *, scale_inv_f / lag(scale_inv_f) over ({o}) as si_jump from {src}
-    )
-    select *,
-        max(amax_f) over wp as prev_max,
-        count(amax_f) over wp as n_prev,
-        lag(bad_amax) over wo as prev_bad_amax,
-        lag(scale_inv_f) over wo as prev_scale_inv,
-        first_value(scale_inv_f) over wc as si_old,
-        max(scale_inv_f) over wc as si_max,
-        count(scale_inv_f) over wc as n_si,
-        max(si_jump) over wu as max_jump,
-        sum(sat_hit) over wr as n_sat,
-        count(*) over wr as n_rate{_eval_counts(rules)}
-    from _up
-    window wo as ({o}),
-           wp as ({o} rows between {w} preceding and 1 preceding),
-           wc as ({o} rows between {k} preceding and current row),
-           wu as ({o} rows between {k - 1} preceding and current row),
-           wr as ({o} rows between {r - 1} preceding and current row),
-           wa as ({o} rows between unbounded preceding and current row)
-    """
+def row_features(t, key: np.ndarray, km: KeyMap, cfg: DetectConfig) -> dict:
+    """Per-row feature columns of a tensors table / batch (rows as given) whose key ids are ``key``."""
+    c: dict = {"key": key}
+    c["step"] = t.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    c["rank"] = t.column("rank").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    c["order"] = floats(t.column("order"))
+    amax_col = t.column("amax")
+    amax = floats(amax_col)
+    c["amax"] = amax
+    for n in ("min_nonzero", "scale", "expected_amax", "numel", "nonfinite"):
+        c[n] = floats(t.column(n))
+    c["kind"] = km._kind_of[key]
+    c["role"] = km._role_of[key]
+    c["is_grad"] = km._grad_of[key]
+    c["binades"] = km._bin_of[key]
+    with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
+        fin = np.isfinite(amax)
+        c["amax_f"] = np.where(fin, amax, np.nan)
+        si = floats(t.column("scale_inv"))
+        c["scale_inv_f"] = np.where(np.isfinite(si) & (si > 0), si, np.nan)
+        raw_rng = floats(t.column("fp8_max")) * si
+        rng_ok = np.isfinite(raw_rng) & (raw_rng > 0)
+        c["rng"] = np.where(rng_ok, raw_rng, np.nan)
+        ratio = amax / raw_rng
+        c["sat_ratio"] = np.where(fin & rng_ok, ratio, np.nan)
+        numel = c["numel"]
+        c["ovf_frac"] = np.where(numel != 0, floats(t.column("overflow")) / numel, np.nan)
+        nz = numel - _z(floats(t.column("zeros"))) - _z(c["nonfinite"])
+        c["uf_frac"] = np.where(nz != 0, floats(t.column("underflow")) / nz, np.nan)
+        mn = c["min_nonzero"]
+        pos = fin & (amax > 0)
+        c["dr"] = np.where(pos & (mn > 0) & np.isfinite(mn), np.log2(amax / mn), np.nan)
+        present = ~np.asarray(amax_col.is_null()) if amax_col.null_count else True
+        c["bad_amax"] = ~fin & present
+        c["bad"] = c["bad_amax"] | (_z(c["nonfinite"]) > 0)
+        ea = c["expected_amax"]
+        c["stale_r"] = np.where(pos & np.isfinite(ea), ea / amax, np.nan)
+        c["sat_hit"] = (fin & (raw_rng != 0) & (ratio >= float(cfg.sat_rate_min_ratio))).astype(np.int64)
+        c["l2"] = np.where(pos, np.log2(amax), np.nan)
+    return c
 
 
-def _eval_counts(rules) -> str:
-    """Per edge rule: running count of evaluable rows (to find the previous evaluable row)."""
-    out = ""
-    for r in rules:
-        out += f",\n        sum(case when ({r.evaluable}) then 1 else 0 end) over wa as rn_{r.name}"
-    return out
+def _z(x):
+    return np.where(np.isnan(x), 0.0, x)
 
 
-def group_features_sql(src: str) -> str:
-    """Adds n_kind, z, dev (binades above the median of the kind) to every row of ``src``."""
-    g = "step, rank, role, kind"
-    return f"""
-    with _med as (
-        select {g}, median(l2) as med, count(l2) as n_kind from {src} group by {g}
-    ), _mad as (
-        select s.step, s.rank, s.role, s.kind, median(abs(s.l2 - m.med)) as mad
-        from {src} s join _med m using ({g}) group by all
-    )
-    select s.*, m.n_kind, s.l2 - m.med as dev,
-        (s.l2 - m.med) / (1.4826 * greatest(coalesce(d.mad, 0), {MAD_FLOOR_BINADES})) as z
-    from {src} s left join _med m using ({g}) left join _mad d using ({g})
-    """
+def group_features(c: dict, group_of_key: np.ndarray) -> None:
+    """Adds n_kind (layers of the kind with an amax), dev (binades above the kind's median) and z
+    (robust z-score) to ``c``; groups are (step, rank, role, kind), ``group_of_key`` maps a tensor
+    key to its (rank, role, kind) id (:attr:`KeyMap.group_of`)."""
+    l2 = c["l2"]
+    n = len(l2)
+    c["n_kind"] = np.zeros(n, np.int64)
+    c["dev"] = np.full(n, np.nan)
+    c["z"] = np.full(n, np.nan)
+    ok = np.flatnonzero(~np.isnan(l2))
+    if not len(ok):
+        return
+    step = c["step"][ok]
+    gk = group_of_key[c["key"][ok]].astype(np.int64)
+    code = (step - step.min()) * (int(gk.max()) + 1) + gk
+    o = np.argsort(code, kind="stable")
+    code, v, ok = code[o], l2[ok][o], ok[o]
+    start = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
+    cnt = np.diff(np.r_[start, len(code)])
+    G = len(start)
+    g = np.repeat(np.arange(G), cnt)
+    lo, hi = (cnt - 1) // 2, cnt // 2
+    mx = int(cnt.max())
+    if G * mx <= 4 * len(v) + 1_000_000:  # groups as rows of a matrix, sorted row by row
+        slot = np.arange(len(v)) - start[g]
+        rg = np.arange(G)
+
+        def medians(x):
+            m = np.full((G, mx), np.inf)
+            m[g, slot] = x
+            m.sort(axis=1)
+            return (m[rg, lo] + m[rg, hi]) / 2
+    else:
+        def medians(x):
+            y = x[np.lexsort((x, g))]
+            return (y[start + lo] + y[start + hi]) / 2
+    med = medians(v)
+    dev = v - med[g]
+    mad = medians(np.abs(dev))
+    c["n_kind"][ok] = cnt[g]
+    c["dev"][ok] = dev
+    c["z"][ok] = dev / (1.4826 * np.maximum(mad, MAD_FLOOR_BINADES)[g])
 
 
-SCALAR_FEATURES = ("prev_mean", "n_prev", "prev_bad")
-
-
-def scalar_row_sql(src: str) -> str:
-    return f"""
-    select step, rank, name, value, case when isfinite(value) then value end as v_f,
-        coalesce(not isfinite(value), false) as bad
-    from {src}
-    """
-
-
-def scalar_window_sql(src: str, cfg: DetectConfig) -> str:
-    lw, gw = int(cfg.loss_window), int(cfg.grad_window)
-    o = "partition by rank, name order by step"
-    return f"""
-    select *,
-        case when name = {_q(cfg.grad_norm_name)} then avg(v_f) over wg else avg(v_f) over wl end as prev_mean,
-        case when name = {_q(cfg.grad_norm_name)} then count(v_f) over wg else count(v_f) over wl end as n_prev
-    from {src}
-    where name in ({_q(cfg.loss_name)}, {_q(cfg.grad_norm_name)})
-    window wl as ({o} rows between {lw} preceding and 1 preceding),
-           wg as ({o} rows between {gw} preceding and 1 preceding)
-    """
-
-
-def _q(s: str) -> str:
-    return "'" + str(s).replace("'", "''") + "'"
-
-
-# ---- the same window features in numpy (offline fast path) ----------------------------------
+# ---- window features over a whole run (offline) ---------------------------------------------
 def _sliding_max(x, w: int):
     """max over the trailing window x[i-w+1 .. i] (van Herk / Gil-Werman, O(n)); -inf = missing."""
-    import numpy as np
-
     n = len(x)
     m = -(-n // w) * w
     xp = np.full(m, -np.inf)
@@ -228,14 +246,15 @@ def _sliding_max(x, w: int):
     return out
 
 
-def window_features_numpy(key, cols: dict, cfg: DetectConfig, ev: dict):
-    """Window features of rows sorted by (key, step), as numpy arrays (semantics of window_features_sql).
+def window_features_numpy(key, cols: dict, cfg: DetectConfig) -> dict:
+    """Window features of rows sorted by (key, step), as numpy arrays (the online ring buffers'
+    semantics): prev_max / n_prev (previous spike_window rows), prev_bad_amax, prev_scale_inv,
+    si_old / si_max / n_si (last collapse_window + 1 rows), max_jump (largest one-step rise of
+    scale_inv over the last collapse_window rows), n_sat / n_rate (last sat_rate_window rows).
 
-    cols: amax_f, scale_inv_f (NaN = NULL), sat_hit (int), bad_amax (bool); ev: rule -> evaluable bool.
+    cols: amax_f, scale_inv_f (NaN = missing), sat_hit (int), bad_amax (bool).
     Windows never cross a tensor: each tensor's rows are preceded by ``pad`` missing values.
     """
-    import numpy as np
-
     W, K, R = int(cfg.spike_window), int(cfg.collapse_window), int(cfg.sat_rate_window)
     n = len(key)
     out: dict = {}
@@ -270,7 +289,8 @@ def window_features_numpy(key, cols: dict, cfg: DetectConfig, ev: dict):
     out["n_prev"] = count_window(~np.isnan(amax_f), W, False)
     first = rel == 0
     prev_bad = np.r_[False, cols["bad_amax"][:-1]]
-    out["prev_bad_amax"] = (prev_bad, first)  # (values, null mask)
+    prev_bad[first] = False
+    out["prev_bad_amax"] = prev_bad
     prev_si = np.r_[np.nan, si[:-1]]
     prev_si[first] = np.nan
     out["prev_scale_inv"] = prev_si
@@ -282,8 +302,20 @@ def window_features_numpy(key, cols: dict, cfg: DetectConfig, ev: dict):
     out["max_jump"] = max_window(jump, K, True)
     out["n_sat"] = count_window(cols["sat_hit"].astype(bool), R, True)
     out["n_rate"] = np.minimum(rel + 1, R).astype(np.int64)
-    for name, e in ev.items():
-        c = np.cumsum(e.astype(np.int64))
-        base = np.r_[0, c][seg_start][seg]
-        out[f"rn_{name}"] = c - base
     return out
+
+
+def edges_sorted(key: np.ndarray, f: np.ndarray, ev: np.ndarray) -> np.ndarray:
+    """Edge of ``f`` over rows sorted by (key, step): true where f holds and did not hold on the
+    previous *evaluable* row of the same tensor (the online detector keeps that flag per tensor)."""
+    n = len(f)
+    if n == 0 or not f.any():
+        return f
+    i = np.arange(n)
+    last = np.maximum.accumulate(np.where(ev, i, -1))
+    prev = np.r_[-1, last[:-1]]
+    seg_start = np.maximum.accumulate(np.where(np.r_[True, key[1:] != key[:-1]], i, 0))
+    ok = prev >= seg_start
+    prevf = np.zeros(n, bool)
+    prevf[ok] = f[prev[ok]]
+    return f & ~prevf

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable
+from typing import Any, Callable
+
+import numpy as np
 
 from fp8scope.detect.config import DetectConfig
 from fp8scope.formats import get_format
@@ -73,35 +75,64 @@ def _where(r: dict) -> str:
 
 @dataclass(frozen=True)
 class RowRule:
-    """One per-tensor-row rule: SQL over feature columns (see features.FEATURE_COLUMNS)."""
+    """One per-tensor-row rule over a dict ``c`` of numpy feature columns (one entry per row).
+
+    Float columns carry NaN where the value is missing (SQL NULL): comparisons with NaN are
+    false, so a rule that cannot judge a row does not fire. ``cond``, ``value``, ``threshold``,
+    ``severity`` and ``evaluable`` are elementwise functions of ``c``; the offline engine calls
+    them over all rows of a run, the online detector over one step's rows.
+    """
 
     name: str
-    cond: str  # SQL boolean; NULL means "cannot judge this row" (skipped, edge state unchanged)
-    value: str  # SQL: the measured value
-    threshold: str  # SQL: the threshold it was compared with
-    severity: str  # SQL: 'info' / 'warning' / 'critical'
+    cond: Callable[[dict], np.ndarray]  # bool per row
+    value: Callable[[dict], np.ndarray]  # the measured value
+    threshold: Callable[[dict], Any]  # the threshold it was compared with (array or scalar)
+    severity: Callable[[dict], Any]  # 'info' / 'warning' / 'critical' (array or scalar)
     message: Callable[[dict], str]
     edge: bool = True
-    # row-level SQL (no window columns): the rule can judge this row. Edge rules compare with the
-    # previous *evaluable* row of the same tensor (full-stats rules skip cheap rows).
-    evaluable: str = "true"
+    # the rule can judge this row (row-level, no window columns); None: every row. Edge rules
+    # compare with the previous *evaluable* row of the same tensor (full-stats rules skip cheap rows).
+    evaluable: Callable[[dict], np.ndarray] | None = None
 
 
-def _early(cfg: DetectConfig, sev: str) -> str:
-    """Severity SQL that drops to 'info' during warm-up."""
-    return f"(case when step < {int(cfg.warmup_steps)} then 'info' else {sev} end)"
+def _early(cfg: DetectConfig, c: dict, sev):
+    """Severity that drops to 'info' during warm-up."""
+    return np.where(c["step"] < int(cfg.warmup_steps), "info", sev)
+
+
+def _nn(x):
+    """Not missing."""
+    return ~np.isnan(x)
+
+
+def _z(x):
+    """coalesce(x, 0)."""
+    return np.where(np.isnan(x), 0.0, x)
+
+
+def _div(a, b):
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return a / b
 
 
 def row_rules(cfg: DetectConfig) -> list[RowRule]:
     mh = int(cfg.min_history)
-    uf_thr = f"(case when is_grad then {_g(cfg.underflow_grad_warn)} else {_g(cfg.underflow_warn)} end)"
+    spike, tol, sw, sc = float(cfg.spike_factor), float(cfg.sat_tol), float(cfg.sat_warn_ratio), float(cfg.sat_critical_ratio)
+    sf, rt, st = float(cfg.sat_warn_fraction), float(cfg.sat_rate_threshold), float(cfg.stale_ratio)
+    ufw, ufg, ufc = float(cfg.underflow_warn), float(cfg.underflow_grad_warn), float(cfg.underflow_critical)
+    dre, cw, cf, cj = float(cfg.dynamic_range_excess), int(cfg.collapse_window), float(cfg.collapse_factor), float(cfg.collapse_max_jump)
+    oz, ob, ow, om = float(cfg.outlier_z), float(cfg.outlier_min_binades), float(cfg.outlier_warn_binades), int(cfg.outlier_min_layers)
+
+    def uf_thr(c):
+        return np.where(c["is_grad"], ufg, ufw)
+
     rules = [
         RowRule(
             "amax_spike",
-            cond=f"n_prev >= {mh} and prev_max > 0 and amax_f > {_g(cfg.spike_factor)} * prev_max",
-            value="amax_f / prev_max",
-            threshold=_g(cfg.spike_factor),
-            severity=_early(cfg, "'warning'"),
+            cond=lambda c: (c["n_prev"] >= mh) & (c["prev_max"] > 0) & (c["amax_f"] > spike * c["prev_max"]),
+            value=lambda c: _div(c["amax_f"], c["prev_max"]),
+            threshold=lambda c: spike,
+            severity=lambda c: _early(cfg, c, "warning"),
             edge=False,
             message=lambda r: (
                 f"{_where(r)}: amax {_fmt(r['amax'])} is {_fmt(r['value'])}x the max of its last "
@@ -110,16 +141,11 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "saturation",
-            evaluable="sat_ratio is not null",
-            cond=(
-                f"sat_ratio > 1 + {_g(cfg.sat_tol)} and (sat_ratio >= {_g(cfg.sat_warn_ratio)} "
-                f"or coalesce(ovf_frac, 0) >= {_g(cfg.sat_warn_fraction)})"
-            ),
-            value="sat_ratio",
-            threshold=_g(cfg.sat_warn_ratio),
-            severity=_early(
-                cfg, f"(case when sat_ratio >= {_g(cfg.sat_critical_ratio)} then 'critical' else 'warning' end)"
-            ),
+            evaluable=lambda c: _nn(c["sat_ratio"]),
+            cond=lambda c: (c["sat_ratio"] > 1 + tol) & ((c["sat_ratio"] >= sw) | (_z(c["ovf_frac"]) >= sf)),
+            value=lambda c: c["sat_ratio"],
+            threshold=lambda c: sw,
+            severity=lambda c: _early(cfg, c, np.where(c["sat_ratio"] >= sc, "critical", "warning")),
             message=lambda r: (
                 f"{_where(r)}: amax {_fmt(r['amax'])} is {_fmt(r['value'])}x the largest value the scale in use "
                 f"can represent ({_fmt(r['rng'])} = fp8_max x scale_inv): values were clipped"
@@ -128,10 +154,10 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "saturation_rate",
-            cond=f"n_rate >= {mh} and n_sat >= {_g(cfg.sat_rate_threshold)} * n_rate",
-            value="n_sat / n_rate",
-            threshold=_g(cfg.sat_rate_threshold),
-            severity=_early(cfg, "'warning'"),
+            cond=lambda c: (c["n_rate"] >= mh) & (c["n_sat"] >= rt * c["n_rate"]),
+            value=lambda c: _div(c["n_sat"].astype(float), c["n_rate"]),
+            threshold=lambda c: rt,
+            severity=lambda c: _early(cfg, c, "warning"),
             message=lambda r: (
                 f"{_where(r)}: saturated (amax >= {_fmt(cfg.sat_rate_min_ratio)}x the representable range) in "
                 f"{_pct(r['value'])} of its last {int(r['n_rate'])} logged steps: the scale keeps lagging "
@@ -140,13 +166,11 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "stale_scale",
-            evaluable="stale_r is not null",
-            cond=(
-                f"n_prev >= 1 and stale_r >= {_g(cfg.stale_ratio)} and prev_max >= 0.5 * expected_amax"
-            ),
-            value="stale_r",
-            threshold=_g(cfg.stale_ratio),
-            severity=_early(cfg, "'warning'"),
+            evaluable=lambda c: _nn(c["stale_r"]),
+            cond=lambda c: (c["n_prev"] >= 1) & (c["stale_r"] >= st) & (c["prev_max"] >= 0.5 * c["expected_amax"]),
+            value=lambda c: c["stale_r"],
+            threshold=lambda c: st,
+            severity=lambda c: _early(cfg, c, "warning"),
             message=lambda r: (
                 f"{_where(r)}: the scale still comes from amax {_fmt(r['expected_amax'])}, {_fmt(r['value'])}x "
                 f"today's amax {_fmt(r['amax'])} (a past spike sits in the amax history)"
@@ -155,11 +179,11 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "underflow",
-            evaluable="uf_frac is not null",
-            cond=f"n_prev >= 1 and uf_frac >= {uf_thr}",  # the first row uses the recipe's initial scale
-            value="uf_frac",
+            evaluable=lambda c: _nn(c["uf_frac"]),
+            cond=lambda c: (c["n_prev"] >= 1) & (c["uf_frac"] >= uf_thr(c)),  # the first row uses the initial scale
+            value=lambda c: c["uf_frac"],
             threshold=uf_thr,
-            severity=(f"(case when uf_frac >= {_g(cfg.underflow_critical)} then 'critical' else 'warning' end)"),
+            severity=lambda c: np.where(c["uf_frac"] >= ufc, "critical", "warning"),
             message=lambda r: (
                 f"{_where(r)} ({r['fp8_format']}): {_pct(r['value'])} of non-zero values flush to zero in the cast "
                 f"(threshold {_pct(r['threshold'])})"
@@ -167,11 +191,11 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "dynamic_range",
-            evaluable="dr is not null",
-            cond=f"n_prev >= 1 and dr > binades + {_g(cfg.dynamic_range_excess)}",
-            value="dr",
-            threshold=f"binades + {_g(cfg.dynamic_range_excess)}",
-            severity="'info'",
+            evaluable=lambda c: _nn(c["dr"]),
+            cond=lambda c: (c["n_prev"] >= 1) & (c["dr"] > c["binades"] + dre),
+            value=lambda c: c["dr"],
+            threshold=lambda c: c["binades"] + dre,
+            severity=lambda c: "info",
             message=lambda r: (
                 f"{_where(r)}: dynamic range {_fmt(r['value'])} binades (amax {_fmt(r['amax'])} / min non-zero "
                 f"{_fmt(r['min_nonzero'])}) exceeds the {_fmt(r['binades'])} binades one {r['fp8_format']} scale covers"
@@ -179,10 +203,10 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "scale_kept",
-            cond="prev_bad_amax and scale_inv_f is not null and scale_inv_f = prev_scale_inv",
-            value="scale_inv_f",
-            threshold="cast(null as double)",
-            severity="'warning'",
+            cond=lambda c: c["prev_bad_amax"] & _nn(c["scale_inv_f"]) & (c["scale_inv_f"] == c["prev_scale_inv"]),
+            value=lambda c: c["scale_inv_f"],
+            threshold=lambda c: float("nan"),
+            severity=lambda c: "warning",
             message=lambda r: (
                 f"{_where(r)}: the previous step's amax was NaN/Inf and the recipe silently kept the old scale "
                 f"(scale_inv {_fmt(r['value'])}): the scale no longer follows the data"
@@ -190,14 +214,12 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "scale_collapse",
-            evaluable="scale_inv_f is not null",
-            cond=(
-                f"n_si > {int(cfg.collapse_window)} and si_old > 0 and scale_inv_f >= {_g(cfg.collapse_factor)} * si_old "
-                f"and scale_inv_f >= si_max and max_jump <= {_g(cfg.collapse_max_jump)}"
-            ),
-            value="scale_inv_f / si_old",
-            threshold=_g(cfg.collapse_factor),
-            severity=_early(cfg, "'warning'"),
+            evaluable=lambda c: _nn(c["scale_inv_f"]),
+            cond=lambda c: ((c["n_si"] > cw) & (c["si_old"] > 0) & (c["scale_inv_f"] >= cf * c["si_old"])
+                            & (c["scale_inv_f"] >= c["si_max"]) & (c["max_jump"] <= cj)),
+            value=lambda c: _div(c["scale_inv_f"], c["si_old"]),
+            threshold=lambda c: cf,
+            severity=lambda c: _early(cfg, c, "warning"),
             message=lambda r: (
                 f"{_where(r)}: scale_inv rose {_fmt(r['value'])}x over the last {int(cfg.collapse_window)} logged "
                 f"steps, at most {_fmt(r['max_jump'])}x in one step (scale {_fmt(r['scale'])}): the scale is collapsing toward zero"
@@ -205,14 +227,11 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             "layer_outlier",
-            evaluable="l2 is not null",
-            cond=(
-                f"n_kind >= {int(cfg.outlier_min_layers)} and z >= {_g(cfg.outlier_z)} "
-                f"and dev >= {_g(cfg.outlier_min_binades)}"
-            ),
-            value="z",
-            threshold=_g(cfg.outlier_z),
-            severity=_early(cfg, f"(case when dev >= {_g(cfg.outlier_warn_binades)} then 'warning' else 'info' end)"),
+            evaluable=lambda c: _nn(c["l2"]),
+            cond=lambda c: (c["n_kind"] >= om) & (c["z"] >= oz) & (c["dev"] >= ob),
+            value=lambda c: c["z"],
+            threshold=lambda c: oz,
+            severity=lambda c: _early(cfg, c, np.where(c["dev"] >= ow, "warning", "info")),
             message=lambda r: (
                 f"{_where(r)}: amax {_fmt(r['amax'])} is {_fmt(2 ** r['dev'])}x the median of the "
                 f"{int(r['n_kind'])} layers of its kind ({r['kind']}), robust z {_fmt(r['value'])}"
@@ -220,6 +239,11 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
     ]
     return [r for r in rules if r.name not in cfg.disabled]
+
+
+# NaN / Inf in a tensor (edge per tensor); the events are nan_origin / nonfinite (engine._nan_events).
+NONFINITE = RowRule("nonfinite", cond=lambda c: c["bad"], value=lambda c: c["nonfinite"], threshold=lambda c: 0.0,
+                    severity=lambda c: "critical", message=lambda r: "", edge=True)
 
 
 # Rules that are not RowRules, for `--rule` validation and docs.
