@@ -462,8 +462,7 @@ class DashboardApp:
 
     def _heatmap_body(self, e, stat, role, agg, q):
         fig, fr, ev, n_layers = self.heatmap_figure(e, stat, role, agg, q)
-        span = D.step_span(e, D.STATS[stat][3])
-        b = D.bucket_width(span, D.MAX_COLS)
+        b = D.heatmap_width(e, D.STATS[stat][3])
         msg = (f"{n_layers} layers x {fr['step'].nunique()} columns; each column covers {b} step(s), colour = "
                f"{'worst' if agg == 'worst' else 'mean'} value in it. x = flagged cell (events, non-finite). "
                "Click a cell to open that tensor.")

@@ -14,6 +14,7 @@ which reads only the bytes appended since the last call (a torn tail is retried 
 from __future__ import annotations
 
 import math
+import re
 import threading
 import time
 from collections import OrderedDict
@@ -23,6 +24,7 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from fp8scope.errors import Fp8ScopeError, RunError
 from fp8scope.run import Run, disk_usage
@@ -76,6 +78,8 @@ class Entry:
     con: object = None
     registered: tuple | None = None
     cache: OrderedDict = field(default_factory=OrderedDict)
+    rollup: "Rollup | None" = None
+    warmed: threading.Event = field(default_factory=threading.Event)
 
     def tables(self) -> list[str]:
         return self.run.table_names()
@@ -115,7 +119,8 @@ class Entry:
 class RunCache:
     """Run objects per resolved path; refresh() reads only new bytes, at most once a second."""
 
-    def __init__(self, max_runs: int = 8):
+    def __init__(self, max_runs: int = 8, warm: bool = True):
+        self.warm = warm  # compute the rollup + default views in a background thread when a run is opened
         self._entries: OrderedDict[Path, Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[Path, threading.Lock] = {}
@@ -133,7 +138,7 @@ class RunCache:
             with self._lock:
                 e = self._entries.get(path)
             if e is None:
-                run = Run(path)
+                run = Run(path, combine_chunks=False)  # zero-copy batches: the rollup scans them once
                 e = Entry(path, run)
                 e.version = e.compute_version()
                 e.last_refresh = time.time()
@@ -141,6 +146,10 @@ class RunCache:
                     self._entries[path] = e
                     while len(self._entries) > self.max_runs:
                         self._entries.popitem(last=False)
+                if self.warm:
+                    threading.Thread(target=warm_up, args=(e,), daemon=True, name=f"warm {path.name}").start()
+                else:
+                    e.warmed.set()
             return e
 
     def peek(self, path: Path) -> Entry | None:
@@ -251,11 +260,334 @@ def _last_step_sql(e: Entry):
     return int(e.sql(f"select max(step) as s from {names[0]}")["s"].iloc[0])
 
 
+
+# ---- per-(tensor, step-bucket) rollup of the tensors table ---------------------------------
+# The tensors table of a big run has ~10M rows; every tensor view only needs per-(tensor, bucket)
+# aggregates. One numpy pass builds them (integer tensor ids from dictionary-encoded names, a stable
+# sort by (tensor, bucket), reduceat), at a base bucket width g = the line-chart width; views re-bucket
+# this ~1M-row rollup to their own width (a multiple of g), which is exact for min/max/sum/count.
+# A live refresh recomputes only the buckets from the one holding the previous last step on.
+_WORST = {k: v[2] for k, v in STATS.items() if v[3] == "tensors"}
+
+
+def _col(t: pa.Table, name: str, dtype=np.float64) -> np.ndarray:
+    c = t[name]
+    if c.num_chunks == 0:
+        return np.empty(0, dtype)
+    # combine in C++ first: ChunkedArray.to_numpy pays Python overhead per chunk (10k record batches)
+    a = (c.chunk(0) if c.num_chunks == 1 else c.combine_chunks()).to_numpy(zero_copy_only=False)
+    return a.astype(dtype, copy=False)
+
+
+class Rollup:
+    """Per (tensor id, step // g) aggregates of a tensors table, sorted by (tid, bucket)."""
+
+    def __init__(self, g: int):
+        self.g = g
+        self.tids: dict[tuple[str, str], int] = {}
+        self.layer: list[str] = []
+        self.role: list[str] = []
+        self.ord: list[int] = []
+        self.fmt: list[str | None] = []
+        self.source: list[str | None] = []
+        self.a: dict[str, np.ndarray] = {}
+        self.version: tuple = ()
+
+    # -- build -----------------------------------------------------------------------------
+    def _tid(self, t: pa.Table) -> np.ndarray:
+        lay = pc.dictionary_encode(t["layer"]).combine_chunks()
+        rol = pc.dictionary_encode(t["tensor"]).combine_chunks()
+        li = lay.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        ri = rol.indices.to_numpy(zero_copy_only=False).astype(np.int64)
+        ln, rn = lay.dictionary.to_pylist(), rol.dictionary.to_pylist()
+        pair = li * max(1, len(rn)) + ri
+        used = np.flatnonzero(np.bincount(pair, minlength=len(ln) * max(1, len(rn))))
+        remap = np.full(len(ln) * max(1, len(rn)), -1, np.int64)
+        ordc = _col(t, "order", np.int64)
+        first = np.full(len(remap), -1, np.int64)
+        # first row of each pair (for order/format/source)
+        idx = np.arange(len(pair) - 1, -1, -1)
+        first[pair[::-1]] = idx
+        for p in used:
+            key = (ln[p // max(1, len(rn))], rn[p % max(1, len(rn))])
+            tid = self.tids.get(key)
+            if tid is None:
+                tid = self.tids[key] = len(self.layer)
+                self.layer.append(key[0])
+                self.role.append(key[1])
+                r = int(first[p])
+                self.ord.append(int(ordc[r]))
+                self.fmt.append(t["fp8_format"][r].as_py() if "fp8_format" in t.column_names else None)
+                self.source.append(t["source"][r].as_py() if "source" in t.column_names else None)
+            else:
+                self.ord[tid] = min(self.ord[tid], int(ordc[first[p]]))
+            remap[p] = tid
+        return remap[pair]
+
+    def _aggregate(self, t: pa.Table) -> dict[str, np.ndarray]:
+        tid = self._tid(t)
+        step = _col(t, "step", np.int64)
+        n = len(step)
+        # Fast path: rows are whole steps, each step the same tensors in the same order, steps
+        # ascending (what RunWriter produces for one rank). Then a (steps, tensors) grid is reduced
+        # along axis 0 in blocks of buckets: no sort, no gather, small reused temporaries.
+        T = int(np.argmax(step != step[0])) if n and (step != step[0]).any() else n
+        grid = False
+        if T and n % T == 0:
+            t2, s2 = tid.reshape(-1, T), step.reshape(-1, T)
+            grid = (bool((t2 == t2[0]).all()) and bool((s2 == s2[:, :1]).all())
+                    and bool((np.diff(s2[:, 0]) > 0).all()) and len(np.unique(t2[0])) == T)
+        if not grid:
+            return self._aggregate_sorted(t, tid, step)
+        rb = s2[:, 0] // self.g
+        bst = np.flatnonzero(np.r_[True, rb[1:] != rb[:-1]])
+        bend = np.r_[bst[1:], len(rb)]
+        per_block = max(1, (1 << 18) // T)  # ~256k rows per block
+        parts: list[dict] = []
+        for i in range(0, len(bst), max(1, per_block // max(1, self.g))):
+            j = min(len(bst), i + max(1, per_block // max(1, self.g)))
+            r0, r1 = int(bst[i]), int(bend[j - 1])
+            blk = t.slice(r0 * T, (r1 - r0) * T)
+            starts = bst[i:j] - r0
+            counts = bend[i:j] - bst[i:j]
+            steps = np.repeat(s2[r0:r1, :1], T, axis=1)
+            parts.append(self._reduce(lambda name: _col(blk, name).reshape(-1, T), steps, starts, counts))
+        order = np.argsort(t2[0], kind="stable")
+        out = {k: np.concatenate([p[k] for p in parts], axis=0)[:, order].T.ravel() for k in parts[0]}
+        nb = len(bst)
+        out["tid"] = np.repeat(t2[0][order], nb)
+        out["b"] = np.tile(rb[bst], T)
+        return out
+
+    def _aggregate_sorted(self, t: pa.Table, tid: np.ndarray, step: np.ndarray) -> dict[str, np.ndarray]:
+        bkt = step // self.g
+        b0 = int(bkt.min())
+        nb = int(bkt.max()) - b0 + 1
+        key = tid * nb + (bkt - b0)
+        perm = np.argsort(key, kind="stable")
+        ks = key[perm]
+        starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
+        counts = np.diff(np.r_[starts, len(ks)])
+        out = self._reduce(lambda name: _col(t, name)[perm], step[perm], starts, counts)
+        out["tid"] = ks[starts] // nb
+        out["b"] = ks[starts] % nb + b0
+        return out
+
+    def _reduce(self, get, step_s: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
+        """Group reductions along axis 0 (rows 1-D, or a (steps, tensors) grid) at group starts."""
+        names = set(self._names)
+
+        def col(name):
+            if name not in names:
+                return np.full(step_s.shape, np.nan)
+            v = get(name)
+            return v if v.flags.writeable else v.copy()
+
+        def red(fn, v, **kw):
+            return fn.reduceat(v, starts, axis=0, **kw)
+
+        shape = (len(starts),) + step_s.shape[1:]
+        cnt = counts.reshape((-1,) + (1,) * (step_s.ndim - 1))
+        out: dict[str, np.ndarray] = {"n": np.broadcast_to(cnt, shape).astype(np.int64)}
+        out["smin"] = red(np.minimum, step_s)
+        out["smax"] = red(np.maximum, step_s)
+        out["segsum"] = red(np.add, col("segment").astype(np.int64)) if "segment" in names else np.zeros(shape, np.int64)
+        amax, fmax, sinv = col("amax"), col("fp8_max"), col("scale_inv")
+        numel = col("numel")
+        numel[numel == 0] = np.nan
+        with np.errstate(all="ignore"):
+            makers = {
+                "log2_amax": lambda: np.log2(amax),
+                "headroom": lambda: np.log2(fmax * sinv / amax),
+                "overflow_pct": lambda: 100.0 * col("overflow") / numel,
+                "underflow_pct": lambda: 100.0 * col("underflow") / numel,
+                "saturated_pct": lambda: 100.0 * col("saturated") / numel,
+                "sqnr_db": lambda: col("sqnr_db"),
+                "qerr_log10": lambda: np.log10(col("qerr_mse")),
+                "nonfinite": lambda: col("nonfinite"),
+            }
+            big = np.iinfo(np.int64).max
+            for k, mk in makers.items():
+                v = mk()
+                fin = np.isfinite(v)
+                if k == "nonfinite":
+                    bad = ~np.isfinite(amax) | (np.nan_to_num(v, nan=0.0) > 0)
+                    out["nf_sum"] = red(np.add, np.nan_to_num(v, nan=0.0)) + red(np.add, ~np.isfinite(amax), dtype=np.int64)
+                    out["nf_step"] = red(np.minimum, np.where(bad, step_s, big))
+                v[~fin] = np.nan
+                out[f"{k}_w"] = red(np.fmax if _WORST[k] == "max" else np.fmin, v)
+                v[~fin] = 0.0
+                out[f"{k}_sum"] = red(np.add, v)
+                out[f"{k}_n"] = red(np.add, fin, dtype=np.int64)
+                if k == "saturated_pct":
+                    del numel
+            afin = np.isfinite(amax)
+            out["amax_max"] = red(np.maximum, amax)  # NaN wins, as in SQL max over NaN
+            a_f = np.where(afin, amax, -np.inf)
+            gm = red(np.maximum, a_f)
+            out["amax_fmax"] = np.where(np.isneginf(gm), np.nan, gm)
+            hit = afin & (a_f == np.repeat(gm, counts, axis=0))
+            st = red(np.minimum, np.where(hit, step_s, big))
+            out["amax_step"] = np.where(st == big, -1, st)
+            pos = afin & (amax > 0)
+            npos = red(np.add, pos, dtype=np.int64)
+            out["amax_mean"] = red(np.add, np.where(pos, amax, 0.0)) / np.where(npos == 0, np.nan, npos)
+            out["expected_amax"] = red(np.fmax, col("expected_amax"))
+            out["range"] = red(np.fmin, fmax * sinv)
+            out["scale_inv"] = red(np.fmax, sinv)
+            out["min_nonzero"] = red(np.fmin, col("min_nonzero"))
+        return out
+
+    def build(self, t: pa.Table) -> None:
+        self._names = t.column_names
+        self.a = self._aggregate(t) if t.num_rows else {}
+
+    def update(self, t: pa.Table) -> bool:
+        """Recompute the buckets from the one holding the previous last step; False when older rows
+        changed (a restarted segment replayed steps, a compaction): the caller rebuilds."""
+        if not self.a:
+            return False
+        x = int(self.a["b"].max()) * self.g  # first step of the newest bucket
+        step = t["step"]
+        old = pc.less(step, x)
+        keep = self.a["b"] * self.g < x
+        n_old = pc.sum(old).as_py() or 0
+        seg_old = pc.sum(pc.if_else(old, pc.cast(t["segment"], pa.int64()), 0)).as_py() or 0 if "segment" in t.column_names else 0
+        if n_old != int(self.a["n"][keep].sum()) or seg_old != int(self.a["segsum"][keep].sum()):
+            return False
+        self._names = t.column_names
+        new = t.filter(pc.invert(old))
+        part = self._aggregate(new) if new.num_rows else None
+        a = {k: v[keep] for k, v in self.a.items()}
+        if part is not None:
+            a = {k: np.concatenate([a[k], part[k].astype(a[k].dtype, copy=False)]) for k in a}
+            o = np.lexsort((a["b"], a["tid"]))
+            a = {k: v[o] for k, v in a.items()}
+        self.a = a
+        return True
+
+    # -- queries ---------------------------------------------------------------------------
+    def span(self) -> tuple[int, int] | None:
+        if not self.a or not len(self.a["n"]):
+            return None
+        return int(self.a["smin"].min()), int(self.a["smax"].max())
+
+    def width(self, max_cols: int) -> int:
+        """Bucket width for at most max_cols columns: a multiple of g (so re-bucketing is exact)."""
+        b = bucket_width(self.span(), max_cols)
+        return self.g * math.ceil(b / self.g)
+
+    def rebucket(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """(starts into rows, bucket step) for rows (indices, sorted by tid, b) re-bucketed to width."""
+        k = width // self.g
+        tid = self.a["tid"][rows]
+        col = self.a["b"][rows] // k
+        starts = np.flatnonzero(np.r_[True, (tid[1:] != tid[:-1]) | (col[1:] != col[:-1])]) if len(rows) else np.empty(0, int)
+        return starts, col[starts] * width
+
+
+def rollup(e: Entry) -> Rollup | None:
+    """The run's rollup at its current version: built once, then updated from the newest bucket on."""
+    with e.lock:
+        if not e.has("tensors"):
+            return None
+        r = e.rollup
+        if r is not None and r.version == e.version:
+            return r
+        t = e.run.table("tensors")
+        if r is not None and r.update(t):
+            sp = r.span()
+            if sp is None or (sp[1] - sp[0] + 1) <= 4 * MAX_POINTS * r.g:
+                r.version = e.version
+                return r
+        mm = pc.min_max(t["step"]).as_py()
+        r = Rollup(bucket_width((mm["min"], mm["max"]), MAX_POINTS))
+        r.build(t)
+        r.version = e.version
+        e.rollup = r
+        return r
+
+
+def warm_up(e: Entry) -> None:
+    """Background thread started when a run is opened: rollup + what the default views ask first."""
+    try:
+        rollup(e)
+        rl = roles(e)
+        names = [n for n in ("loss", "grad_norm") if n in scalar_names(e)]
+        jobs = [lambda: verdict(e), lambda: outliers(e, None), lambda: scalars_frame(e, names),
+                lambda: e.cached(("info",), e.run.info)]
+        if rl:
+            jobs.insert(0, lambda: heatmap_frame(e, "headroom", "activation" if "activation" in rl else rl[0]))
+        for job in jobs:
+            try:
+                job()
+            except Exception:  # noqa: BLE001 - the page that needs it reports the error
+                pass
+    except Exception:  # noqa: BLE001
+        pass
+    finally:
+        e.warmed.set()
+
+
+def _reduce(fn, v: np.ndarray, starts: np.ndarray) -> np.ndarray:
+    return fn.reduceat(v, starts) if len(v) else np.empty(0, v.dtype)
+
+
+def _tids_for(r: Rollup, role: str | None, layer_re: str | None) -> np.ndarray:
+    ok = np.ones(len(r.layer), bool)
+    if role:
+        ok &= np.array([x == role for x in r.role], bool)
+    if layer_re:
+        try:
+            rx = re.compile(layer_re)
+        except re.error as exc:
+            raise NoData(f"query failed: bad layer regex {layer_re!r}: {exc}") from None
+        ok &= np.array([bool(rx.search(x)) for x in r.layer], bool)
+    return np.flatnonzero(ok)
+
+
+def _layer_rank(r: Rollup) -> dict[str, int]:
+    best: dict[str, int] = {}
+    for l, o in zip(r.layer, r.ord):
+        best[l] = min(o, best.get(l, o))
+    return {l: i for i, l in enumerate(sorted(best, key=lambda l: (best[l], l)))}
+
+
+def _heatmap_rollup(e: Entry, stat: str, role: str | None, agg: str, layer_re: str | None, max_cols: int) -> pd.DataFrame:
+    r = rollup(e)
+    a = r.a
+    tids = _tids_for(r, role, layer_re)
+    rows = np.flatnonzero(np.isin(a["tid"], tids)) if len(tids) else np.empty(0, np.int64)
+    width = r.width(max_cols)
+    lname = sorted(set(r.layer))
+    lid_of = {l: i for i, l in enumerate(lname)}
+    lid = np.array([lid_of[l] for l in r.layer], np.int64)[a["tid"][rows]] if len(rows) else np.empty(0, np.int64)
+    col = a["b"][rows] // (width // r.g)
+    o = np.lexsort((col, lid))
+    rows, lid, col = rows[o], lid[o], col[o]
+    starts = np.flatnonzero(np.r_[True, (lid[1:] != lid[:-1]) | (col[1:] != col[:-1])]) if len(rows) else np.empty(0, np.int64)
+    if agg == "worst":
+        v = _reduce(np.fmax if _WORST[stat] == "max" else np.fmin, a[f"{stat}_w"][rows], starts)
+    else:
+        n = _reduce(np.add, a[f"{stat}_n"][rows], starts)
+        with np.errstate(all="ignore"):
+            v = _reduce(np.add, a[f"{stat}_sum"][rows], starts) / np.where(n == 0, np.nan, n)
+    keep = np.isfinite(v)
+    glid, gstep = lid[starts][keep], col[starts][keep] * width
+    rank = _layer_rank(r)
+    lrank = np.array([rank[l] for l in lname], np.int64)
+    o = np.lexsort((gstep, lrank[glid])) if len(glid) else np.empty(0, np.int64)
+    return pd.DataFrame({"layer": np.array(lname, object)[glid[o]] if len(o) else np.empty(0, object),
+                         "step": gstep[o].astype(np.int64), "value": v[keep][o].astype(np.float32)})
+
+
 # ---- aggregates ---------------------------------------------------------------------------
 def step_span(e: Entry, table: str = "tensors") -> tuple[int, int] | None:
     def f():
         if not e.has(table):
             return None
+        if table == "tensors":
+            return rollup(e).span()
         d = e.sql(f"select min(step) lo, max(step) hi from {table}")
         return int(d["lo"].iloc[0]), int(d["hi"].iloc[0])
 
@@ -268,11 +600,18 @@ def bucket_width(span: tuple[int, int] | None, max_cols: int) -> int:
     return max(1, math.ceil((span[1] - span[0] + 1) / max(1, max_cols)))
 
 
+def heatmap_width(e: Entry, table: str = "tensors", max_cols: int = MAX_COLS) -> int:
+    """Steps per heatmap column (for the tensors table a multiple of the rollup's base bucket)."""
+    if table == "tensors" and e.has("tensors"):
+        return rollup(e).width(max_cols)
+    return bucket_width(step_span(e, table), max_cols)
+
+
 def roles(e: Entry) -> list[str]:
     def f():
         if not e.has("tensors"):
             return []
-        return list(e.sql("select distinct tensor from tensors order by 1")["tensor"])
+        return sorted(set(rollup(e).role))
 
     return e.cached(("roles",), f)
 
@@ -281,7 +620,12 @@ def layer_order(e: Entry) -> pd.DataFrame:
     def f():
         if not e.has("tensors"):
             return pd.DataFrame({"layer": [], "ord": []})
-        return e.sql('select layer, min("order") as ord from tensors group by 1 order by 2, 1')
+        r = rollup(e)
+        best: dict[str, int] = {}
+        for l, o in zip(r.layer, r.ord):
+            best[l] = min(o, best.get(l, o))
+        ls = sorted(best, key=lambda l: (best[l], l))
+        return pd.DataFrame({"layer": ls, "ord": [best[l] for l in ls]})
 
     return e.cached(("layer_order",), f)
 
@@ -298,6 +642,8 @@ def heatmap_frame(e: Entry, stat: str, role: str | None, agg: str = "worst", lay
         raise NoData(f"no {table} table in this run yet")
 
     def f():
+        if table == "tensors" and not last_steps:
+            return _heatmap_rollup(e, stat, role, agg, layer_re, max_cols)
         span = step_span(e, table)
         if last_steps and span:
             span = (max(span[0], span[1] - last_steps + 1), span[1])
@@ -352,9 +698,14 @@ def nonfinite_cells(e: Entry, role: str | None) -> pd.DataFrame:
     def f():
         if not e.has("tensors"):
             return pd.DataFrame({"layer": [], "step": []})
-        w = "and tensor = ?" if role else ""
-        return e.sql(f"select layer, step from tensors where (not isfinite(amax) or nonfinite > 0) {w} "
-                     "order by step limit 2000", [role] if role else [])
+        r = rollup(e)
+        a = r.a
+        m = a["nf_step"] != np.iinfo(np.int64).max
+        if role:
+            m &= np.isin(a["tid"], _tids_for(r, role, None))
+        idx = np.flatnonzero(m)
+        idx = idx[np.argsort(a["nf_step"][idx], kind="stable")][:2000]
+        return pd.DataFrame({"layer": [r.layer[t] for t in a["tid"][idx]], "step": a["nf_step"][idx]})
 
     return e.cached(("nonfinite", role), f)
 
@@ -430,24 +781,27 @@ def fork_verdicts(e: Entry) -> pd.DataFrame | None:
 
 
 def tensor_series(e: Entry, layer: str, role: str, max_points: int = MAX_POINTS) -> pd.DataFrame:
-    """One tensor over steps (bucketed; worst value per bucket)."""
+    """One tensor over steps (bucketed; worst value per bucket), from the rollup."""
 
     def f():
-        b = bucket_width(step_span(e), max_points)
-        return e.sql(
-            f"""select (step // {b}) * {b} as step,
-                   max(amax) as amax, max(expected_amax) as expected_amax,
-                   min(fp8_max * scale_inv) as range, max(scale_inv) as scale_inv,
-                   min(min_nonzero) as min_nonzero,
-                   max(100.0 * overflow / nullif(numel, 0)) as overflow_pct,
-                   max(100.0 * underflow / nullif(numel, 0)) as underflow_pct,
-                   max(100.0 * saturated / nullif(numel, 0)) as saturated_pct,
-                   min(case when isfinite(sqnr_db) then sqnr_db end) as sqnr_db,
-                   max(nonfinite) as nonfinite,
-                   any_value(fp8_format) as fp8_format, any_value(source) as source
-                from tensors where layer = ? and tensor = ? group by 1 order by 1""",
-            [layer, role],
-        )
+        r = rollup(e)
+        tid = r.tids.get((layer, role)) if r is not None else None
+        cols = ["step", "amax", "expected_amax", "range", "scale_inv", "min_nonzero", "overflow_pct",
+                "underflow_pct", "saturated_pct", "sqnr_db", "nonfinite", "fp8_format", "source"]
+        if tid is None:
+            return pd.DataFrame({c: [] for c in cols})
+        a = r.a
+        rows = np.flatnonzero(a["tid"] == tid)  # sorted by bucket
+        width = r.width(max_points)
+        col = a["b"][rows] // (width // r.g)
+        st = np.flatnonzero(np.r_[True, col[1:] != col[:-1]]) if len(rows) else np.empty(0, np.int64)
+        red = lambda fn, k: _reduce(fn, a[k][rows], st)  # noqa: E731
+        return pd.DataFrame({
+            "step": col[st] * width, "amax": red(np.maximum, "amax_max"), "expected_amax": red(np.fmax, "expected_amax"),
+            "range": red(np.fmin, "range"), "scale_inv": red(np.fmax, "scale_inv"), "min_nonzero": red(np.fmin, "min_nonzero"),
+            "overflow_pct": red(np.fmax, "overflow_pct_w"), "underflow_pct": red(np.fmax, "underflow_pct_w"),
+            "saturated_pct": red(np.fmax, "saturated_pct_w"), "sqnr_db": red(np.fmin, "sqnr_db_w"),
+            "nonfinite": red(np.fmax, "nonfinite_w"), "fp8_format": r.fmt[tid], "source": r.source[tid]})
 
     return e.cached(("tensor", layer, role, max_points), f)
 
@@ -456,7 +810,8 @@ def tensor_series(e: Entry, layer: str, role: str, max_points: int = MAX_POINTS)
 SCORE_DOC = (
     "score = spike + 2 x overflow + underflow/10 + 3 x critical + 1 x warning events + 20 if non-finite. "
     "spike = log2(max amax / median amax): how many binades the tensor's worst amax rose above its typical "
-    "level; overflow = binades the worst amax went above the representable range fp8_max*scale_inv "
+    "level (median over step buckets of the bucket's mean amax; per step for runs of <= 1000 steps); "
+    "overflow = binades the worst amax went above the representable range fp8_max*scale_inv "
     "(0 when it always fit); underflow = the worst step's underflow % (10 % adds 1 point); events = detector "
     "events naming this layer and role; non-finite = any NaN/Inf amax or element."
 )
@@ -468,20 +823,30 @@ def outliers(e: Entry, role: str | None = None, limit: int = 200) -> pd.DataFram
         raise NoData("no tensors table in this run yet")
 
     def f():
-        w = "where tensor = ?" if role else ""
-        df = e.sql(
-            f"""select layer, tensor, min("order") as ord, count(*) as rows,
-                   max(amax) filter (where isfinite(amax)) as max_amax,
-                   approx_quantile(amax, 0.5) filter (where isfinite(amax) and amax > 0) as median_amax,
-                   arg_max(step, amax) filter (where isfinite(amax)) as worst_step,
-                   min(log2(fp8_max * scale_inv / amax)) filter (where isfinite(amax) and amax > 0) as min_headroom,
-                   max(100.0 * overflow / nullif(numel, 0)) as overflow_pct,
-                   max(100.0 * underflow / nullif(numel, 0)) as underflow_pct,
-                   max(100.0 * saturated / nullif(numel, 0)) as saturated_pct,
-                   coalesce(sum(nonfinite), 0) + count(*) filter (where not isfinite(amax)) as nonfinite
-                from tensors {w} group by 1, 2""",
-            [role] if role else [],
-        )
+        r = rollup(e)
+        a = r.a
+        rows = np.flatnonzero(np.isin(a["tid"], _tids_for(r, role, None)))  # sorted by (tid, bucket)
+        tid = a["tid"][rows]
+        st = np.flatnonzero(np.r_[True, tid[1:] != tid[:-1]]) if len(rows) else np.empty(0, np.int64)
+        red = lambda fn, k: _reduce(fn, a[k][rows], st)  # noqa: E731
+        gmax = red(np.fmax, "amax_fmax")
+        ends = np.r_[st[1:], len(rows)]
+        am, astep = a["amax_fmax"][rows], a["amax_step"][rows]
+        med, worst = np.full(len(st), np.nan), np.full(len(st), np.nan)
+        for i, (s0, s1) in enumerate(zip(st, ends)):
+            mv = a["amax_mean"][rows[s0:s1]]
+            mv = mv[np.isfinite(mv)]
+            if len(mv):
+                med[i] = np.median(mv)
+            if np.isfinite(gmax[i]):
+                worst[i] = astep[s0 + int(np.nanargmax(am[s0:s1]))]
+        t0 = tid[st]
+        df = pd.DataFrame({
+            "layer": [r.layer[t] for t in t0], "tensor": [r.role[t] for t in t0],
+            "ord": [r.ord[t] for t in t0], "rows": red(np.add, "n"), "max_amax": gmax, "median_amax": med,
+            "worst_step": worst, "min_headroom": red(np.fmin, "headroom_w"),
+            "overflow_pct": red(np.fmax, "overflow_pct_w"), "underflow_pct": red(np.fmax, "underflow_pct_w"),
+            "saturated_pct": red(np.fmax, "saturated_pct_w"), "nonfinite": red(np.add, "nf_sum")})
         ev = events(e)
         crit = warn = None
         if ev is not None and not ev.empty:
@@ -517,12 +882,15 @@ def verdict(e: Entry) -> tuple[str, str]:
                 level = "critical"
                 parts.append(f"loss became non-finite at step {int(d['s'].iloc[0])}")
         if e.has("tensors"):
-            d = e.sql('select step, layer, tensor from tensors where not isfinite(amax) or nonfinite > 0 '
-                      'order by step, "order" limit 1')
-            if not d.empty:
+            ru = rollup(e)
+            nf = ru.a["nf_step"]
+            bad = np.flatnonzero(nf != np.iinfo(np.int64).max)
+            if len(bad):
                 level = "critical"
-                r = d.iloc[0]
-                parts.append(f"first non-finite value: step {int(r['step'])}, {r['layer']} {r['tensor']}")
+                ords = np.array(ru.ord)[ru.a["tid"][bad]]
+                i = bad[np.lexsort((ords, nf[bad]))[0]]
+                t = int(ru.a["tid"][i])
+                parts.append(f"first non-finite value: step {int(nf[i])}, {ru.layer[t]} {ru.role[t]}")
         ev = events(e)
         if ev is None:
             parts.append("no detection results yet (no events table): the banner only checks for non-finite values")

@@ -34,10 +34,12 @@ def load_run(path: str | os.PathLike) -> "Run":
 class Run:
     """One run folder. Data is read once and cached; call refresh() to pick up what was written since."""
 
-    def __init__(self, path: str | os.PathLike):
+    def __init__(self, path: str | os.PathLike, combine_chunks: bool = True):
+        """combine_chunks=False keeps each stream's record batches as zero-copy chunks (no copy of the
+        run into fresh memory on load); right for scan-once readers (the dashboard), slower for many filters."""
         self.path = Path(path)
         self.manifest = read_manifest(self.path)
-        self._data = RunData(self.path)
+        self._data = RunData(self.path, combine_chunks=combine_chunks)
 
     def __repr__(self) -> str:
         return f"Run({str(self.path)!r})"

@@ -43,6 +43,7 @@ class _StreamState:
     tail: StreamTail
     chunks: list[pa.Table] = field(default_factory=list)
     checked: bool = False
+    combine: bool = True
 
     def poll(self) -> bool:
         batches = self.tail.read_new()
@@ -59,8 +60,10 @@ class _StreamState:
             return False
         # One chunk per poll, not one per batch: 10k tiny chunks make every later
         # filter/take pay per-chunk overhead (seconds on a 5M-row run). Costs one copy.
+        # combine=False (RunData(..., combine_chunks=False)) keeps the zero-copy batches instead: no
+        # copy of the whole file into fresh memory (seconds for GBs here), for readers that scan, not filter.
         t = pa.Table.from_batches(batches)
-        if len(batches) > 1:
+        if len(batches) > 1 and self.combine:
             t = t.combine_chunks()
         seg = pa.array(np.full(t.num_rows, self.file.segment, dtype=np.int32))
         self.chunks.append(t.append_column(pa.field(SEGMENT, pa.int32()), seg))
@@ -88,8 +91,9 @@ def _stat_key(p: Path) -> tuple | None:
 class RunData:
     """Arrow-level view of a run folder's tables. `refresh()` reads only what is new."""
 
-    def __init__(self, run_dir: str | os.PathLike):
+    def __init__(self, run_dir: str | os.PathLike, combine_chunks: bool = True):
         self.run_dir = Path(run_dir)
+        self.combine_chunks = combine_chunks
         self._tables: dict[str, _TableState] = {}
         self.refresh()
 
@@ -134,7 +138,7 @@ class RunData:
             ss = st.streams.get(f.path)
             if ss is None:
                 off = st.coverage.get(relative(self.run_dir, f.path), 0)
-                ss = st.streams[f.path] = _StreamState(f, StreamTail(f.path, offset=off))
+                ss = st.streams[f.path] = _StreamState(f, StreamTail(f.path, offset=off), combine=self.combine_chunks)
             if ss.poll():
                 st.merged = None
                 changed = True
@@ -175,7 +179,7 @@ class RunData:
                     t = pa.concat_tables(parts, promote_options="default")
                 except pa.ArrowException as e:
                     raise RunError(f"{self.run_dir}: table {name!r} has incompatible schemas across files ({str(e).splitlines()[0]})") from None
-                if t.num_rows and t.column(0).num_chunks > 64:
+                if t.num_rows and t.column(0).num_chunks > 64 and self.combine_chunks:
                     t = t.combine_chunks()  # many small polls (live run): keep scans chunk-cheap
                 st.merged = dedup_latest_segment(t)
         return st.merged
