@@ -2,6 +2,11 @@
 
     .venv/bin/python benchmarks/make_big_run.py            # once: /tmp/fp8scope-big (10k steps x 500 tensors)
     .venv/bin/python benchmarks/report_speed.py [--run /tmp/fp8scope-big] [--repeat 2] [--html]
+    .venv/bin/python benchmarks/report_speed.py --online RUN [--tile 16] [--steps 300]
+
+``--online RUN`` instead replays RUN's first ``--steps`` logged steps through ``OnlineDetector``
+(what the detection thread does per step) and prints CPU ms per step; ``--tile K`` repeats
+every step's tensors K times under new layer names (63 tensors x 16 = 1008).
 
 Peak RSS is the child's ru_maxrss (resource.getrusage(RUSAGE_CHILDREN) after each run, which
 is the max over children so far: each command runs in a fresh interpreter, measured in order).
@@ -29,12 +34,54 @@ def measure(cmd: list[str]) -> tuple[float, float, int]:
     return time.perf_counter() - t0, rss_kb / 1024, rc
 
 
+def online(run_dir: str, tile: int, n_steps: int) -> None:
+    import logging
+
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from fp8scope.detect.online import OnlineDetector
+    from fp8scope.run import load_run
+
+    logging.getLogger("fp8scope.detect").setLevel(logging.CRITICAL + 1)
+    run = load_run(run_dir)
+    t = run.table("tensors").drop_columns(["segment"])
+    s = run.table("scalars").drop_columns(["segment"])
+    steps = pc.unique(t["step"]).to_pylist()[:n_steps]
+    batches = []
+    for st in steps:
+        tb = t.filter(pc.equal(t["step"], st))
+        if tile > 1:
+            li = tb.schema.get_field_index("layer")
+            tb = pa.concat_tables([tb.set_column(li, "layer", pc.binary_join_element_wise(
+                pa.scalar(f"r{i}."), tb["layer"], "")) for i in range(tile)])
+        sb = s.filter(pc.equal(s["step"], st)).combine_chunks()
+        batches.append((st, tb.combine_chunks().to_batches()[0], sb.to_batches()[0] if sb.num_rows else None))
+    det = OnlineDetector()
+    warm = min(5, len(batches) - 1)
+    for b in batches[:warm]:
+        det(b[0], 0, b[1], b[2])
+    c0, w0 = time.process_time(), time.perf_counter()
+    for b in batches[warm:]:
+        det(b[0], 0, b[1], b[2])
+    n = len(batches) - warm
+    print(f"online: {batches[0][1].num_rows} tensors/step, {n} steps: {1e3 * (time.process_time() - c0) / n:.2f} ms CPU/step "
+          f"({1e3 * (time.perf_counter() - w0) / n:.2f} ms wall), {len(det.events)} events")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--run", default="/tmp/fp8scope-big")
     p.add_argument("--repeat", type=int, default=2)
     p.add_argument("--html", action="store_true", help="also time report --html")
+    p.add_argument("--online", metavar="RUN", help="time OnlineDetector per step replaying RUN instead")
+    p.add_argument("--tile", type=int, default=1, help="--online: repeat each step's tensors K times")
+    p.add_argument("--steps", type=int, default=300, help="--online: steps to replay")
     args = p.parse_args(argv)
+    if args.online:
+        online(args.online, args.tile, args.steps)
+        return 0
     if not os.path.exists(os.path.join(args.run, "run.json")):
         print(f"no run at {args.run}; run benchmarks/make_big_run.py first", file=sys.stderr)
         return 2

@@ -77,7 +77,7 @@ def run(args) -> int:
     from fp8scope.cli.progress import phases
     from fp8scope.detect import detect
     from fp8scope.detect.rules import all_rule_names
-    from fp8scope.run import load_run
+    from fp8scope.detect.engine import open_run
 
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit must be >= 1")
@@ -86,7 +86,7 @@ def run(args) -> int:
         unknown = sorted(set(args.rule) - set(all_rule_names(cfg)))
         if unknown:
             raise UsageError(f"unknown rule(s) {unknown}; known: {', '.join(all_rule_names(cfg))}")
-    r = load_run(args.run)
+    r = open_run(args.run)  # zero-copy one-pass read (detection converts only the columns it needs)
     if args.stored:
         ev = r.events()
         ev = ev[[c for c in ev.columns if c != "segment"]]

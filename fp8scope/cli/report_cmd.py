@@ -20,7 +20,7 @@ def run(args) -> int:
     from fp8scope.cli.progress import phases
     from fp8scope.detect.engine import detect
     from fp8scope.detect.report import build_report, print_report, render_html
-    from fp8scope.run import load_run
+    from fp8scope.detect.engine import open_run
 
     html_path = getattr(args, "html", None)
     if html_path is not None:
@@ -30,7 +30,7 @@ def run(args) -> int:
         if not os.path.isdir(parent):
             raise UsageError(f"--html {html_path}: folder {parent} does not exist")
     cfg = load_config(getattr(args, "config", None))
-    r = load_run(args.run)
+    r = open_run(args.run)  # zero-copy one-pass read (detection converts only the columns it needs)
     with phases("report", 8 + (1 if html_path else 0)) as tick:
         events = detect(r, cfg, progress=tick)
         rep = build_report(r, cfg, events=events, progress=tick)

@@ -270,6 +270,17 @@ def detect(run, config: DetectConfig | None = None, progress: Callable[[str], No
     return to_frame(events)
 
 
+def open_run(path):
+    """A run opened for a one-pass read: record batches stay zero-copy over the memory-mapped streams
+    (no copy of the whole run on load) where the store supports it."""
+    from fp8scope.run import Run, load_run
+
+    try:
+        return Run(path, combine_chunks=False)
+    except TypeError:
+        return load_run(path)
+
+
 def _read(run, name: str, columns: list[str]) -> pa.Table:
     """Only the columns detection needs (when the run's reader can select columns)."""
     try:
@@ -283,35 +294,51 @@ def _tensor_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
     """Row features, windows (per tensor, rows sorted by step), group features (per step and
     kind) and the rules, in numpy; only the rows that fire become python dicts. Tensors are
     processed in chunks of about CHUNK_ROWS rows so memory stays bounded."""
-    from fp8scope.detect.features import KeyMap, edges_sorted, floats, group_features, row_features, \
-        window_features_numpy
+    from fp8scope.detect.features import KeyMap, NumpyColumns, edges_sorted, floats, group_features, \
+        row_features, window_features_numpy
 
     rules = row_rules(cfg)
     km = KeyMap()
-    key = km.keys_of(table)
-    step = table.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+    names = table.select(["rank", "layer", "tensor", "fp8_format"])
+    if names.column(0).num_chunks > 1:  # one chunk per logged step: repeated names hit keys_of's cache
+        key = np.concatenate([km.keys_of(b) for b in names.to_batches()] or [np.zeros(0, np.int64)])
+    else:
+        key = km.keys_of(names)
+    del names
+    # the numeric columns once as numpy (a run read zero-copy has one chunk per step: taking rows
+    # from 10k-chunk arrays is slow); strings stay in arrow, only their dictionary ids are used
+    cols, nulls = {}, {}
+    for name in TENSOR_COLUMNS:
+        if name in ("layer", "tensor", "fp8_format"):
+            continue
+        col = table.column(name)
+        if name in ("step", "rank"):
+            cols[name] = col.to_numpy().astype(np.int64, copy=False)
+        else:
+            cols[name] = floats(col)
+        if name == "amax" and col.null_count:
+            nulls[name] = np.asarray(col.is_null())
+    step = cols["step"]
     # layer_outlier's cross-layer columns, over all rows at once (groups span tensors)
     with np.errstate(invalid="ignore", divide="ignore"):
-        amax = floats(table.column("amax"))
+        amax = cols["amax"]
         l2 = np.where(np.isfinite(amax) & (amax > 0), np.log2(amax), np.nan)
-    del amax
     g = {"l2": l2, "step": step, "key": key}
     group_features(g, km.group_of)
     grp = {k: g[k] for k in ("n_kind", "dev", "z")}
     del g, l2
-    perm = np.lexsort((step, key))
-    del step
+    # rows sorted by (tensor, step); runs are written in step order, so a stable sort by key suffices
+    perm = np.argsort(key, kind="stable") if (np.diff(step) >= 0).all() else np.lexsort((step, key))
     key_s = key[perm]
     del key
     starts = np.flatnonzero(np.r_[True, key_s[1:] != key_s[:-1]])
-    numeric = table.select([c for c in TENSOR_COLUMNS if c not in ("layer", "tensor", "fp8_format")])
     events: list[dict] = []
     nan_rows: list[dict] = []
     a, n = 0, len(key_s)
     while a < n:
         b = starts[np.searchsorted(starts, a + CHUNK_ROWS)] if a + CHUNK_ROWS < starts[-1] else n
         rows = perm[a:b]
-        c = row_features(numeric.take(rows), key_s[a:b], km, cfg)
+        c = row_features(NumpyColumns(cols, nulls, rows), key_s[a:b], km, cfg)
         for k, v in grp.items():
             c[k] = v[rows]
         c.update(window_features_numpy(c["key"], c, cfg))

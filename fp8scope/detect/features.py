@@ -139,40 +139,74 @@ def floats(col) -> np.ndarray:
     return col.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
 
 
+class ArrowColumns:
+    """Column getter over a pyarrow Table / RecordBatch: ``get(name)`` -> float64 numpy (NaN for nulls)."""
+
+    def __init__(self, t):
+        self.t = t
+
+    def get(self, name: str) -> np.ndarray:
+        return floats(self.t.column(name))
+
+    def ints(self, name: str) -> np.ndarray:
+        return self.t.column(name).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
+
+    def present(self, name: str):
+        col = self.t.column(name)
+        return ~np.asarray(col.is_null()) if col.null_count else True
+
+
+class NumpyColumns(ArrowColumns):
+    """Column getter over whole-table numpy columns (``cols``, ``nulls``: name -> null mask), taking ``rows``."""
+
+    def __init__(self, cols: dict, nulls: dict, rows: np.ndarray):
+        self.cols, self.nulls, self.rows = cols, nulls, rows
+
+    def get(self, name: str) -> np.ndarray:
+        return self.cols[name][self.rows]
+
+    ints = get
+
+    def present(self, name: str):
+        m = self.nulls.get(name)
+        return True if m is None else ~m[self.rows]
+
+
 def row_features(t, key: np.ndarray, km: KeyMap, cfg: DetectConfig) -> dict:
-    """Per-row feature columns of a tensors table / batch (rows as given) whose key ids are ``key``."""
+    """Per-row feature columns of a tensors table / batch (or an :class:`ArrowColumns`-like getter),
+    rows as given, whose key ids are ``key``."""
+    src = t if isinstance(t, ArrowColumns) else ArrowColumns(t)
+    get = src.get
     c: dict = {"key": key}
-    c["step"] = t.column("step").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    c["rank"] = t.column("rank").to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-    c["order"] = floats(t.column("order"))
-    amax_col = t.column("amax")
-    amax = floats(amax_col)
+    c["step"] = src.ints("step")
+    c["rank"] = src.ints("rank")
+    c["order"] = get("order")
+    amax = get("amax")
     c["amax"] = amax
     for n in ("min_nonzero", "scale", "expected_amax", "numel", "nonfinite"):
-        c[n] = floats(t.column(n))
+        c[n] = get(n)
     c["kind"] = km._kind_of[key]
     c["role"] = km._role_of[key]
     c["is_grad"] = km._grad_of[key]
     c["binades"] = km._bin_of[key]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         fin = np.isfinite(amax)
-        c["amax_f"] = np.where(fin, amax, np.nan)
-        si = floats(t.column("scale_inv"))
+        si = get("scale_inv")
         c["scale_inv_f"] = np.where(np.isfinite(si) & (si > 0), si, np.nan)
-        raw_rng = floats(t.column("fp8_max")) * si
+        c["amax_f"] = np.where(fin, amax, np.nan)
+        raw_rng = get("fp8_max") * si
         rng_ok = np.isfinite(raw_rng) & (raw_rng > 0)
         c["rng"] = np.where(rng_ok, raw_rng, np.nan)
         ratio = amax / raw_rng
         c["sat_ratio"] = np.where(fin & rng_ok, ratio, np.nan)
         numel = c["numel"]
-        c["ovf_frac"] = np.where(numel != 0, floats(t.column("overflow")) / numel, np.nan)
-        nz = numel - _z(floats(t.column("zeros"))) - _z(c["nonfinite"])
-        c["uf_frac"] = np.where(nz != 0, floats(t.column("underflow")) / nz, np.nan)
+        c["ovf_frac"] = np.where(numel != 0, get("overflow") / numel, np.nan)
+        nz = numel - _z(get("zeros")) - _z(c["nonfinite"])
+        c["uf_frac"] = np.where(nz != 0, get("underflow") / nz, np.nan)
         mn = c["min_nonzero"]
         pos = fin & (amax > 0)
         c["dr"] = np.where(pos & (mn > 0) & np.isfinite(mn), np.log2(amax / mn), np.nan)
-        present = ~np.asarray(amax_col.is_null()) if amax_col.null_count else True
-        c["bad_amax"] = ~fin & present
+        c["bad_amax"] = ~fin & src.present("amax")
         c["bad"] = c["bad_amax"] | (_z(c["nonfinite"]) > 0)
         ea = c["expected_amax"]
         c["stale_r"] = np.where(pos & np.isfinite(ea), ea / amax, np.nan)

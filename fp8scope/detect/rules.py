@@ -1,18 +1,19 @@
-"""The detection rules: each one a small SQL predicate over per-tensor *features*, plus a message.
+"""The detection rules: each one a small predicate over per-tensor *features*, plus a message.
 
 A feature row is one tensor at one logged step with its own history folded in (max amax of
-the previous N steps, the scale N steps ago, ...). Offline the features come from DuckDB
-window functions over the whole run (:mod:`fp8scope.detect.features`); online they come
-from a small rolling state per tensor (:mod:`fp8scope.detect.online`). Both then run the
-*same* predicates below, so a run gets the same events online and offline.
+the previous N steps, the scale N steps ago, ...). Offline the features come from numpy
+windows over the whole run (:mod:`fp8scope.detect.features`); online they come from a small
+rolling state per tensor (:mod:`fp8scope.detect.online`). Both then call the *same* rule
+functions below (elementwise numpy over a dict of feature columns, NaN = missing), so a run
+gets the same events online and offline. Each rule's thresholds and message live here only.
 
 Rule kinds:
 
 * :class:`RowRule` - a predicate per tensor row. ``edge=True`` fires only on the first row of a
   run of rows where the predicate holds (per tensor), so a condition that lasts 100 steps is one
-  event, not 100. Predicates on full-stats columns are NULL on cheap rows and then skipped.
-* scalar rules (loss / grad-norm spikes), NaN provenance, layer outliers, cross-rank and shadow
-  rules are built from the same pieces in :mod:`fp8scope.detect.engine`.
+  event, not 100. Predicates on full-stats columns are missing (NaN) on cheap rows and then skipped.
+* scalar rules (loss / grad-norm spikes: :class:`fp8scope.detect.engine.ScalarState`), NaN
+  provenance, cross-rank and shadow rules are built in :mod:`fp8scope.detect.engine`.
 """
 
 from __future__ import annotations
@@ -24,26 +25,9 @@ from typing import Any, Callable
 import numpy as np
 
 from fp8scope.detect.config import DetectConfig
-from fp8scope.formats import get_format
 
 SEVERITIES = ("info", "warning", "critical")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
-
-
-def _g(v: float) -> str:
-    """A float literal for SQL."""
-    return repr(float(v))
-
-
-def binades_case(col: str = "fp8_format") -> str:
-    """SQL: the binades one scale covers, per element format (from torch.finfo via formats.py)."""
-    parts = []
-    for name in ("e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz"):
-        try:
-            parts.append(f"when '{name}' then {_g(get_format(name).binades)}")
-        except ValueError:
-            continue
-    return f"(case {col} {' '.join(parts)} else null end)"
 
 
 def _fmt(v) -> str:
