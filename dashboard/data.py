@@ -77,6 +77,7 @@ class Entry:
     last_refresh: float = 0.0
     con: object = None
     registered: tuple | None = None
+    _reg: set = field(default_factory=set)
     cache: OrderedDict = field(default_factory=OrderedDict)
     rollup: "Rollup | None" = None
     warmed: threading.Event = field(default_factory=threading.Event)
@@ -98,9 +99,13 @@ class Entry:
                 self.con = duckdb.connect()
                 self.con.execute("SET threads TO 2")
             if self.registered != self.version:
-                for n in self.run.table_names():
+                self.registered, self._reg = self.version, set()
+            # register only the tables this query names (re-registering the 10M-row tensors table
+            # on every live refresh costs ~0.4 s; the tensor views read the rollup instead)
+            for n in self.run.table_names():
+                if n not in self._reg and re.search(rf"\b{re.escape(n)}\b", query):
                     self.con.register(n, self.run.table(n))
-                self.registered = self.version
+                    self._reg.add(n)
             return self.con.execute(query, params or []).df()
 
     def cached(self, key: tuple, fn):
@@ -280,7 +285,7 @@ def _col(t: pa.Table, name: str, dtype=np.float64) -> np.ndarray:
 
 
 class Rollup:
-    """Per (tensor id, step // g) aggregates of a tensors table, sorted by (tid, bucket)."""
+    """Per (tensor id, step // g) aggregates of a tensors table, rows in (bucket, tid) order."""
 
     def __init__(self, g: int):
         self.g = g
@@ -290,35 +295,44 @@ class Rollup:
         self.ord: list[int] = []
         self.fmt: list[str | None] = []
         self.source: list[str | None] = []
-        self.a: dict[str, np.ndarray] = {}
+        self._buf: dict[str, np.ndarray] = {}  # arrays with spare capacity, rows in (bucket, tid) order
+        self._n = 0
         self.version: tuple = ()
 
     # -- build -----------------------------------------------------------------------------
     def _tid(self, t: pa.Table) -> np.ndarray:
         lay = pc.dictionary_encode(t["layer"]).combine_chunks()
         rol = pc.dictionary_encode(t["tensor"]).combine_chunks()
-        li = lay.indices.to_numpy(zero_copy_only=False).astype(np.int64)
-        ri = rol.indices.to_numpy(zero_copy_only=False).astype(np.int64)
         ln, rn = lay.dictionary.to_pylist(), rol.dictionary.to_pylist()
-        pair = li * max(1, len(rn)) + ri
-        used = np.flatnonzero(np.bincount(pair, minlength=len(ln) * max(1, len(rn))))
-        remap = np.full(len(ln) * max(1, len(rn)), -1, np.int64)
-        ordc = _col(t, "order", np.int64)
+        nr = max(1, len(rn))
+        it = np.int32 if len(ln) * nr < 2**31 else np.int64
+        pair = lay.indices.to_numpy(zero_copy_only=False).astype(it) * it(nr)
+        pair += rol.indices.to_numpy(zero_copy_only=False).astype(it)
+        used = np.flatnonzero(np.bincount(pair, minlength=len(ln) * nr))
+        remap = np.full(len(ln) * nr, -1, it)
+        # first row of each (layer, role) pair, for order/format/source: usually all within the first steps
         first = np.full(len(remap), -1, np.int64)
-        # first row of each pair (for order/format/source)
-        idx = np.arange(len(pair) - 1, -1, -1)
-        first[pair[::-1]] = idx
-        for p in used:
+        m = min(len(pair), max(1 << 16, 4 * len(used)))
+        while True:
+            first[pair[:m][::-1]] = np.arange(m - 1, -1, -1)
+            if (first[used] >= 0).all() or m == len(pair):
+                break
+            m = len(pair)
+        ordc = _col(t.slice(0, m), "order", np.int64)
+        head = t.slice(0, m)
+        rows = pa.array(first[used])
+        fmts = head["fp8_format"].take(rows).to_pylist() if "fp8_format" in t.column_names else [None] * len(used)
+        srcs = head["source"].take(rows).to_pylist() if "source" in t.column_names else [None] * len(used)
+        for p, fm, sr in zip(used, fmts, srcs):
             key = (ln[p // max(1, len(rn))], rn[p % max(1, len(rn))])
             tid = self.tids.get(key)
             if tid is None:
                 tid = self.tids[key] = len(self.layer)
                 self.layer.append(key[0])
                 self.role.append(key[1])
-                r = int(first[p])
-                self.ord.append(int(ordc[r]))
-                self.fmt.append(t["fp8_format"][r].as_py() if "fp8_format" in t.column_names else None)
-                self.source.append(t["source"][r].as_py() if "source" in t.column_names else None)
+                self.ord.append(int(ordc[first[p]]))
+                self.fmt.append(fm)
+                self.source.append(sr)
             else:
                 self.ord[tid] = min(self.ord[tid], int(ordc[first[p]]))
             remap[p] = tid
@@ -353,17 +367,16 @@ class Rollup:
             steps = np.repeat(s2[r0:r1, :1], T, axis=1)
             parts.append(self._reduce(lambda name: _col(blk, name).reshape(-1, T), steps, starts, counts))
         order = np.argsort(t2[0], kind="stable")
-        out = {k: np.concatenate([p[k] for p in parts], axis=0)[:, order].T.ravel() for k in parts[0]}
-        nb = len(bst)
-        out["tid"] = np.repeat(t2[0][order], nb)
-        out["b"] = np.tile(rb[bst], T)
+        out = {k: np.concatenate([p[k] for p in parts], axis=0)[:, order].ravel() for k in parts[0]}
+        out["tid"] = np.tile(t2[0][order], len(bst))
+        out["b"] = np.repeat(rb[bst], T)
         return out
 
     def _aggregate_sorted(self, t: pa.Table, tid: np.ndarray, step: np.ndarray) -> dict[str, np.ndarray]:
         bkt = step // self.g
         b0 = int(bkt.min())
         nb = int(bkt.max()) - b0 + 1
-        key = tid * nb + (bkt - b0)
+        key = tid.astype(np.int64) * nb + (bkt - b0)
         perm = np.argsort(key, kind="stable")
         ks = key[perm]
         starts = np.flatnonzero(np.r_[True, ks[1:] != ks[:-1]])
@@ -371,7 +384,8 @@ class Rollup:
         out = self._reduce(lambda name: _col(t, name)[perm], step[perm], starts, counts)
         out["tid"] = ks[starts] // nb
         out["b"] = ks[starts] % nb + b0
-        return out
+        o = np.lexsort((out["tid"], out["b"]))  # (bucket, tid) order: a live update rewrites only the end
+        return {k: v[o] for k, v in out.items()}
 
     def _reduce(self, get, step_s: np.ndarray, starts: np.ndarray, counts: np.ndarray) -> dict[str, np.ndarray]:
         """Group reductions along axis 0 (rows 1-D, or a (steps, tensors) grid) at group starts."""
@@ -383,7 +397,12 @@ class Rollup:
             v = get(name)
             return v if v.flags.writeable else v.copy()
 
+        c0 = int(counts[0]) if len(counts) else 0
+        uniform = c0 > 0 and bool((counts == c0).all())
+
         def red(fn, v, **kw):
+            if uniform:  # equal groups (whole buckets): a reshape + reduce is much faster than reduceat
+                return fn.reduce(v.reshape((len(starts), c0) + v.shape[1:]), axis=1, **kw)
             return fn.reduceat(v, starts, axis=0, **kw)
 
         shape = (len(starts),) + step_s.shape[1:]
@@ -438,39 +457,63 @@ class Rollup:
             out["min_nonzero"] = red(np.fmin, col("min_nonzero"))
         return out
 
+    @property
+    def a(self) -> dict[str, np.ndarray]:
+        """The rollup rows (views), sorted by (bucket, tid)."""
+        return {k: v[: self._n] for k, v in self._buf.items()}
+
+    def _put(self, at: int, part: dict[str, np.ndarray]) -> None:
+        m = len(part["n"])
+        need = at + m
+        if not self._buf or need > len(self._buf["n"]):
+            cap = max(need, int(need * 1.25) + 1024)
+            old = self._buf
+            self._buf = {}
+            for k, v in part.items():
+                buf = np.empty(cap, v.dtype if k not in old else old[k].dtype)
+                if k in old:
+                    buf[:at] = old[k][:at]
+                self._buf[k] = buf
+        for k, v in part.items():
+            self._buf[k][at:need] = v
+        self._n = need
+
     def build(self, t: pa.Table) -> None:
         self._names = t.column_names
-        self.a = self._aggregate(t) if t.num_rows else {}
+        self._buf, self._n = {}, 0
+        if t.num_rows:
+            self._put(0, self._aggregate(t))
 
     def update(self, t: pa.Table) -> bool:
         """Recompute the buckets from the one holding the previous last step; False when older rows
         changed (a restarted segment replayed steps, a compaction): the caller rebuilds."""
-        if not self.a:
+        if not self._n:
             return False
-        x = int(self.a["b"].max()) * self.g  # first step of the newest bucket
+        a = self.a
+        xb = int(a["b"][-1])  # newest bucket (rows are in bucket order)
+        x = xb * self.g
+        keep = int(np.searchsorted(a["b"], xb))
         step = t["step"]
         old = pc.less(step, x)
-        keep = self.a["b"] * self.g < x
         n_old = pc.sum(old).as_py() or 0
-        seg_old = pc.sum(pc.if_else(old, pc.cast(t["segment"], pa.int64()), 0)).as_py() or 0 if "segment" in t.column_names else 0
-        if n_old != int(self.a["n"][keep].sum()) or seg_old != int(self.a["segsum"][keep].sum()):
+        seg_old = (pc.sum(pc.if_else(old, pc.cast(t["segment"], pa.int64()), 0)).as_py() or 0
+                   if "segment" in t.column_names else 0)
+        if n_old != int(a["n"][:keep].sum()) or seg_old != int(a["segsum"][:keep].sum()):
             return False
         self._names = t.column_names
         new = t.filter(pc.invert(old))
-        part = self._aggregate(new) if new.num_rows else None
-        a = {k: v[keep] for k, v in self.a.items()}
-        if part is not None:
-            a = {k: np.concatenate([a[k], part[k].astype(a[k].dtype, copy=False)]) for k in a}
-            o = np.lexsort((a["b"], a["tid"]))
-            a = {k: v[o] for k, v in a.items()}
-        self.a = a
+        if new.num_rows:
+            self._put(keep, self._aggregate(new))
+        else:
+            self._n = keep
         return True
 
     # -- queries ---------------------------------------------------------------------------
     def span(self) -> tuple[int, int] | None:
-        if not self.a or not len(self.a["n"]):
+        if not self._n:
             return None
-        return int(self.a["smin"].min()), int(self.a["smax"].max())
+        a = self.a
+        return int(a["smin"].min()), int(a["smax"].max())
 
     def width(self, max_cols: int) -> int:
         """Bucket width for at most max_cols columns: a multiple of g (so re-bucketing is exact)."""
@@ -480,8 +523,9 @@ class Rollup:
     def rebucket(self, rows: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
         """(starts into rows, bucket step) for rows (indices, sorted by tid, b) re-bucketed to width."""
         k = width // self.g
-        tid = self.a["tid"][rows]
-        col = self.a["b"][rows] // k
+        a = self.a
+        tid = a["tid"][rows]
+        col = a["b"][rows] // k
         starts = np.flatnonzero(np.r_[True, (tid[1:] != tid[:-1]) | (col[1:] != col[:-1])]) if len(rows) else np.empty(0, int)
         return starts, col[starts] * width
 
@@ -553,8 +597,30 @@ def _layer_rank(r: Rollup) -> dict[str, int]:
     return {l: i for i, l in enumerate(sorted(best, key=lambda l: (best[l], l)))}
 
 
-def _heatmap_rollup(e: Entry, stat: str, role: str | None, agg: str, layer_re: str | None, max_cols: int) -> pd.DataFrame:
-    r = rollup(e)
+def _tail_rollup(e: Entry, last_steps: int) -> Rollup:
+    """A per-step rollup of the last `last_steps` steps only (the live view's heatmap)."""
+
+    def f():
+        t = e.run.table("tensors")
+        hi = rollup(e).span()[1]
+        step = _col(t, "step", np.int64)
+        idx = np.flatnonzero(step >= hi - last_steps + 1)
+        if len(idx) and idx[0] + len(idx) == len(step):
+            sub = t.slice(int(idx[0]))  # the usual case: the newest steps are the table's tail, zero-copy
+        else:
+            sub = t.take(pa.array(idx))
+        r = Rollup(1)
+        r.build(sub)
+        return r
+
+    return e.cached(("tail_rollup", last_steps), f)
+
+
+def _heatmap_rollup(e: Entry, stat: str, role: str | None, agg: str, layer_re: str | None, max_cols: int,
+                    last_steps: int | None = None) -> pd.DataFrame:
+    r = _tail_rollup(e, last_steps) if last_steps else rollup(e)
+    if not r._n:
+        return pd.DataFrame({"layer": [], "step": [], "value": []})
     a = r.a
     tids = _tids_for(r, role, layer_re)
     rows = np.flatnonzero(np.isin(a["tid"], tids)) if len(tids) else np.empty(0, np.int64)
@@ -642,8 +708,8 @@ def heatmap_frame(e: Entry, stat: str, role: str | None, agg: str = "worst", lay
         raise NoData(f"no {table} table in this run yet")
 
     def f():
-        if table == "tensors" and not last_steps:
-            return _heatmap_rollup(e, stat, role, agg, layer_re, max_cols)
+        if table == "tensors":
+            return _heatmap_rollup(e, stat, role, agg, layer_re, max_cols, last_steps)
         span = step_span(e, table)
         if last_steps and span:
             span = (max(span[0], span[1] - last_steps + 1), span[1])
@@ -825,7 +891,8 @@ def outliers(e: Entry, role: str | None = None, limit: int = 200) -> pd.DataFram
     def f():
         r = rollup(e)
         a = r.a
-        rows = np.flatnonzero(np.isin(a["tid"], _tids_for(r, role, None)))  # sorted by (tid, bucket)
+        rows = np.flatnonzero(np.isin(a["tid"], _tids_for(r, role, None)))
+        rows = rows[np.argsort(a["tid"][rows], kind="stable")]  # by (tid, bucket)
         tid = a["tid"][rows]
         st = np.flatnonzero(np.r_[True, tid[1:] != tid[:-1]]) if len(rows) else np.empty(0, np.int64)
         red = lambda fn, k: _reduce(fn, a[k][rows], st)  # noqa: E731
