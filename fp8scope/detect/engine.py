@@ -222,7 +222,7 @@ def events_batch(df: pd.DataFrame) -> pa.RecordBatch:
 
 
 # ---- offline -------------------------------------------------------------------------------
-CHUNK_ROWS = 1 << 20  # rows per pass of the window features (bounds memory; whole tensors per chunk)
+CHUNK_ROWS = 1 << 18  # rows per pass of the window features (bounds memory; whole tensors per chunk)
 
 
 def detect(run, config: DetectConfig | None = None, progress: Callable[[str], None] | None = None,
