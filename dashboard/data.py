@@ -561,7 +561,9 @@ def warm_up(e: Entry) -> None:
         jobs = [lambda: verdict(e), lambda: outliers(e, None), lambda: scalars_frame(e, names),
                 lambda: e.cached(("info",), e.run.info)]
         if rl:
-            jobs.insert(0, lambda: heatmap_frame(e, "headroom", "activation" if "activation" in rl else rl[0]))
+            r0 = "activation" if "activation" in rl else rl[0]
+            jobs.insert(0, lambda: heatmap_frame(e, "headroom", r0))
+            jobs.append(lambda: heatmap_frame(e, "headroom", r0, last_steps=300))  # the live view's
         for job in jobs:
             try:
                 job()
