@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fp8scope.capture.stats import cheap_stats, full_stats
+from fp8scope.capture.stats import CHEAP_FIELDS, cheap_vector, full_stats
 from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
 
@@ -59,6 +59,7 @@ class StepPayload:
     ready: Any  # a CUDA event to wait on, or None when ``host`` is already valid
     scalar_names: list[str]  # names of the scalar tensors at the tail of ``host``
     host_scalars: dict[str, float] = field(default_factory=dict)  # scalars given as Python numbers
+    numels: list[int] = field(default_factory=list)  # per stats row (cheap rows carry no numel on device)
 
     def wait(self) -> None:
         if self.ready is not None:
@@ -78,7 +79,8 @@ class StepCollector:
         self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
         self._vecs: list[torch.Tensor] = []
         self._rows: list[int] = []
-        self._recomputed: list[tuple[torch.Tensor, int]] = []  # forwards re-run inside backward
+        self._numels: list[int] = []
+        self._recomputed: list[tuple[torch.Tensor, int, int]] = []  # forwards re-run inside backward
         self.step = 0
         self.full = True
         self.active = True
@@ -113,17 +115,18 @@ class StepCollector:
                     self.new_keys = True
         return kid
 
-    def _append(self, role: str, vec: torch.Tensor, kid: int) -> None:
+    def _append(self, role: str, vec: torch.Tensor, kid: int, numel: int) -> None:
         # Activation checkpointing re-runs forwards during backward. Those captures go aside and
         # only count for tensors the step has no ordinary capture of (use_reentrant=True runs the
         # first forward under no_grad, where nothing was captured): no double counting either way.
         if role != "gradient" and _in_backward():
             with self._lock:
-                self._recomputed.append((vec, kid))
+                self._recomputed.append((vec, kid, numel))
             return
         with self._lock:
             self._vecs.append(vec)
             self._rows.append(kid)
+            self._numels.append(numel)
 
     def fail(self, exc: BaseException) -> None:
         """Replaced by the Monitor (warn once, stop capturing); the default just stops."""
@@ -131,36 +134,42 @@ class StepCollector:
         self.active = False
 
     # ---- called from hooks ------------------------------------------------------------
-    def record(self, layer, role, source, fmt, x, scale, scale_inv, expected_amax, deq=None) -> None:
-        """One capture; the adapter has already checked ``wants(role)``."""
+    def record(self, layer, role, source, fmt, x, scale, scale_inv, expected_amax, deq=None, amax=None) -> None:
+        """One capture; the adapter has already checked ``wants(role)``.
+
+        ``amax``: the tensor's amax when the adapter already has it (a recipe computed it to
+        derive the scale); cheap steps then cost no pass over the tensor at all."""
         kid = self._key(layer, role, source, fmt, tuple(x.shape))
         if self.full:
-            vec = full_stats(x, scale, scale_inv, expected_amax, fmt, deq=deq)
+            vec = full_stats(x, scale, scale_inv, expected_amax, fmt, deq=deq, amax=amax)
         else:
-            vec = cheap_stats(x, scale, scale_inv, expected_amax)
-        self._append(role, vec, kid)
+            vec = cheap_vector(x, scale, scale_inv, expected_amax, amax=amax)
+        self._append(role, vec, kid, x.numel())
 
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
         """A row from an amax someone else computed (e.g. TE's amax history), no tensor at hand."""
         kid = self._key(layer, role, source, fmt, tuple(shape))
         dev = amax.device if isinstance(amax, torch.Tensor) else torch.device("cpu")
-        vec = cheap_stats(torch.zeros(0, device=dev), scale, scale_inv, expected_amax)
-        vec[FIELD_INDEX["amax"]] = amax.detach().to(torch.float64) if isinstance(amax, torch.Tensor) else float(amax)
-        vec[FIELD_INDEX["numel"]] = float("nan")
-        self._append(role, vec, kid)
+        vec = cheap_vector(torch.zeros(0, device=dev), scale, scale_inv, expected_amax, amax=amax)
+        if self.full:  # a full step's rows are full-width; the counts stay unknown (NaN)
+            wide = torch.full((N_FIELDS,), float("nan"), dtype=torch.float64, device=dev)
+            wide[[FIELD_INDEX[f] for f in CHEAP_FIELDS]] = vec.to(torch.float64)
+            vec = wide
+        self._append(role, vec, kid, -1)
 
     # ---- end of step ------------------------------------------------------------------
     def end_step(self, scalars: dict[str, Any]) -> StepPayload:
         """Stack this step's stats and scalar tensors and start the single host transfer."""
         with self._lock:
-            vecs, rows, recomputed = self._vecs, self._rows, self._recomputed
-            self._vecs, self._rows, self._recomputed = [], [], []
+            vecs, rows, numels, recomputed = self._vecs, self._rows, self._numels, self._recomputed
+            self._vecs, self._rows, self._numels, self._recomputed = [], [], [], []
         if recomputed:
             seen = set(rows)
-            for vec, kid in recomputed:
+            for vec, kid, numel in recomputed:
                 if kid not in seen:
                     vecs.append(vec)
                     rows.append(kid)
+                    numels.append(numel)
         tensor_scalars: list[torch.Tensor] = []
         names: list[str] = []
         host_scalars: dict[str, float] = {}
@@ -174,11 +183,16 @@ class StepCollector:
                 names.append(name)
             else:
                 host_scalars[name] = float(value)
-        parts = [v.reshape(-1) for v in vecs] + tensor_scalars
+        parts = tensor_scalars
+        if vecs:  # one stack for all rows: a handful of device ops per step, not per tensor
+            device = vecs[0].device
+            if any(v.device != device for v in vecs):
+                vecs = [v.to(device, non_blocking=True) for v in vecs]
+            parts = [torch.stack(vecs).reshape(-1)] + tensor_scalars
         device = parts[0].device if parts else torch.device("cpu")
-        if any(p.device != device for p in parts):
-            parts = [p.to(device, non_blocking=True) for p in parts]
-        flat = torch.cat([p.to(torch.float64) for p in parts]) if parts else torch.zeros(0, dtype=torch.float64)
+        if any(p.device != device or p.dtype != torch.float64 for p in parts):
+            parts = [p.to(device=device, dtype=torch.float64, non_blocking=True) for p in parts]
+        flat = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else torch.zeros(0, dtype=torch.float64))
         ready = None
         if flat.is_cuda:
             host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
@@ -189,12 +203,25 @@ class StepCollector:
             host = flat
         return StepPayload(
             step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows), host=host,
-            ready=ready, scalar_names=names, host_scalars=host_scalars,
+            ready=ready, scalar_names=names, host_scalars=host_scalars, numels=numels,
         )
 
 
 def stats_matrix(payload: StepPayload) -> tuple["Any", "Any"]:
-    """Split a payload's host tensor into the (n_rows, N_FIELDS) stats matrix and the scalar values."""
+    """Split a payload's host tensor into the (n_rows, N_FIELDS) stats matrix and the scalar values.
+
+    Full steps carry full-width rows; cheap steps carry only ``CHEAP_FIELDS`` per row on the
+    device, widened here (numel comes from the host-side shapes, the counts stay NaN)."""
+    import numpy as np
+
     arr = payload.host.numpy()
-    n = payload.n_rows * N_FIELDS
-    return arr[:n].reshape(payload.n_rows, N_FIELDS), arr[n:]
+    width = N_FIELDS if payload.full else len(CHEAP_FIELDS)
+    n = payload.n_rows * width
+    rows = arr[:n].reshape(payload.n_rows, width)
+    if payload.full:
+        return rows, arr[n:]
+    matrix = np.full((payload.n_rows, N_FIELDS), np.nan)
+    matrix[:, [FIELD_INDEX[f] for f in CHEAP_FIELDS]] = rows
+    numel = np.asarray(payload.numels, dtype=np.float64)
+    matrix[:, FIELD_INDEX["numel"]] = np.where(numel >= 0, numel, np.nan)
+    return matrix, arr[n:]

@@ -51,6 +51,7 @@ class Sink(Protocol):
         scale_inv: Any,
         expected_amax: Any,
         deq: torch.Tensor | None = None,
+        amax: torch.Tensor | None = None,
     ) -> None: ...
 
 
@@ -108,7 +109,9 @@ class EmulatedSource:
 
         def _tap(role, x, deq, scale, scale_inv, expected_amax, fmt):
             if sink.wants(role, grad_enabled=called_with_grad[0] if role != "gradient" else True):
-                sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq)
+                # the layer's scaling state already computed this tensor's amax
+                amax = module.scaling_state(role).last_amax
+                sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq, amax=amax)
 
         tap = guarded(sink, _tap)
         module.fp8scope_tap = tap
@@ -145,7 +148,7 @@ class WhatIfSource:
             if state is None:
                 state = states[role] = ScalingState(recipe, fmt, device=x.device)
             s = state.begin(x.detach(), record=True)
-            sink.record(layer, role, "whatif", fmt, x, s.scale, s.scale_inv, s.expected_amax)
+            sink.record(layer, role, "whatif", fmt, x, s.scale, s.scale_inv, s.expected_amax, amax=state.last_amax)
 
         def pre_hook(mod, args):
             x = _first_tensor(args)
@@ -318,7 +321,7 @@ class TransformerEngineSource:
     - Current scaling: the scale and amax the quantize kernel wrote into the quantizer's
       buffers, else derived from the tensor as TE does.
     - MXFP8 / Float8 block scaling: per-block scales recomputed from the visible tensor (rows
-      summarise them by their most conservative block, see ``stats._summary``).
+      summarise them by their most conservative block, see ``stats._scalar32``).
     """
 
     name = "te"

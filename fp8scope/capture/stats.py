@@ -24,6 +24,7 @@ from functools import lru_cache
 
 import torch
 
+from fp8scope.emulate.scaling import tensor_amax  # the one amax definition (NaN-propagating)
 from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
 
@@ -56,19 +57,37 @@ def _count_above_into(v: torch.Tensor, threshold: float, tmp: torch.Tensor) -> t
     return tmp.clamp_(min=0).sign_().sum().to(torch.float64)
 
 
-def _as_f64(t: torch.Tensor | float, device: torch.device) -> torch.Tensor:
-    if isinstance(t, torch.Tensor):
-        return t.detach().to(device=device, dtype=torch.float64).reshape(())
-    return torch.tensor(float(t), dtype=torch.float64, device=device)
+# What a cheap step records per tensor, in this order (``cheap_vector``).
+CHEAP_FIELDS = ("amax", "scale", "scale_inv", "expected_amax")
+_CHEAP_INDEX = [FIELD_INDEX[f] for f in CHEAP_FIELDS]
 
 
-def _summary(value: torch.Tensor | float, device: torch.device, reduce: str) -> torch.Tensor:
-    """One number for the record. Per-row (or per-block) scales are summarised by their
-    most conservative member: the smallest scale, the largest scale_inv and expected amax."""
-    if isinstance(value, torch.Tensor) and value.numel() > 1:
+def _scalar32(value: torch.Tensor | float, device: torch.device, reduce: str) -> torch.Tensor:
+    """0-d float32 on ``device``; per-row / per-block tensors summarised by their most
+    conservative member (smallest scale; largest scale_inv and expected amax)."""
+    if isinstance(value, torch.Tensor):
         v = value.detach()
-        return (v.amin() if reduce == "min" else v.amax()).to(torch.float64)
-    return _as_f64(value, device)
+        if v.numel() > 1:
+            v = v.amin() if reduce == "min" else v.amax()
+        return v.reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)
+
+
+def cheap_vector(
+    x: torch.Tensor,
+    scale: torch.Tensor | float,
+    scale_inv: torch.Tensor | float,
+    expected_amax: torch.Tensor | float,
+    amax: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """``CHEAP_FIELDS`` as one float32 vector, built with a single stack.
+
+    When the recipe already computed ``amax`` (our emulated layers, what-if states) this costs
+    no pass over ``x`` at all; otherwise one fused min/max pass."""
+    dev = x.device
+    a = tensor_amax(x) if amax is None else _scalar32(amax, dev, "max")
+    return torch.stack([a, _scalar32(scale, dev, "min"), _scalar32(scale_inv, dev, "max"),
+                        _scalar32(expected_amax, dev, "max")])
 
 
 def cheap_stats(
@@ -76,20 +95,13 @@ def cheap_stats(
     scale: torch.Tensor | float,
     scale_inv: torch.Tensor | float,
     expected_amax: torch.Tensor | float,
+    amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """amax plus the scales in use: one fused min/max pass (cheaper than ``x.abs().amax()``)."""
+    """The cheap fields laid out as a full ``STAT_FIELDS`` vector (other fields NaN)."""
     x = x.detach()
-    dev = x.device
-    out = torch.full((N_FIELDS,), _NAN, dtype=torch.float64, device=dev)
-    if x.numel():
-        lo, hi = torch.aminmax(x)
-        out[FIELD_INDEX["amax"]] = torch.maximum(hi.abs(), lo.abs()).to(torch.float64)
-    else:
-        out[FIELD_INDEX["amax"]] = 0.0
+    out = torch.full((N_FIELDS,), _NAN, dtype=torch.float64, device=x.device)
+    out[_CHEAP_INDEX] = cheap_vector(x, scale, scale_inv, expected_amax, amax=amax).to(torch.float64)
     out[FIELD_INDEX["numel"]] = float(x.numel())
-    out[FIELD_INDEX["scale"]] = _summary(scale, dev, "min")
-    out[FIELD_INDEX["scale_inv"]] = _summary(scale_inv, dev, "max")
-    out[FIELD_INDEX["expected_amax"]] = _summary(expected_amax, dev, "max")
     return out
 
 
@@ -139,6 +151,7 @@ def full_stats(
     expected_amax: torch.Tensor | float,
     fmt: Fp8Format,
     deq: torch.Tensor | None = None,
+    amax: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Every field of ``STAT_FIELDS``.
 
@@ -147,7 +160,7 @@ def full_stats(
     already quantized ``x`` (our emulated linear); otherwise ``x`` is quantized here to
     measure the error. Works in chunks through reused scratch buffers.
     """
-    out = cheap_stats(x, scale, scale_inv, expected_amax)
+    out = cheap_stats(x, scale, scale_inv, expected_amax, amax=amax)
     x = x.detach()
     n = x.numel()
     dev = x.device
