@@ -75,8 +75,12 @@ class Monitor:
         layers: regex (searched in qualified names) or list of names to monitor; default all.
         skip: regex or list of names to leave out.
         tensors: roles to capture, from ``activation``, ``weight``, ``gradient``, ``output``.
-        every: full stats every ``every`` steps, cheap stats (amax and scales) on the others.
+        every: full stats every ``every`` steps, cheap stats (amax and the scales in use, no
+            pass over the tensor where the recipe already computed the amax) on the others.
             ``every=1`` is full stats every step.
+        full_on_anomaly: after a cheap step whose amax is non-finite or beyond what the scale
+            could represent, take full stats on this many following steps (counts, underflow,
+            quantization error of the aftermath); 0 turns it off.
         steps: ``(first, stop)`` global steps to capture; others log only scalars.
         step: global step number of the first step this monitor ends (for restarts from a
             checkpoint); default 0.
@@ -109,7 +113,8 @@ class Monitor:
         layers: str | Iterable[str] | None = None,
         skip: str | Iterable[str] | None = None,
         tensors: Iterable[str] = DEFAULT_ROLES,
-        every: int = 10,
+        every: int = 50,
+        full_on_anomaly: int = 2,
         steps: tuple[int | None, int | None] | None = None,
         step: int = _UNSET,
         recipe: Any = None,
@@ -151,6 +156,7 @@ class Monitor:
         self._closed = False
         self._warned: set[str] = set()
         self.collector = StepCollector(roles, every, steps, capture_no_grad)
+        self.full_on_anomaly = max(0, int(full_on_anomaly))
         self.collector.fail = self._capture_failed  # adapters report their own errors here
         self._detach: list = []
         self.layers: list[str] = []
@@ -281,6 +287,9 @@ class Monitor:
                 # CPU: wait for this step's write (cheap) so a returned step() is durable.
                 # CUDA: only for the previous one, to keep the GPU copy asynchronous.
                 self._writer.wait(ticket if payload.ready is None else ticket - 1, timeout=60)
+                if self._writer.suspicious_step is not None:  # clipping or NaN seen: look closer
+                    self._writer.suspicious_step = None
+                    self.collector.force_full = max(self.collector.force_full, self.full_on_anomaly)
         except Exception as exc:
             self._warn("step", f"step logging failed ({type(exc).__name__}: {exc}); training continues")
         self._step += 1

@@ -20,6 +20,7 @@ from typing import Callable
 import pyarrow as pa
 
 from fp8scope.capture.collector import StepPayload, TensorKey, stats_matrix
+from fp8scope.schema import FIELD_INDEX
 from fp8scope.step_records import scalar_batch, tensor_batch
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
@@ -46,6 +47,7 @@ class BackgroundWriter:
         self._submitted = 0
         self._done = 0
         self.failed: str | None = None
+        self.suspicious_step: int | None = None  # last cheap step that showed clipping or non-finite amax
         self._last_check = time.monotonic()
         self.dropped = 0
         self._thread = threading.Thread(target=self._run, name="fp8scope-writer", daemon=True)
@@ -127,6 +129,17 @@ class BackgroundWriter:
                     self._fail(exc)
             self._mark_done(ticket)
 
+    def _suspicious(self, matrix, key_ids) -> bool:
+        """A cheap step worth a closer look: a non-finite amax, or an amax at least twice what the
+        scale in use can represent (an outlier, not the slight overflow of a growing tensor under
+        delayed scaling). The monitor then takes full stats on the next steps."""
+        import numpy as np
+
+        amax = matrix[:, FIELD_INDEX["amax"]]
+        limit = matrix[:, FIELD_INDEX["scale_inv"]] * np.array([self._keys[k].fp8_max for k in key_ids])
+        with np.errstate(invalid="ignore"):
+            return bool((~np.isfinite(amax)).any() or (amax > 2 * limit).any())
+
     def _check_folder(self) -> None:
         """Writes into a deleted folder succeed silently (the files are unlinked, not closed):
         look, at most once a second, whether our streams are still there."""
@@ -146,6 +159,8 @@ class BackgroundWriter:
         if payload.n_rows:
             tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, payload.full)
             self._writer.write("tensors", tensors)
+            if not payload.full and self._suspicious(matrix, payload.key_ids):
+                self.suspicious_step = payload.step
         names = list(payload.scalar_names) + list(payload.host_scalars)
         values = list(tail) + list(payload.host_scalars.values())
         scalars = scalar_batch(payload.step, self.rank, names, values, payload.wall_time)

@@ -44,7 +44,7 @@ def test_emulated_and_whatif_layers_are_captured_in_execution_order(mlp, tmp_pat
 
 
 def test_every_gives_full_stats_only_on_multiples_and_steps_limits_capture(mlp, tmp_path):
-    with fp8scope.Monitor(mlp, tmp_path / "r", every=3, steps=(2, 7)) as mon:
+    with fp8scope.Monitor(mlp, tmp_path / "r", every=3, steps=(2, 7), full_on_anomaly=0) as mon:
         train(mlp, mon, steps=9)
     run = fp8scope.load_run(tmp_path / "r")
     df = run.tensors()
@@ -184,3 +184,17 @@ def test_disabled_monitor_is_a_no_op(mlp, tmp_path):
     with fp8scope.Monitor(mlp, tmp_path / "r", enabled=False) as mon:
         train(mlp, mon, steps=2)
     assert not (tmp_path / "r").exists()
+
+
+def test_a_clipped_cheap_step_triggers_full_stats_on_the_next_steps(mlp, tmp_path):
+    convert_to_fp8(mlp, recipe=DelayedScaling(amax_history_len=4))
+
+    def spike(step, x):
+        return x * 1000 if step == 5 else x  # an outlier the delayed scale cannot represent
+
+    with fp8scope.Monitor(mlp, tmp_path / "r", every=100, full_on_anomaly=2) as mon:
+        train(mlp, mon, steps=9, poison=spike)
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert sorted(df[df.full].step.unique()) == [0, 6, 7]  # step 0 by `every`, 6-7 after the spike at 5
+    up = df[(df.layer == "up") & (df.tensor == "activation")].set_index("step")
+    assert up.loc[5, "amax"] > up.loc[5, "fp8_max"] * up.loc[5, "scale_inv"]

@@ -86,11 +86,14 @@ class StepCollector:
         self.active = True
         self.enabled = True
         self.new_keys = False  # a tensor was seen for the first time this step (manifest update)
+        self.force_full = 0  # the next N steps get full stats (set after a suspicious cheap step)
 
     # ---- step boundaries ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.full = step % self.every == 0
+        self.full = step % self.every == 0 or self.force_full > 0
+        if self.force_full > 0:
+            self.force_full -= 1
         lo, hi = self.steps if self.steps is not None else (None, None)
         self.active = self.enabled and (lo is None or step >= lo) and (hi is None or step < hi)
 
