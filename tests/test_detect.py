@@ -250,15 +250,10 @@ def test_cli_export_tensorboard_and_parquet(runs, tmp_path):
 def test_shadow_rule_reads_shadow_table_when_present(tmp_path):
     import pyarrow as pa
 
-    from fp8scope.schema import register_table
+    from fp8scope.shadow.tables import SHADOW_COMPARE_SCHEMA as schema  # the real table (registers it)
     from fp8scope.store.manifest import new_manifest, write_manifest
     from fp8scope.store.writer import RunWriter
 
-    schema = pa.schema([("step", pa.int64()), ("rank", pa.int32()), ("layer", pa.string()),
-                        ("output_rel_err", pa.float64()), ("output_cos", pa.float64()),
-                        ("wgrad_rel_err", pa.float64()), ("wgrad_cos", pa.float64())],
-                       metadata={b"fp8scope.table": b"shadow_compare"})
-    register_table("shadow_compare", schema)
     d = tmp_path / "s"
     d.mkdir()
     write_manifest(d, new_manifest(recipe=None, world_size=1, meta={}))
