@@ -78,7 +78,7 @@ class Monitor:
         every: full stats every ``every`` steps, cheap stats (amax and the scales in use, no
             pass over the tensor where the recipe already computed the amax) on the others.
             ``every=1`` is full stats every step.
-        full_on_anomaly: after a cheap step whose amax is non-finite or beyond what the scale
+        full_on_anomaly: after a cheap step whose amax is non-finite or 8x beyond what the scale
             could represent, take full stats on this many following steps (counts, underflow,
             quantization error of the aftermath); 0 turns it off.
         steps: ``(first, stop)`` global steps to capture; others log only scalars.

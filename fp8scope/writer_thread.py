@@ -130,15 +130,15 @@ class BackgroundWriter:
             self._mark_done(ticket)
 
     def _suspicious(self, matrix, key_ids) -> bool:
-        """A cheap step worth a closer look: a non-finite amax, or an amax at least twice what the
-        scale in use can represent (an outlier, not the slight overflow of a growing tensor under
-        delayed scaling). The monitor then takes full stats on the next steps."""
+        """A cheap step worth a closer look: a non-finite amax, or an amax at least 8x what the
+        scale in use can represent (an outlier, as the saturation rule counts it; not the overflow
+        of a tensor growing early in training). The monitor then takes full stats next."""
         import numpy as np
 
         amax = matrix[:, FIELD_INDEX["amax"]]
         limit = matrix[:, FIELD_INDEX["scale_inv"]] * np.array([self._keys[k].fp8_max for k in key_ids])
         with np.errstate(invalid="ignore"):
-            return bool((~np.isfinite(amax)).any() or (amax > 2 * limit).any())
+            return bool((~np.isfinite(amax)).any() or (amax > 8 * limit).any())
 
     def _check_folder(self) -> None:
         """Writes into a deleted folder succeed silently (the files are unlinked, not closed):

@@ -66,6 +66,8 @@ def _scalar32(value: torch.Tensor | float, device: torch.device, reduce: str) ->
     """0-d float32 on ``device``; per-row / per-block tensors summarised by their most
     conservative member (smallest scale; largest scale_inv and expected amax)."""
     if isinstance(value, torch.Tensor):
+        if value.dim() == 0 and value.dtype == torch.float32 and value.device == device:
+            return value  # the common case (recipe state tensors): no op at all
         v = value.detach()
         if v.numel() > 1:
             v = v.amin() if reduce == "min" else v.amax()
