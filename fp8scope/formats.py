@@ -1,7 +1,9 @@
 """FP8 formats: the one place that knows names, torch dtypes and numeric limits.
 
-Every limit comes from ``torch.finfo`` so that no number is written down twice
-(see ../shared/fp8-reference.md §1). Other modules ask this one for
+Every limit is derived from the format's bit layout (no limit is written down as a number)
+and checked against ``torch.finfo`` in the tests (see ../shared/fp8-reference.md §1); torch
+itself is imported only when a dtype is asked for, so reading a run never pays its import.
+Other modules ask this one for
 ``fp8_max``, the smallest subnormal and the recipe-level format names
 (``HYBRID`` = E4M3 forward, E5M2 backward).
 """
@@ -10,8 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from functools import lru_cache
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(frozen=True)
@@ -19,12 +23,21 @@ class Fp8Format:
     """Numeric facts of one FP8 element format."""
 
     name: str  # short name used in the store: "e4m3", "e5m2", ...
-    dtype: torch.dtype
     max: float  # largest finite value
     tiny: float  # smallest normal
     min_subnormal: float  # smallest positive subnormal
     mantissa_bits: int
     has_inf: bool
+
+    @property
+    def dtype(self) -> "torch.dtype":
+        """The torch dtype (torch is imported here, not at module import: readers never need it)."""
+        import torch
+
+        dtype = getattr(torch, _DTYPE_NAMES[self.name], None)
+        if dtype is None:
+            raise ValueError(f"this torch ({torch.__version__}) has no dtype {_DTYPE_NAMES[self.name]}")
+        return dtype
 
     @property
     def underflow_threshold(self) -> float:
@@ -46,33 +59,48 @@ _DTYPE_NAMES = {
     "e5m2fnuz": "float8_e5m2fnuz",
 }
 _ALIASES = {"e4m3fn": "e4m3", **{v: k for k, v in _DTYPE_NAMES.items()}}
-_MANTISSA = {"e4m3": 3, "e5m2": 2, "e4m3fnuz": 3, "e5m2fnuz": 2}
+# Bit layouts (exponent bits, mantissa bits, bias, encoding of the top of the range), from the
+# OCP FP8 spec and the FNUZ variants. The limits are derived from these, so the file states
+# no limit as a number; tests/test_stats.py checks every derived limit against torch.finfo.
+#   "fn":   no infinities; the all-ones exponent is a normal binade except mantissa all-ones (NaN)
+#   "ieee": all-ones exponent reserved for inf/NaN
+#   "fnuz": no infinities, a single NaN code (negative zero): the whole top binade is finite
+_LAYOUTS = {
+    "e4m3": (4, 3, 7, "fn"),
+    "e5m2": (5, 2, 15, "ieee"),
+    "e4m3fnuz": (4, 3, 8, "fnuz"),
+    "e5m2fnuz": (5, 2, 16, "fnuz"),
+}
+
+
+def _derive(name: str) -> Fp8Format:
+    ebits, mbits, bias, top = _LAYOUTS[name]
+    max_exp = (2**ebits - 1) - (1 if top == "ieee" else 0) - bias
+    max_mant = (2**mbits - 1) - (1 if top == "fn" else 0)
+    tiny = 2.0 ** (1 - bias)
+    return Fp8Format(
+        name=name,
+        max=2.0**max_exp * (1 + max_mant / 2**mbits),
+        tiny=tiny,
+        min_subnormal=tiny * 2.0 ** (-mbits),
+        mantissa_bits=mbits,
+        has_inf=top == "ieee",
+    )
 
 
 @lru_cache(maxsize=None)
 def get_format(name: str) -> Fp8Format:
-    """Look a format up by short name (``e4m3``, ``e5m2``, ``e4m3fnuz``, ``e5m2fnuz``)."""
-    key = _ALIASES.get(name.lower(), name.lower())
-    if key not in _DTYPE_NAMES:
+    """Look a format up by short name (``e4m3``, ``e5m2``, ``e4m3fnuz``, ``e5m2fnuz``) or torch dtype name."""
+    key = _ALIASES.get(str(name).lower(), str(name).lower())
+    if key not in _LAYOUTS:
         raise ValueError(f"unknown FP8 format {name!r}; expected one of {sorted(_DTYPE_NAMES)}")
-    dtype = getattr(torch, _DTYPE_NAMES[key], None)
-    if dtype is None:
-        raise ValueError(f"this torch ({torch.__version__}) has no dtype {_DTYPE_NAMES[key]}")
-    fi = torch.finfo(dtype)
-    mbits = _MANTISSA[key]
-    return Fp8Format(
-        name=key,
-        dtype=dtype,
-        max=float(fi.max),
-        tiny=float(fi.tiny),
-        min_subnormal=float(fi.tiny) * 2.0 ** (-mbits),
-        mantissa_bits=mbits,
-        has_inf=key == "e5m2",
-    )
+    return _derive(key)
 
 
-def format_of_dtype(dtype: torch.dtype) -> Fp8Format:
+def format_of_dtype(dtype: "torch.dtype") -> Fp8Format:
     """The format that a torch float8 dtype stores."""
+    import torch
+
     for key, attr in _DTYPE_NAMES.items():
         if getattr(torch, attr, None) == dtype:
             return get_format(key)

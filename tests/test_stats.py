@@ -105,3 +105,13 @@ def test_cheap_stats_fill_only_amax_and_scales():
     assert s["amax"] == 7.0 and s["scale"] == 2.0 and s["scale_inv"] == 0.5 and s["numel"] == 3
     assert math.isnan(s["overflow"]) and math.isnan(s["zeros"])
     assert math.isnan(float(cheap_stats(torch.tensor([1.0, math.nan]), 1.0, 1.0, 1.0)[FIELD_INDEX["amax"]]))
+
+
+def test_derived_limits_match_torch_finfo():
+    for name in ("e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz"):
+        fmt = get_format(name)
+        fi = torch.finfo(fmt.dtype)
+        assert (fmt.max, fmt.tiny) == (float(fi.max), float(fi.tiny)), name
+        smallest = torch.tensor([fmt.min_subnormal], dtype=torch.float32)
+        assert float(smallest.to(fmt.dtype).float()) == fmt.min_subnormal  # representable
+        assert float((smallest / 2).to(fmt.dtype).float()) == 0.0  # and nothing below it
