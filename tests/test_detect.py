@@ -114,7 +114,7 @@ def test_online_events_equal_offline(runs, name):
 
 
 def test_online_logs_and_calls_back(tmp_path, caplog):
-    from conftest import MLP, train
+    from tests.conftest import MLP, train
 
     from fp8scope import Monitor
 
