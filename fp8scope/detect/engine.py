@@ -273,21 +273,15 @@ def detect(run, config: DetectConfig | None = None, progress: Callable[[str], No
 def open_run(path):
     """A run opened for a one-pass read: record batches stay zero-copy over the memory-mapped streams
     (no copy of the whole run on load) where the store supports it."""
-    from fp8scope.run import Run, load_run
+    from fp8scope.run import Run
 
-    try:
-        return Run(path, combine_chunks=False)
-    except TypeError:
-        return load_run(path)
+    return Run(path, combine_chunks=False)
 
 
 def _read(run, name: str, columns: list[str]) -> pa.Table:
-    """Only the columns detection needs (when the run's reader can select columns)."""
-    try:
-        return run.table(name, columns=columns)
-    except TypeError:  # an older Run without columns=
-        t = run.table(name)
-        return t.select([c for c in columns if c in t.column_names])
+    """Only the columns detection needs (a zero-copy selection of the merged table)."""
+    t = run.table(name)
+    return t.select([c for c in columns if c in t.column_names])
 
 
 def _tensor_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
