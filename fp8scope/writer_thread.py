@@ -20,7 +20,6 @@ from typing import Callable
 import pyarrow as pa
 
 from fp8scope.capture.collector import StepPayload, TensorKey, stats_matrix
-from fp8scope.schema import FIELD_INDEX
 from fp8scope.step_records import scalar_batch, tensor_batch
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
@@ -56,32 +55,26 @@ class BackgroundWriter:
     # ---- training side ------------------------------------------------------------
     def submit(self, payload: StepPayload) -> int:
         """Queue one step; returns a ticket for :meth:`wait`. Never blocks: a full queue drops the step."""
+        return self._enqueue(payload, "steps")
+
+    def submit_table(self, table: str, batch: pa.RecordBatch) -> None:
+        """Queue extra rows for another table (shadow results, events): written in order with the steps."""
+        self._enqueue((table, batch), f"{table} rows")
+
+    def _enqueue(self, item, what: str) -> int:
         if self.failed:
             return self._done
         with self._cond:
             self._submitted += 1
             ticket = self._submitted
         try:
-            self._queue.put_nowait((ticket, payload))
+            self._queue.put_nowait((ticket, item))
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1:
-                warnings.warn("fp8scope: writer is behind; dropping steps rather than slowing training", stacklevel=3)
+                warnings.warn(f"fp8scope: writer is behind; dropping {what} rather than slowing training", stacklevel=4)
             self._mark_done(ticket)
         return ticket
-
-    def submit_table(self, table: str, batch: pa.RecordBatch) -> None:
-        """Queue extra rows for another table (shadow results, events): written in order with the steps."""
-        if self.failed:
-            return
-        with self._cond:
-            self._submitted += 1
-            ticket = self._submitted
-        try:
-            self._queue.put_nowait((ticket, (table, batch)))
-        except queue.Full:
-            self.dropped += 1
-            self._mark_done(ticket)
 
     def wait(self, ticket: int, timeout: float | None = None) -> bool:
         """Block until step ``ticket`` is written (or logging has stopped). True if written."""
@@ -129,14 +122,15 @@ class BackgroundWriter:
                     self._fail(exc)
             self._mark_done(ticket)
 
-    def _suspicious(self, matrix, key_ids) -> bool:
+    @staticmethod
+    def _suspicious(tensors: pa.RecordBatch) -> bool:
         """A cheap step worth a closer look: a non-finite amax, or an amax at least 8x what the
         scale in use can represent (an outlier, as the saturation rule counts it; not the overflow
         of a tensor growing early in training). The monitor then takes full stats next."""
         import numpy as np
 
-        amax = matrix[:, FIELD_INDEX["amax"]]
-        limit = matrix[:, FIELD_INDEX["scale_inv"]] * np.array([self._keys[k].fp8_max for k in key_ids])
+        amax = tensors.column("amax").to_numpy(zero_copy_only=False)
+        limit = tensors.column("scale_inv").to_numpy(zero_copy_only=False) * tensors.column("fp8_max").to_numpy()
         with np.errstate(invalid="ignore"):
             return bool((~np.isfinite(amax)).any() or (amax > 8 * limit).any())
 
@@ -159,7 +153,7 @@ class BackgroundWriter:
         if payload.n_rows:
             tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, payload.full)
             self._writer.write("tensors", tensors)
-            if not payload.full and self._suspicious(matrix, payload.key_ids):
+            if not payload.full and self._suspicious(tensors):
                 self.suspicious_step = payload.step
         names = list(payload.scalar_names) + list(payload.host_scalars)
         values = list(tail) + list(payload.host_scalars.values())
