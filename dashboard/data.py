@@ -29,13 +29,13 @@ import pyarrow.compute as pc
 from fp8scope.errors import Fp8ScopeError, RunError
 from fp8scope.run import Run, disk_usage
 from fp8scope.store.layout import list_parquet_tables, list_streams, parquet_path
+from fp8scope.store.reader import stream_ended
 from fp8scope.store.manifest import read_manifest
 
 MAX_COLS = 400  # heatmap step buckets
 MAX_POINTS = 1000  # line-chart step buckets
 LIVE_SECONDS = 120.0  # a run written to within this long, streams not closed: "live"
 REFRESH_MIN_INTERVAL = 1.0
-_EOS = b"\xff\xff\xff\xff\x00\x00\x00\x00"
 
 # key -> (label, SQL expression per row, worst-case aggregate, source table)
 STATS: dict[str, tuple[str, str, str, str]] = {
@@ -176,19 +176,6 @@ class RunCache:
 
 
 # ---- run list summaries (cheap: never loads the tensors table of an uncached run) ----------
-def _ends_cleanly(p: Path) -> bool:
-    """True when the stream file ends with the Arrow end-of-stream marker RunWriter.close() writes."""
-    try:
-        with open(p, "rb") as f:
-            f.seek(0, 2)
-            if f.tell() < 8:
-                return False
-            f.seek(-8, 2)
-            return f.read(8) == _EOS
-    except OSError:
-        return False
-
-
 def _small_table(path: Path, name: str) -> pa.Table | None:
     from fp8scope.store.reader import read_stream
 
@@ -221,9 +208,9 @@ def run_status(path: Path, cache: RunCache | None = None, now: float | None = No
         if e is not None:
             # the loaded run's tails know exactly whether each stream saw its end marker
             tails = e.run._data.streams()
-            ended = bool(tails) and all(s.tail.ended or _ends_cleanly(s.file.path) for s in tails)
+            ended = bool(tails) and all(s.tail.ended or stream_ended(s.file.path) for s in tails)
         else:
-            ended = bool(streams) and all(_ends_cleanly(s.path) for s in streams)
+            ended = bool(streams) and all(stream_ended(s.path) for s in streams)
         if not streams:
             out["status"] = "finished" if list_parquet_tables(path) else "empty"
         elif ended:

@@ -60,6 +60,23 @@ def _body_length(meta: memoryview) -> int:
     return body
 
 
+_EOS_MARKER = struct.pack("<Ii", _CONT, 0)  # what RunWriter.close() writes last
+
+
+def stream_ended(path: str | os.PathLike) -> bool:
+    """True when a stream file ends with the end-of-stream marker (its writer closed cleanly),
+    read from the last 8 bytes only: cheap enough for listing many runs."""
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, 2)
+            if f.tell() < len(_EOS_MARKER):
+                return False
+            f.seek(-len(_EOS_MARKER), 2)
+            return f.read(len(_EOS_MARKER)) == _EOS_MARKER
+    except OSError:
+        return False
+
+
 def scan_messages(buf, start: int) -> tuple[list[tuple[int, int]], int, bool]:
     """Find complete messages in buf[start:].
 
