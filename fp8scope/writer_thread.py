@@ -111,6 +111,11 @@ class BackgroundWriter:
         while True:
             ticket, payload = self._queue.get()
             if payload is None:
+                if self.failed is None:  # a folder removed after the last periodic look still gets reported
+                    try:
+                        self._check_folder(force=True)
+                    except Exception as exc:
+                        self._fail(exc)
                 return
             if self.failed is None:
                 try:
@@ -134,11 +139,11 @@ class BackgroundWriter:
         with np.errstate(invalid="ignore"):
             return bool((~np.isfinite(amax)).any() or (amax > 8 * limit).any())
 
-    def _check_folder(self) -> None:
+    def _check_folder(self, force: bool = False) -> None:
         """Writes into a deleted folder succeed silently (the files are unlinked, not closed):
-        look, at most once a second, whether our streams are still there."""
+        look, at most once a second and once more at close, whether our streams are still there."""
         now = time.monotonic()
-        if now - self._last_check < 1.0:
+        if not force and now - self._last_check < 1.0:
             return
         self._last_check = now
         for path in self._writer.paths().values():
