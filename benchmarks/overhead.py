@@ -6,7 +6,8 @@ steps, so machine noise hits them alike):
 - ``plain``     no monitor
 - ``default``   Monitor() defaults: cheap stats every step, full stats every 50th step and on
                 the 2 steps after a suspicious one, online detection on
-- ``full``      Monitor(every=1): full stats every step
+- ``full``      Monitor(every=1): full stats every step (on CPU by the one-pass kernel,
+                fp8scope/native/fused_stats.c; ``FP8SCOPE_NATIVE=0`` times the torch formulation)
 - ``naive``     the obvious hand-written alternative: forward/backward hooks computing the same
                 numbers with one ``.item()`` per number, appended to a JSON-lines file
 
@@ -33,6 +34,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8scope  # noqa: E402
+from fp8scope import native  # noqa: E402
 from fp8scope.capture.stats import cheap_vector, full_stats  # noqa: E402
 from fp8scope.demo import train  # noqa: E402
 from fp8scope.formats import get_format  # noqa: E402
@@ -150,11 +152,20 @@ def time_stats(tensors, reps: int) -> dict[str, float]:
         return (time.perf_counter() - t0) / reps
 
     one = torch.tensor(1.0)
+
+    def torch_path():
+        old = native.set_enabled(False)
+        try:
+            return [full_stats(x, one, one, one, f) for x, f in tensors]
+        finally:
+            native.set_enabled(old)
+
     return {
         "read pass x.abs().amax()": run(lambda: [x.abs().amax() for x, _ in tensors]),
         "cheap stats": run(lambda: torch.stack([cheap_vector(x, one, one, one) for x, _ in tensors])),
         "cheap stats, amax known": run(lambda: torch.stack([cheap_vector(x, one, one, one, amax=one) for x, _ in tensors])),
         "full stats": run(lambda: [full_stats(x, one, one, one, f) for x, f in tensors]),
+        "full stats, torch path": run(torch_path),
     }
 
 
@@ -168,7 +179,9 @@ def main() -> int:
     if args.quick:
         args.rounds, args.block, args.warmup = 2, 2, 1
     size = {}  # the demo's default tiny GPT
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu")
+    native.kernel()  # built before timing (a monitor otherwise builds it in the background)
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu; one-pass CPU stats kernel: "
+          f"{native.status()}")
     with tempfile.TemporaryDirectory() as tmp:
         for fp8, label in (("delayed", "tiny GPT, emulated FP8 (delayed scaling)"),
                            ("off", "tiny GPT, plain FP32, what-if stats")):

@@ -28,6 +28,7 @@ from typing import Any, Iterable
 import torch
 from torch import nn
 
+from fp8scope import native
 from fp8scope.capture.collector import StepCollector, TensorKey
 from fp8scope.capture.sources import adapter_for
 from fp8scope.errors import UsageError
@@ -169,6 +170,7 @@ class Monitor:
             self.collector.enabled = False
             return
         self._attach(_name_filter(layers), _name_filter(skip))
+        native.build_in_background()  # the one-pass CPU stats kernel; the torch path serves until it is built
         try:
             self._open_store(explicit_step=step is not _UNSET, meta=meta)
         except OSError as exc:  # read-only, full or vanished storage: fail open, like the writer thread

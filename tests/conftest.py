@@ -28,6 +28,29 @@ def has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _native_kernel_built():
+    """Build the one-pass CPU stats kernel before any test: which stats path a test takes must
+    not depend on whether a background build happened to finish."""
+    from fp8scope import native
+
+    native.kernel(wait=True)
+
+
+@pytest.fixture(params=["native", "torch"])
+def stats_path(request):
+    """Run a test once with the one-pass CPU kernel and once with the torch formulation."""
+    from fp8scope import native
+
+    if request.param == "native" and native.kernel() is None:
+        if native._compiler() is None:
+            pytest.skip("no C compiler: the one-pass kernel cannot be built here")
+        pytest.fail(f"the one-pass kernel did not build: {native._state['error']}")
+    old = native.set_enabled(request.param == "native")
+    yield request.param
+    native.set_enabled(old)
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     for item in items:

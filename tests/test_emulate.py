@@ -12,6 +12,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from fp8scope.emulate import (
@@ -31,6 +33,19 @@ E4M3 = get_format("e4m3")
 E5M2 = get_format("e5m2")
 NAN, INF = float("nan"), float("inf")
 FP32_MAX = torch.finfo(torch.float32).max
+
+
+@pytest.fixture(params=["host", "tensor"], autouse=True)
+def scaling_mode(request, monkeypatch):
+    """Every test here runs with the scaling state in Python floats (the CPU default) and in
+    tensors (the GPU code path, forced on the CPU): both must give the same numbers."""
+    init = ScalingState.__init__
+
+    def forced(self, recipe, fmt, device=None, host=None):
+        init(self, recipe, fmt, device, host=(request.param == "host") if host is None else host)
+
+    monkeypatch.setattr(ScalingState, "__init__", forced)
+    return request.param
 
 
 def run_sequence(state: ScalingState, amaxes):
@@ -441,3 +456,40 @@ def test_inference_mode_and_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = model(x)
     assert y.dtype == torch.bfloat16  # as nn.Linear under autocast
+
+
+amax_values = st.one_of(
+    st.sampled_from([0.0, NAN, INF, 1e-45, 1e-40, 3.0e38, FP32_MAX, 448.0, 1.0]),
+    st.floats(1e-30, 1e30).map(lambda v: float(torch.tensor(v, dtype=torch.float32))),
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(amaxes=st.lists(amax_values, min_size=1, max_size=30), hist=st.integers(1, 5),
+       margin=st.sampled_from([0, 1, 3, 0.5]), algo=st.sampled_from(["max", "most_recent"]),
+       current=st.booleans(), fmt=st.sampled_from([E4M3, E5M2]), record=st.lists(st.booleans(), min_size=30,
+                                                                                   max_size=30))
+def test_host_and_tensor_modes_agree_bit_for_bit(amaxes, hist, margin, algo, current, fmt, record):
+    recipe = CurrentScaling(margin=margin) if current else DelayedScaling(amax_history_len=hist, margin=margin,
+                                                                            amax_compute_algo=algo)
+    host, tens = ScalingState(recipe, fmt, host=True), ScalingState(recipe, fmt, host=False)
+    for a, rec in zip(amaxes, record):
+        x = torch.tensor([a], dtype=torch.float32)
+        got = [t.item() for t in host.begin(x, rec)]
+        want = [t.item() for t in tens.begin(x, rec)]
+        assert same(got, want), (got, want)
+        assert same(host.amax_history.tolist(), tens.amax_history.tolist())
+        assert bool(host.scale_kept) == bool(tens.scale_kept) and host.pending == tens.pending
+
+
+def test_scale_is_a_true_float32_division():
+    """TE computes max_fp8 / amax with one rounding; torch's `float / tensor` (reciprocal, then
+    a multiply) is off by an ulp for about a quarter of amaxes."""
+    import numpy as np
+
+    amaxes = torch.rand(2000, generator=torch.Generator().manual_seed(0)) * 1000 + 1e-3
+    for host in (True, False):
+        st_ = ScalingState(CurrentScaling(), E4M3, host=host)
+        got = torch.tensor([st_.begin(a.reshape(1)).scale.item() for a in amaxes])
+        want = torch.from_numpy(np.float32(448.0) / amaxes.numpy())
+        assert bool((got == want).all()), (host, int((got != want).sum()))

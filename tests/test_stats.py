@@ -9,6 +9,9 @@ from fp8scope.capture.stats import cheap_stats, full_stats, saturation_floor
 from fp8scope.formats import get_format, recipe_format
 from fp8scope.schema import FIELD_INDEX, STAT_FIELDS
 
+# every test here runs on both stats paths (one-pass CPU kernel, torch ops)
+pytestmark = pytest.mark.usefixtures("stats_path")
+
 E4M3 = get_format("e4m3")
 E5M2 = get_format("e5m2")
 

@@ -109,8 +109,9 @@ class EmulatedSource:
 
         def _tap(role, x, deq, scale, scale_inv, expected_amax, fmt):
             if sink.wants(role, grad_enabled=called_with_grad[0] if role != "gradient" else True):
-                # the layer's scaling state already computed this tensor's amax
-                amax = module.scaling_state(role).last_amax
+                # the layer's scaling state already computed this tensor's amax (and, on the CPU,
+                # holds it and the scales as floats: one small tensor per row instead of a stack)
+                amax, scale, scale_inv, expected_amax = getattr(module, f"{role}_state").latest()
                 sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq, amax=amax)
 
         tap = guarded(sink, _tap)
@@ -147,8 +148,8 @@ class WhatIfSource:
             state = states.get(role)
             if state is None:
                 state = states[role] = ScalingState(recipe, fmt, device=x.device)
-            s = state.begin(x.detach(), record=True)
-            sink.record(layer, role, "whatif", fmt, x, s.scale, s.scale_inv, s.expected_amax, amax=state.last_amax)
+            amax, scale, scale_inv, expected = state.begin_values(x.detach(), record=True)
+            sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected, amax=amax)
 
         def pre_hook(mod, args):
             x = _first_tensor(args)

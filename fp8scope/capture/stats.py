@@ -18,12 +18,15 @@ the midpoint below ``fp8_max`` rounds onto the top code (``saturation_floor``).
 
 from __future__ import annotations
 
+import ctypes
 import math
+import struct
 import threading
 from functools import lru_cache
 
 import torch
 
+from fp8scope import native
 from fp8scope.emulate.scaling import tensor_amax  # the one amax definition (NaN-propagating)
 from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
@@ -87,6 +90,9 @@ def cheap_vector(
     When the recipe already computed ``amax`` (our emulated layers, what-if states) this costs
     no pass over ``x`` at all; otherwise one fused min/max pass."""
     dev = x.device
+    if type(amax) is float and type(scale) is float and type(scale_inv) is float and type(expected_amax) is float:
+        # host floats (what-if states on the CPU): one small tensor, no per-field ops
+        return torch.tensor([amax, scale, scale_inv, expected_amax], dtype=torch.float32, device=dev)
     a = tensor_amax(x) if amax is None else _scalar32(amax, dev, "max")
     return torch.stack([a, _scalar32(scale, dev, "min"), _scalar32(scale_inv, dev, "max"),
                         _scalar32(expected_amax, dev, "max")])
@@ -133,17 +139,114 @@ def _buffers(device: torch.device, n: int) -> tuple[torch.Tensor, torch.Tensor, 
     return bufs[0, :n], bufs[1, :n], bufs[2, :n]
 
 
-def _row_chunks(x: torch.Tensor, scale: torch.Tensor):
-    """Yield (x_part, scale_part) with at most ~_CHUNK elements, splitting along the first dim
-    so that a per-row scale stays aligned with its rows."""
+def _row_chunks(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor):
+    """Yield (x_part, scale_part, inv_part) with at most ~_CHUNK elements, splitting along the
+    first dim so that a per-row scale and scale_inv stay aligned with their rows."""
     if x.dim() == 0:
         x = x.reshape(1)
     rows = x.shape[0]
     per_row = max(1, x.numel() // max(rows, 1))
     step = max(1, _CHUNK // per_row)
-    per_row_scale = scale.dim() > 0 and scale.shape[0] == rows and rows > 1
+
+    def part(t: torch.Tensor, r: int) -> torch.Tensor:
+        return t[r:r + step] if t.dim() > 0 and t.shape[0] == rows and rows > 1 else t
+
     for r in range(0, rows, step):
-        yield x[r:r + step], (scale[r:r + step] if per_row_scale else scale)
+        yield x[r:r + step], part(scale, r), part(inv, r)
+
+
+_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+
+
+def _per_row(t: torch.Tensor, x: torch.Tensor) -> int | None:
+    """1 for a single scale, the row count for one scale per row of ``x``, None otherwise."""
+    if t.numel() == 1:
+        return 1
+    rows = x.shape[0] if x.dim() > 0 else 1
+    if t.numel() == rows and (t.dim() <= 1 or all(d == 1 for d in t.shape[1:])) and t.shape[0] == rows:
+        return rows
+    return None
+
+
+def _host_scalar(v: torch.Tensor | float, reduce: str) -> float:
+    """A CPU scale-like value as a float32-rounded Python float (what the torch path stores);
+    per-row tensors by their most conservative member."""
+    if isinstance(v, torch.Tensor):
+        if v.numel() > 1:
+            v = v.detach().amin() if reduce == "min" else v.detach().amax()
+        v = v.item()
+    return _F32.unpack(_F32.pack(v))[0] if math.isfinite(v) and abs(v) <= _FLT_MAX else float(v)
+
+
+_F32 = struct.Struct("f")
+
+
+def _f32_buffer(v: torch.Tensor | float) -> torch.Tensor:
+    """``v`` as a contiguous float32 CPU tensor whose data the kernel can read (no copy when it already is one)."""
+    if isinstance(v, torch.Tensor):
+        v = v.detach()
+        return v if v.dtype == torch.float32 and v.is_contiguous() else v.to(torch.float32).contiguous()
+    return torch.tensor(float(v), dtype=torch.float32)
+
+
+def _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax) -> torch.Tensor | None:
+    """``full_stats`` by the one-pass CPU kernel, or None where it does not apply (another device,
+    dtype or scale layout; kernel unavailable or still building). The result is built on the
+    host in one allocation: on CPU the small torch ops of the generic path cost more than the pass."""
+    if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or x.numel() == 0:
+        return None
+    lib = native.kernel(wait=False)
+    if lib is None:
+        return None
+    s, i = _f32_buffer(scale), _f32_buffer(scale_inv)
+    if s.device.type != "cpu" or i.device.type != "cpu":
+        return None
+    n_scale, n_inv = _per_row(s, x), _per_row(i, x)
+    if n_scale is None or n_inv is None or (deq is not None and deq.numel() != x.numel()):
+        return None
+    xc = x.detach()
+    if not xc.is_contiguous():
+        xc = xc.contiguous()
+    d = None
+    if deq is not None:
+        d = deq.detach()
+        if d.dtype != torch.float32 or not d.is_contiguous():
+            d = d.to(torch.float32).contiguous()
+    rows = max(n_scale, n_inv)
+    n = xc.numel()
+    res = (ctypes.c_double * 10)()
+    lib.fp8s_full_stats(xc.data_ptr(), _KERNEL_DTYPES[xc.dtype], rows, n // rows, s.data_ptr(), n_scale,
+                        i.data_ptr(), n_inv, None if d is None else d.data_ptr(), fmt.max,
+                        saturation_floor(fmt), fmt.underflow_threshold, _emin(fmt), fmt.mantissa_bits,
+                        torch.get_num_threads(), res)
+    n_nan, n_inf, nonzero, over, sat, above_under, sq_err, sq_sig, min_nz, tensor_max = res
+    vals = [_NAN] * N_FIELDS
+    vals[_F_AMAX] = _NAN if n_nan else (tensor_max if amax is None else _host_scalar(amax, "max"))
+    vals[_F_MIN_NZ] = min_nz if nonzero - n_inf > 0 else _INF
+    vals[_F_NUMEL] = float(n)
+    vals[_F_ZEROS] = n - nonzero - n_nan
+    vals[_F_NONFINITE] = n_nan + n_inf
+    vals[_F_OVERFLOW] = over
+    vals[_F_UNDERFLOW] = nonzero - above_under
+    vals[_F_SATURATED] = sat
+    vals[_F_SQ_ERR] = sq_err
+    vals[_F_SQ_SIGNAL] = sq_sig
+    vals[_F_SCALE] = _host_scalar(scale, "min")
+    vals[_F_SCALE_INV] = _host_scalar(scale_inv, "max")
+    vals[_F_EXPECTED] = _host_scalar(expected_amax, "max")
+    return torch.tensor(vals, dtype=torch.float64)
+
+
+(_F_AMAX, _F_MIN_NZ, _F_NUMEL, _F_ZEROS, _F_NONFINITE, _F_OVERFLOW, _F_UNDERFLOW, _F_SATURATED, _F_SQ_ERR,
+ _F_SQ_SIGNAL, _F_SCALE, _F_SCALE_INV, _F_EXPECTED) = (FIELD_INDEX[f] for f in (
+    "amax", "min_nonzero", "numel", "zeros", "nonfinite", "overflow", "underflow", "saturated", "sq_err",
+    "sq_signal", "scale", "scale_inv", "expected_amax"))
+
+
+@lru_cache(maxsize=None)
+def _emin(fmt: Fp8Format) -> int:
+    """Exponent of the smallest normal value of ``fmt``."""
+    return int(round(math.log2(fmt.tiny)))
 
 
 def full_stats(
@@ -162,6 +265,9 @@ def full_stats(
     already quantized ``x`` (our emulated linear); otherwise ``x`` is quantized here to
     measure the error. Works in chunks through reused scratch buffers.
     """
+    fast = _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax)
+    if fast is not None:
+        return fast
     out = cheap_stats(x, scale, scale_inv, expected_amax, amax=amax)
     x = x.detach()
     n = x.numel()
@@ -180,26 +286,26 @@ def full_stats(
     # acc: n_nan, n_inf, nonzero, overflow, saturated, above_underflow, sq_err, sq_signal
     acc = torch.zeros(8, dtype=torch.float64, device=dev)
     min_nz = torch.full((), _INF, dtype=torch.float32, device=dev)
-    deq_parts = _row_chunks(deq.detach(), torch.zeros(())) if deq is not None else None
+    deq_parts = _row_chunks(deq.detach(), torch.zeros(()), torch.zeros(())) if deq is not None else None
     # power of two near 1/amax (1 when amax is 0, inf or NaN) that keeps sums of squares in range
     amax = out[FIELD_INDEX["amax"]].float()
     ok = torch.isfinite(amax) & (amax > 0) & (amax < _FLT_MAX)
     exponent = (-torch.floor(torch.log2(torch.where(ok, amax, 1.0)))).clamp_(-126, 126)
     unit = torch.where(ok, torch.exp2(exponent), 1.0)
-    for xp, sp in _row_chunks(x, scale_t):
+    for xp, sp, ip in _row_chunks(x, scale_t, inv_t):
         m = xp.numel()
         a, y, t = _buffers(dev, m)
         a.copy_(xp.reshape(-1))  # float32 copy of x
         # quantization error first, while `a` still holds signed x
         if deq_parts is not None:
-            dp, _ = next(deq_parts)
+            dp, _, _ = next(deq_parts)
             t.copy_(dp.reshape(-1))
         else:
             yv = y.view(xp.shape)
             torch.mul(a.view(xp.shape), sp, out=yv)
             yv.clamp_(-fmt.max, fmt.max)
             t.view(xp.shape).copy_(yv.to(fmt.dtype))  # the real cast, decoded back to float32
-            t.view(xp.shape).mul_(inv_t if inv_t.dim() == 0 or sp is scale_t else inv_t[: xp.shape[0]])
+            t.view(xp.shape).mul_(ip)
         t.sub_(a).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         sq_err = _sum_squares(t, unit)
         torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0, out=t)
@@ -219,6 +325,15 @@ def full_stats(
         # smallest non-zero: zeros and NaNs (-1) pushed to FLT_MAX (inf * 0 would be NaN)
         torch.clamp(a, min=0, out=t).sign_().neg_().add_(1.0).mul_(_FLT_MAX).add_(a)
         min_nz = torch.minimum(min_nz, t.amin())
+    return _finish(out, n, acc, min_nz)
+
+
+def _finish(out: torch.Tensor, n: int, acc: torch.Tensor, min_nz: torch.Tensor) -> torch.Tensor:
+    """Fill the full-stat fields of ``out`` from the accumulators
+    (n_nan, n_inf, nonzero, overflow, saturated, above_underflow, sq_err, sq_signal) and the
+    smallest non-zero magnitude (FLT_MAX or inf when there is none)."""
+    dev = out.device
+    acc = acc.to(dev)
     n_nan, n_inf, nonzero, over, sat, above_under = (acc[i] for i in range(6))
     out[FIELD_INDEX["zeros"]] = n - nonzero - n_nan
     out[FIELD_INDEX["nonfinite"]] = n_nan + n_inf
@@ -227,7 +342,7 @@ def full_stats(
     out[FIELD_INDEX["underflow"]] = nonzero - above_under
     out[FIELD_INDEX["sq_err"]] = acc[6]
     out[FIELD_INDEX["sq_signal"]] = acc[7]
-    mn = min_nz.to(torch.float64)
+    mn = min_nz.to(device=dev, dtype=torch.float64)
     # FLT_MAX marks "no finite non-zero element"; a real FLT_MAX element is told apart by the counts
     out[FIELD_INDEX["min_nonzero"]] = torch.where(nonzero - n_inf > 0, mn, _INF)
     # amax must propagate NaN like the recipe's amax does.

@@ -46,6 +46,11 @@ def checks() -> list[tuple[str, str, bool | None]]:
                          f"{str(exc).splitlines()[0][:120]}", False))
     else:
         rows.append(("transformer_engine", "not installed (pip install 'fp8scope[te]' on a CUDA machine)", None))
+    from fp8scope import native
+
+    found = native.status()
+    rows.append(("one-pass CPU stats kernel", found + ("" if found == "built" else ": full stats on CPU use the "
+                 "slower torch path"), True if found == "built" else None))
     ao = _version("torchao")
     rows.append(("torchao", ao or "not installed (pip install 'fp8scope[torchao]')", True if ao else None))
     for dist in ("pyarrow", "duckdb", "pandas", "dash", "plotly", "tensorboard"):

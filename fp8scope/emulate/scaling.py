@@ -26,18 +26,39 @@ the same scale for the same sequence of amaxes.
 Tensors are updated functionally (new tensors, never in place) so the tensors
 returned by :meth:`begin` stay valid after later steps: the monitor stacks them
 at the end of a step. No ``.item()``, no Python branch on a tensor value.
+
+On the CPU the state lives in Python floats instead (``host`` mode, the default there):
+reading a CPU tensor is no device sync, and the ~20 tiny tensor ops of one update cost far
+more than the arithmetic (they were most of the what-if monitor's overhead). The float32
+results are the same bit for bit: a division or reciprocal computed in float64 and rounded
+once to float32 is the correctly rounded float32 result; tests check both modes against each
+other. ``scale = scaled_max / amax`` is a true division in both modes, as TE's
+``compute_scale_from_amax`` (``python_float / tensor`` in torch is ``reciprocal() * x``,
+which differs from the division by an ulp for about a quarter of all amaxes).
 """
 
 from __future__ import annotations
 
+import math
+import struct
 from typing import NamedTuple
 
 import torch
 
+from .. import native
 from ..formats import Fp8Format, get_format
 from .recipes import CurrentScaling, DelayedScaling
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
+_F32 = struct.Struct("f")
+
+
+def _f32(v: float) -> float:
+    """``v`` rounded to float32 (to nearest, ties to even; past float32's range: +-inf)."""
+    try:
+        return _F32.unpack(_F32.pack(v))[0]
+    except OverflowError:  # struct refuses a finite value that rounds to inf
+        return math.copysign(math.inf, v)
 
 
 class Scales(NamedTuple):
@@ -76,6 +97,7 @@ class ScalingState:
         recipe: DelayedScaling | CurrentScaling,
         fmt: Fp8Format | str,
         device: torch.device | str | None = None,
+        host: bool | None = None,
     ) -> None:
         if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
             raise TypeError(f"recipe must be DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
@@ -87,12 +109,20 @@ class ScalingState:
         self.updates = 0  # how many delayed-scaling updates ran (a host int, not a tensor)
         self._pending = False
         self._device = torch.device(device) if device is not None else torch.device("cpu")
+        # host=None: Python floats on the CPU, tensors elsewhere; True/False force a mode on the CPU
+        self._host_allowed = host is not False
+        self._host = self._device.type == "cpu" and self._host_allowed
         self._init_tensors(self._device)
 
     # ---- state -------------------------------------------------------------------------
     def _init_tensors(self, device: torch.device) -> None:
-        f32 = dict(dtype=torch.float32, device=device)
         n = self.recipe.amax_history_len if self.delayed else 1
+        # host mode: the same state as float32 values in Python floats
+        self._h = [0.0] * n
+        self._s, self._si, self._e, self._k = 1.0, 1.0, self.scaled_max, False
+        self._scales_cache: Scales | None = None
+        self._la = 0.0
+        f32 = dict(dtype=torch.float32, device=device)
         self._history = torch.zeros(n, **f32)
         self._scale = torch.ones((), **f32)
         self._scale_inv = torch.ones((), **f32)
@@ -108,27 +138,59 @@ class ScalingState:
 
     def _to(self, device: torch.device) -> None:
         """Follow the tensor to its device (e.g. after ``model.cuda()``); async copies."""
+        if self._host and device.type != "cpu":  # leaving the CPU: the float state becomes tensors
+            self._sync_tensors()
+            self._host = False
+        elif not self._host and device.type == "cpu" and self._host_allowed:
+            self._sync_floats(self._history.to("cpu"))
+            self._host = True
         self._device = device
         for name in ("_history", "_scale", "_scale_inv", "_expected", "_kept", "_last_amax"):
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
 
+    def _sync_tensors(self) -> None:
+        """Host floats -> the tensor fields (when leaving host mode or when asked for tensors)."""
+        f32 = dict(dtype=torch.float32, device=self._device)
+        self._history = torch.tensor(self._h, **f32)
+        self._scale = torch.tensor(self._s, **f32)
+        self._scale_inv = torch.tensor(self._si, **f32)
+        self._expected = torch.tensor(self._e, **f32)
+        self._kept = torch.tensor(self._k, device=self._device)
+
+    def _sync_floats(self, history_cpu: torch.Tensor) -> None:
+        self._h = [float(v) for v in history_cpu.tolist()]
+        self._s, self._si = float(self._scale), float(self._scale_inv)
+        self._e, self._k = float(self._expected), bool(self._kept)
+        self._scales_cache = None
+
+    def _host_scales(self) -> Scales:
+        """The current host scales as 0-d tensors, made once per update."""
+        if self._scales_cache is None:
+            t = torch.tensor([self._s, self._si, self._e], dtype=torch.float32)
+            self._scales_cache = Scales(t[0], t[1], t[2])
+        return self._scales_cache
+
     @property
     def amax_history(self) -> torch.Tensor:
         """Copy of the history, shape [amax_history_len], row 0 = most recent amax."""
+        if self._host:
+            return torch.tensor(self._h, dtype=torch.float32)
         return self._history.clone()
 
     @property
     def scale(self) -> torch.Tensor:
         """Scale the next quantization would use if no update were pending."""
-        return self._scale
+        return self._host_scales().scale if self._host else self._scale
 
     @property
     def scale_inv(self) -> torch.Tensor:
-        return self._scale_inv
+        return self._host_scales().scale_inv if self._host else self._scale_inv
 
     @property
     def last_amax(self) -> torch.Tensor:
         """amax of the tensor passed to the latest :meth:`begin` (NaN-propagating)."""
+        if self._last_amax is None:  # host mode keeps a float until someone asks for a tensor
+            self._last_amax = torch.tensor(self._la, dtype=torch.float32)
         return self._last_amax
 
     @property
@@ -137,7 +199,7 @@ class ScalingState:
 
         TE does this silently; a monitor should flag it.
         """
-        return self._kept
+        return torch.tensor(self._k) if self._host else self._kept
 
     @property
     def pending(self) -> bool:
@@ -147,8 +209,9 @@ class ScalingState:
     # ---- the update ------------------------------------------------------------------
     def _scale_from_amax(self, amax: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         valid = torch.isfinite(amax) & (amax > 0)
-        # Divide only where valid; elsewhere divide by 1 so no inf/NaN is produced.
-        sf = self.scaled_max / torch.where(valid, amax, torch.ones_like(amax))
+        # Divide only where valid; elsewhere divide by 1 so no inf/NaN is produced. A true
+        # division (TE's `max_fp8 / amax`), not `float / tensor` (= reciprocal * float).
+        sf = torch.div(torch.full_like(amax, self.scaled_max), torch.where(valid, amax, torch.ones_like(amax)))
         sf = torch.where(valid, sf, fallback)
         sf = torch.where(torch.isinf(sf), torch.full_like(sf, _FP32_MAX), sf)
         return sf, valid
@@ -159,6 +222,9 @@ class ScalingState:
         :meth:`begin` calls it; call it yourself to mirror TE's end-of-step timing.
         """
         if not (self.delayed and self._pending):
+            return
+        if self._host:
+            self._host_update()
             return
         h = self._history
         last = h[0]
@@ -180,6 +246,36 @@ class ScalingState:
         self._pending = False
         self.updates += 1
 
+    def _host_scale_from_amax(self, amax: float, fallback: float) -> tuple[float, bool]:
+        valid = math.isfinite(amax) and amax > 0
+        if not valid:
+            return fallback, False
+        sf = _f32(self.scaled_max / amax)
+        return (_FP32_MAX if math.isinf(sf) else sf), True
+
+    def _host_update(self) -> None:
+        """:meth:`update` on host floats, step for step the same as the tensor code above."""
+        h = self._h
+        last = h[0]
+        roll = last != 0  # NaN != 0 is true
+        if self.recipe.amax_compute_algo == "max":
+            amax = max([0.0] + [v for v in h if v == v]) if roll else 0.0
+        else:
+            amax = last
+        if roll:
+            rolled = h[1:] + h[:1]
+            rolled[0] = 0.0
+            self._h = rolled
+        scale, valid = self._host_scale_from_amax(amax, self._s)
+        self._s = scale
+        self._si = _f32(1.0 / scale)
+        if valid:
+            self._e = amax
+        self._k = not valid
+        self._scales_cache = None
+        self._pending = False
+        self.updates += 1
+
     def begin(self, x: torch.Tensor, record: bool = True) -> Scales:
         """Scales to quantize ``x`` with now; then record ``x``'s amax if ``record``.
 
@@ -192,6 +288,9 @@ class ScalingState:
         """
         if x.device != self._device:
             self._to(x.device)
+        if self._host:
+            self._host_begin(x, record)
+            return self._host_scales()
         amax = tensor_amax(x)
         self._last_amax = amax
         if not self.delayed:
@@ -205,6 +304,40 @@ class ScalingState:
             self._history = torch.cat([amax.reshape(1), self._history[1:]])
             self._pending = True
         return out
+
+    def latest(self) -> tuple:
+        """``(amax, scale, scale_inv, expected_amax)`` of the latest :meth:`begin`: Python floats in
+        host mode, 0-d tensors otherwise (a tap reporting what the layer just used)."""
+        if self._host:
+            return self._la, self._s, self._si, self._e
+        return self._last_amax, self._scale, self._scale_inv, self._expected
+
+    def begin_values(self, x: torch.Tensor, record: bool = True) -> tuple:
+        """:meth:`begin` returning ``(amax, scale, scale_inv, expected_amax)``: Python floats in
+        host mode (no tensor made at all: what the what-if monitor needs per tensor), 0-d tensors
+        otherwise."""
+        if x.device != self._device:
+            self._to(x.device)
+        if self._host:
+            self._host_begin(x, record)
+            return self._la, self._s, self._si, self._e
+        s = self.begin(x, record)
+        return self._last_amax, s.scale, s.scale_inv, s.expected_amax
+
+    def _host_begin(self, x: torch.Tensor, record: bool) -> None:
+        a = native.amax(x.detach())  # one pass, no tensor made; None where the kernel does not apply
+        if a is None:
+            a = tensor_amax(x).item()  # a CPU tensor: a memory read, not a device sync
+        self._la, self._last_amax = a, None
+        if not self.delayed:
+            scale, valid = self._host_scale_from_amax(a, 1.0)
+            self._s, self._si, self._e, self._k = scale, _f32(1.0 / scale), a, not valid
+            self._scales_cache = None
+            return
+        self.update()
+        if record:
+            self._h[0] = a
+            self._pending = True
 
     def __repr__(self) -> str:
         return (

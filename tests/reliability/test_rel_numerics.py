@@ -23,6 +23,9 @@ from fp8scope.capture.stats import cheap_stats, full_stats
 from fp8scope.formats import get_format
 from fp8scope.schema import FIELD_INDEX
 
+# every test here runs on both stats paths (one-pass CPU kernel, torch ops)
+pytestmark = pytest.mark.usefixtures("stats_path")
+
 E4M3, E5M2 = get_format("e4m3"), get_format("e5m2")
 FLT_MAX = float(np.finfo(np.float32).max)
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}

@@ -1,0 +1,176 @@
+"""Build and load the one-pass CPU stats kernel (``fused_stats.c``) with the system C compiler.
+
+Why a compiled kernel: on CPU, full stats written as torch ops take ~25 passes over each tensor
+(see docs/benchmarks.md); the kernel reads each element once. It is optional: without a C
+compiler, with ``FP8SCOPE_NATIVE=0``, or if the build fails, ``kernel()`` returns None and the
+torch path in ``stats.py`` is used (same numbers, slower).
+
+The shared object is built once per (source, compiler, CPU) into
+``$FP8SCOPE_CACHE`` / ``$XDG_CACHE_HOME/fp8scope`` / ``~/.cache/fp8scope`` (written to a temporary
+name and renamed, so concurrent ranks never load a half-written file). ``-march=native`` is
+safe because the CPU's model and flags are part of the file name. Building takes about half a
+second; the monitor starts it in a background thread (``build_in_background``) so no training
+step ever waits for the compiler.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+import threading
+import warnings
+from pathlib import Path
+
+_SOURCE = Path(__file__).with_name("fused_stats.c")
+ABI_VERSION = 3  # fp8s_abi_version() of the source this module knows how to call
+_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fPIC", "-shared"]
+_lock = threading.Lock()  # held while building
+_flag_lock = threading.Lock()  # guards the "a background build was started" flag only: never blocks long
+_state: dict = {"lib": None, "tried": False, "error": None}
+
+
+def _cpu_signature() -> str:
+    """Model name and feature flags of this CPU: a kernel built with -march=native runs only on its like."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            lines = [ln for ln in f if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = []
+    return platform.machine() + "".join(lines)
+
+
+def _cache_dir() -> Path:
+    if os.environ.get("FP8SCOPE_CACHE"):
+        return Path(os.environ["FP8SCOPE_CACHE"]) / "native"
+    xdg = os.environ.get("XDG_CACHE_HOME")
+    return (Path(xdg) if xdg else Path.home() / ".cache") / "fp8scope" / "native"
+
+
+def _compiler() -> str | None:
+    cc = os.environ.get("CC") or "cc"
+    return shutil.which(cc) or shutil.which("gcc")
+
+
+def _build() -> ctypes.CDLL:
+    cc = _compiler()
+    if cc is None:
+        raise RuntimeError("no C compiler found (set CC)")
+    src = _SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"fused_stats-{key}.so"
+    if not out.exists():
+        try:
+            out.parent.mkdir(parents=True, exist_ok=True)
+            where = out.parent
+        except OSError:  # read-only home: build into a private temporary folder
+            where = Path(tempfile.mkdtemp(prefix="fp8scope-native-"))
+            out = where / out.name
+        fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=where)
+        os.close(fd)
+        try:
+            r = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
+                               timeout=120)
+            if r.returncode != 0:
+                errors = [ln for ln in (r.stderr or r.stdout).splitlines() if "error" in ln] or ["(no message)"]
+                raise RuntimeError(f"{Path(cc).name} failed: {errors[0].strip()}")
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(out))
+    f = lib.fp8s_full_stats
+    i64, p = ctypes.c_int64, ctypes.c_void_p
+    f.argtypes = [p, ctypes.c_int, i64, i64, p, i64, p, i64, p, ctypes.c_float, ctypes.c_float, ctypes.c_float,
+                  ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.POINTER(ctypes.c_double)]
+    f.restype = ctypes.c_int
+    a = lib.fp8s_amax
+    a.argtypes = [p, ctypes.c_int, i64, ctypes.c_int]
+    a.restype = ctypes.c_double
+    q = lib.fp8s_quant_dequant
+    q.argtypes = [p, i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, p]
+    q.restype = None
+    if lib.fp8s_abi_version() != ABI_VERSION:
+        raise RuntimeError("stale kernel build")
+    return lib
+
+
+def _env_enabled() -> bool:
+    return os.environ.get("FP8SCOPE_NATIVE", "1").lower() not in ("0", "false", "no", "off")
+
+
+_state["enabled"] = _env_enabled()
+
+
+def enabled() -> bool:
+    """Whether the kernel may be used (``FP8SCOPE_NATIVE=0`` at import, or ``set_enabled(False)``, says no)."""
+    return _state["enabled"]
+
+
+def set_enabled(on: bool) -> bool:
+    """Switch the kernel on or off for this process (tests compare both paths); returns the old setting."""
+    old, _state["enabled"] = _state["enabled"], bool(on)
+    return old
+
+
+def kernel(wait: bool = True) -> ctypes.CDLL | None:
+    """The loaded kernel, building it if needed; None when unavailable (or still building and not ``wait``)."""
+    if not enabled():
+        return None
+    if _state["tried"]:
+        return _state["lib"]
+    if not wait:
+        build_in_background()
+        return None
+    with _lock:
+        if not _state["tried"]:
+            try:
+                _state["lib"] = _build()
+            except Exception as exc:  # the torch path takes over; say why once
+                _state["error"] = f"{type(exc).__name__}: {exc}"
+                warnings.warn(f"fp8scope: one-pass CPU stats kernel unavailable ({_state['error']}); "
+                              "using the slower torch path", RuntimeWarning, stacklevel=2)
+            _state["tried"] = True
+        return _state["lib"]
+
+
+_AMAX_DTYPES: dict = {}
+
+
+def amax(x) -> float | None:
+    """max |x| of a CPU tensor as a Python float (NaN if it holds a NaN) by one kernel pass; None
+    where the kernel does not apply (not CPU, another dtype, not contiguous, kernel not built)."""
+    lib = kernel(wait=False)
+    if lib is None or x.device.type != "cpu" or not x.is_contiguous():
+        return None
+    if not _AMAX_DTYPES:
+        import torch
+
+        _AMAX_DTYPES.update({torch.float32: 0, torch.bfloat16: 1, torch.float16: 2})
+    code = _AMAX_DTYPES.get(x.dtype)
+    if code is None:
+        return None
+    import torch
+
+    return lib.fp8s_amax(x.data_ptr(), code, x.numel(), torch.get_num_threads())
+
+
+def build_in_background() -> None:
+    """Start building the kernel without waiting (once per process); the torch path serves until it is ready."""
+    with _flag_lock:
+        if not enabled() or _state["tried"] or _state.get("building"):
+            return
+        _state["building"] = True
+    threading.Thread(target=kernel, name="fp8scope-native-build", daemon=True).start()
+
+
+def status() -> str:
+    """One line for ``fp8scope doctor``."""
+    if not enabled():
+        return "off (FP8SCOPE_NATIVE=0)"
+    lib = kernel()
+    return "built" if lib is not None else f"unavailable ({_state['error']})"
