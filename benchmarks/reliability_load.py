@@ -59,10 +59,15 @@ def writer(rank: int, run: str, duration: float, step_ms: float, n_tensors: int,
 
 
 def reader(kind: str, run: str, stop: str, out: str) -> None:
+    import fp8scope
+
+    # As the product's readers do: the CLI and the dashboard server call this at start-up
+    # (fp8scope/priority.py); a user's own watcher script is asked to. The CLI reader's commands
+    # run in fresh processes and apply it themselves.
+    if kind != "cli":
+        fp8scope.yield_to_training()
     errors, n = [], 0
     if kind == "api":
-        import fp8scope
-
         r = None
         while not os.path.exists(stop):
             try:

@@ -14,8 +14,12 @@ from importlib import import_module
 
 from fp8scope import __version__
 from fp8scope.errors import Fp8ScopeError
+from fp8scope.priority import yield_to_training
 
 # Sub-command modules, in the order `fp8scope --help` lists them. Later issues append theirs.
+# Commands that train or only inspect the machine keep their priority; every other command reads
+# runs, possibly beside a training job, and yields the CPU to it (fp8scope/priority.py).
+KEEP_PRIORITY = {"demo", "doctor"}
 COMMANDS = ["info", "tensors", "compact", "doctor", "demo"]
 OPTIONAL_COMMANDS = ["events", "report", "diff", "whatif", "export", "dashboard"]
 
@@ -49,6 +53,8 @@ def main(argv: list[str] | None = None) -> int:
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
+    if args.command not in KEEP_PRIORITY:
+        yield_to_training()
     try:
         return int(args.func(args) or 0)
     except Fp8ScopeError as exc:

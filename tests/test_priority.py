@@ -1,0 +1,57 @@
+"""Reading commands yield the CPU to training (fp8scope/priority.py), in real subprocesses."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import fp8scope
+from tests.conftest import MLP, ROOT, train
+
+PROBE = (  # the real CLI entry point, then the niceness it left the process with
+    "import os, sys\n"
+    "from fp8scope.cli.main import main\n"
+    "rc = main(sys.argv[1:])\n"
+    "print('NICE', os.nice(0), rc)\n"
+)
+
+
+def niceness_of(*argv: str, env: dict | None = None) -> tuple[int, int]:
+    r = subprocess.run([sys.executable, "-c", PROBE, *argv], cwd=ROOT, capture_output=True, text=True,
+                       env={**os.environ, **(env or {})}, timeout=120)
+    line = [ln for ln in r.stdout.splitlines() if ln.startswith("NICE")][-1].split()
+    return int(line[1]), int(line[2])
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("prio") / "run"
+    torch.manual_seed(0)
+    model = MLP()
+    with fp8scope.Monitor(model, d, detect=False) as mon:
+        train(model, mon, 3)
+    return d
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no nice() on this platform")
+def test_reading_commands_lower_their_priority_and_training_commands_do_not(run_dir):
+    base = os.nice(0)
+    assert niceness_of("info", str(run_dir)) == (max(base, 10), 0)
+    assert niceness_of("tensors", str(run_dir), "--last", "1") == (max(base, 10), 0)
+    assert niceness_of("info", str(run_dir), env={"FP8SCOPE_NICE": "3"}) == (max(base, 3), 0)
+    assert niceness_of("info", str(run_dir), env={"FP8SCOPE_NICE": "0"}) == (base, 0)
+    assert niceness_of("doctor")[0] == base  # inspects the machine, trains nothing, reads no run
+
+
+def test_yield_to_training_never_lowers_and_never_raises():
+    code = ("import os, fp8scope\n"
+            "os.nice(5)\n"
+            "assert fp8scope.yield_to_training(2) == 5\n"
+            "assert fp8scope.yield_to_training(40) == 19\n"
+            "print('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert r.stdout.strip() == "ok", r.stderr
