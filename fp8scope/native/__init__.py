@@ -11,6 +11,12 @@ name and renamed, so concurrent ranks never load a half-written file). ``-march=
 safe because the CPU's model and flags are part of the file name. Building takes about half a
 second; the monitor starts it in a background thread (``build_in_background``) so no training
 step ever waits for the compiler.
+
+Threads: built with ``-fopenmp``, the library names ``libgomp.so.1``, which the dynamic loader
+resolves to the copy torch already loaded, so large tensors are split over torch's own warm
+OpenMP pool. Like torch's own ops, a parallel region cannot be used in a child forked after the
+parent used the pool (GNU OpenMP is not fork-safe); with ``torch.set_num_threads(1)``, as torch's
+DataLoader workers run, the kernel never enters one.
 """
 
 from __future__ import annotations
