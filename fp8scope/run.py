@@ -19,7 +19,7 @@ import pyarrow.compute as pc
 from fp8scope.errors import RunError, UsageError
 from fp8scope.store.layout import compacted_path, list_streams, parquet_dir
 from fp8scope.store.manifest import read_manifest
-from fp8scope.store.merge import RunData
+from fp8scope.store.merge import RunData, single_segment
 
 Steps = range | tuple | list | None
 
@@ -136,15 +136,14 @@ class Run:
             if "step" in t.column_names and t.num_rows:
                 steps.append(pc.unique(t["step"]))
             if "rank" in t.column_names and t.num_rows:
-                ranks.update(pc.unique(t["rank"]).to_pylist())
-            if {"rank", "segment"} <= set(t.column_names) and t.num_rows:
-                pairs = t.select(["rank", "segment"]).group_by(["rank", "segment"]).aggregate([])
-                segments.update(zip(pairs["rank"].to_pylist(), pairs["segment"].to_pylist()))
+                table_ranks = pc.unique(t["rank"]).to_pylist()
+                ranks.update(table_ranks)
+                if "segment" in t.column_names:
+                    segments.update(_rank_segments(t, table_ranks))
         all_steps = pc.unique(pa.chunked_array(steps, pa.int64())) if steps else pa.array([], pa.int64())
         n_tensors = len(self.manifest.get("tensors") or [])
         if not n_tensors and "tensors" in self.table_names():
-            t = self._data.table("tensors")
-            n_tensors = t.select(["layer", "tensor"]).group_by(["layer", "tensor"]).aggregate([]).num_rows
+            n_tensors = _distinct_rows(self._data.table("tensors"), ["layer", "tensor"])
         size, last_write = disk_usage(self.path)
         return {
             "path": str(self.path),
@@ -165,6 +164,29 @@ class Run:
 
 
 # -- helpers -------------------------------------------------------------------------------
+def _rank_segments(t: pa.Table, ranks: list) -> set[tuple[int, int]]:
+    """Distinct (rank, segment) pairs of ``t``, whose distinct ranks are ``ranks``; a run that never
+    restarted has one segment, and then the pairs follow from the ranks without a group-by over every row."""
+    if single_segment(t):
+        seg = pc.min(t["segment"]).as_py()
+        return {(r, seg) for r in ranks}
+    pairs = t.select(["rank", "segment"]).group_by(["rank", "segment"]).aggregate([])
+    return set(zip(pairs["rank"].to_pylist(), pairs["segment"].to_pylist()))
+
+
+def _distinct_rows(t: pa.Table, columns: list[str]) -> int:
+    """Number of distinct value combinations of ``columns``. A run read zero-copy has one chunk per
+    logged step, and consecutive steps almost always log the same tensors: such repeated chunks are
+    skipped (one C++ comparison each) before the group-by, which then sees one step's worth of rows."""
+    t = t.select(columns)
+    kept, prev = [], None
+    for b in t.to_batches():
+        if prev is None or not b.equals(prev):
+            kept.append(b)
+            prev = b
+    return pa.Table.from_batches(kept, schema=t.schema).group_by(columns).aggregate([]).num_rows
+
+
 def _regex_mask(col: pa.ChunkedArray, pattern: str) -> pa.ChunkedArray:
     # Run Python's re on the distinct names only (hundreds), then one is_in over the column:
     # exact Python regex semantics and far cheaper than a regex per row.

@@ -185,10 +185,19 @@ class RunData:
         return st.merged
 
 
+def single_segment(t: pa.Table) -> bool:
+    """True when every row of ``t`` (with a segment column) comes from the same segment: the case of
+    every run that was never restarted. One min/max pass, ~100x cheaper than a group-by on 5M rows."""
+    mm = pc.min_max(t[SEGMENT])
+    return mm["min"].as_py() == mm["max"].as_py()
+
+
 def dedup_latest_segment(t: pa.Table) -> pa.Table:
     """Keep, for every (rank, step), only rows of the highest segment that logged it. Order is preserved."""
     if t.num_rows == 0 or not {"rank", "step", SEGMENT} <= set(t.column_names):
         return t
+    if single_segment(t):
+        return t  # one segment in the whole table: nothing can collide (a min/max, not a group-by per rank)
     per_rank = t.group_by("rank").aggregate([(SEGMENT, "min"), (SEGMENT, "max")])
     if pc.all(pc.equal(per_rank[f"{SEGMENT}_min"], per_rank[f"{SEGMENT}_max"])).as_py():
         return t  # every rank has one segment: nothing can collide (the common, fast case)
