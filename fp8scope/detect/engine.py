@@ -20,6 +20,7 @@ from typing import Callable
 import numpy as np
 import pandas as pd
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.features import TENSOR_COLUMNS
@@ -345,8 +346,8 @@ def _tensor_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
 
 def _scalar_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
     names = pa.array([cfg.loss_name, cfg.grad_norm_name])
-    import pyarrow.compute as pc
-
+    # one chunk per logged step of a few rows each (zero-copy read): per-chunk overhead would dominate
+    table = table.combine_chunks()
     t = table.filter(pc.is_in(table["name"], value_set=names))
     if not t.num_rows:
         return []
@@ -369,11 +370,19 @@ def _cross_rank_events(table: pa.Table, cfg: DetectConfig, manifest: dict | None
 
     if RULE_NAME in cfg.disabled or "cross_rank_scale" in cfg.disabled or "rank" not in table.column_names:
         return []
+    if _ranks_at_least(table["rank"], 0) < 2:
+        return []  # one rank agrees with itself; spares a pandas copy of five columns of every row
     df = table.select(["step", "rank", "layer", "tensor", "scale"]).to_pandas()
     df = df[df["rank"] >= 0]
     check = check_from_manifest(manifest or {})
     check.enabled = True
     return scale_mismatch_events(df, check).to_dict("records")
+
+
+def _ranks_at_least(rank, lowest: int) -> int:
+    """Number of distinct ranks >= ``lowest`` in a rank column."""
+    ranks = pc.unique(rank)
+    return len(pc.filter(ranks, pc.greater_equal(ranks, lowest)))
 
 
 def _has(con, name: str) -> bool:
