@@ -76,8 +76,8 @@ def run(args) -> int:
     from fp8scope.cli.output import print_frame, print_json
     from fp8scope.cli.progress import phases
     from fp8scope.detect import detect
+    from fp8scope.detect.engine import open_run, small_pages
     from fp8scope.detect.rules import all_rule_names
-    from fp8scope.detect.engine import open_run
 
     if args.limit is not None and args.limit < 1:
         raise UsageError("--limit must be >= 1")
@@ -86,13 +86,14 @@ def run(args) -> int:
         unknown = sorted(set(args.rule) - set(all_rule_names(cfg)))
         if unknown:
             raise UsageError(f"unknown rule(s) {unknown}; known: {', '.join(all_rule_names(cfg))}")
-    r = open_run(args.run)  # zero-copy one-pass read (detection converts only the columns it needs)
-    if args.stored:
-        ev = r.events()
-        ev = ev[[c for c in ev.columns if c != "segment"]]
-    else:
-        with phases("detecting", 6) as tick:
-            ev = detect(r, cfg, progress=tick)
+    with small_pages():  # big short-lived arrays: see small_pages
+        r = open_run(args.run)  # zero-copy one-pass read (detection converts only the columns it needs)
+        if args.stored:
+            ev = r.events()
+            ev = ev[[c for c in ev.columns if c != "segment"]]
+        else:
+            with phases("detecting", 6) as tick:
+                ev = detect(r, cfg, progress=tick)
     ev = filter_events(ev, args.severity, args.rule, args.layer)
     if args.limit:
         ev = ev.head(args.limit)

@@ -17,10 +17,8 @@ def register(sub) -> None:
 def run(args) -> int:
     from fp8scope.cli.events_cmd import load_config
     from fp8scope.cli.output import print_json
-    from fp8scope.cli.progress import phases
-    from fp8scope.detect.engine import detect
-    from fp8scope.detect.report import build_report, print_report, render_html
-    from fp8scope.detect.engine import open_run
+    from fp8scope.detect.engine import small_pages
+    from fp8scope.detect.report import print_report
 
     html_path = getattr(args, "html", None)
     if html_path is not None:
@@ -30,7 +28,24 @@ def run(args) -> int:
         if not os.path.isdir(parent):
             raise UsageError(f"--html {html_path}: folder {parent} does not exist")
     cfg = load_config(getattr(args, "config", None))
-    r = open_run(args.run)  # zero-copy one-pass read (detection converts only the columns it needs)
+    with small_pages():  # big short-lived arrays: see small_pages
+        rep = _build(args.run, cfg, html_path)
+    if getattr(args, "json", False):
+        print_json(rep)
+        return 0
+    print_report(rep)
+    if html_path:
+        print(f"\nHTML report: {html_path}")
+    return 0
+
+
+def _build(path: str, cfg, html_path: str | None) -> dict:
+    """Detect, summarise and (with --html) write the figures, with a progress bar."""
+    from fp8scope.cli.progress import phases
+    from fp8scope.detect.engine import detect, open_run
+    from fp8scope.detect.report import build_report, render_html
+
+    r = open_run(path)  # zero-copy one-pass read (detection converts only the columns it needs)
     with phases("report", 8 + (1 if html_path else 0)) as tick:
         events = detect(r, cfg, progress=tick)
         rep = build_report(r, cfg, events=events, progress=tick)
@@ -40,10 +55,4 @@ def run(args) -> int:
                 render_html(rep, r, events, html_path)
             except OSError as exc:
                 raise UsageError(f"cannot write --html {html_path}: {exc}") from None
-    if getattr(args, "json", False):
-        print_json(rep)
-        return 0
-    print_report(rep)
-    if html_path:
-        print(f"\nHTML report: {html_path}")
-    return 0
+    return rep
