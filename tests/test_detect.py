@@ -312,3 +312,14 @@ def test_background_detector_catches_up_and_runs_niced():
     assert sum(writes) == 50 and len(writes) <= 3  # step 0, then the backlog in one or two writes
     if nice and os.getpriority(os.PRIO_PROCESS, 0) < 10:
         assert nice[0] >= 10
+
+
+@pytest.mark.parametrize("name", ["outlier", "nan"])
+def test_detection_in_small_slices_equals_one_pass(runs, name, monkeypatch):
+    """Offline detection reads a run in slices of whole steps; windows and edges carry across them."""
+    from fp8scope.detect import engine
+
+    monkeypatch.setattr(engine, "CHUNK_ROWS", 1 << 40)
+    one = detect(runs[name])
+    monkeypatch.setattr(engine, "CHUNK_ROWS", 50)
+    pd.testing.assert_frame_equal(detect(runs[name]), one)

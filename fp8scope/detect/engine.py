@@ -24,7 +24,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from fp8scope.detect.config import DetectConfig
-from fp8scope.detect.features import TENSOR_COLUMNS
+from fp8scope.detect.features import (TENSOR_COLUMNS, KeyMap, NumpyColumns, WindowCarry, edges_sorted, floats,
+                                      group_features, last_evaluable, row_features)
 from fp8scope.detect.rules import NONFINITE, SEVERITY_RANK, RowRule, _fmt, _where, row_rules
 from fp8scope.schema import EVENT_SCHEMA
 
@@ -327,61 +328,97 @@ def _read(run, name: str, columns: list[str]) -> pa.Table:
 
 def _tensor_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
     """Row features, windows (per tensor, rows sorted by step), group features (per step and
-    kind) and the rules, in numpy; only the rows that fire become python dicts. Tensors are
-    processed in chunks of about CHUNK_ROWS rows so memory stays bounded."""
-    from fp8scope.detect.features import KeyMap, NumpyColumns, edges_sorted, floats, group_features, \
-        row_features, window_features_numpy
+    kind) and the rules, in numpy; only the rows that fire become python dicts. The table is
+    read in slices of whole steps of about CHUNK_ROWS rows (:class:`_TensorPass`), so memory stays
+    bounded by the slice, not the run."""
+    bounds, ordered = _step_slices(table)
+    tp = _TensorPass(cfg)
+    events: list[dict] = []
+    for a, b in bounds:
+        events += tp.events(table.slice(a, b - a), ordered)
+    return events + nan_events(tp.nan_rows, {})
 
-    rules = row_rules(cfg)
-    km = KeyMap()
-    names = table.select(["rank", "layer", "tensor", "fp8_format"])
-    if names.column(0).num_chunks > 1:  # one chunk per logged step: repeated names hit keys_of's cache
-        key = np.concatenate([km.keys_of(b) for b in names.to_batches()] or [np.zeros(0, np.int64)])
-    else:
-        key = km.keys_of(names)
-    del names
-    # the numeric columns once as numpy (a run read zero-copy has one chunk per step: taking rows
-    # from 10k-chunk arrays is slow); strings stay in arrow, only their dictionary ids are used
+
+def _step_slices(table: pa.Table) -> tuple[list[tuple[int, int]], bool]:
+    """Row ranges [a, b) of about CHUNK_ROWS rows, cut between (rank, step) groups, and True, when the
+    rows are sorted by (rank, step) (a run is written in step order, one stream per rank); else one range
+    over the whole table and False (its rows are then sorted by (tensor, step) in one piece)."""
+    n = table.num_rows
+    rank = table.column("rank").to_numpy().astype(np.int64, copy=False)
+    step = table.column("step").to_numpy().astype(np.int64, copy=False)
+    dr, ds = np.diff(rank), np.diff(step)
+    if not ((dr > 0) | ((dr == 0) & (ds >= 0))).all():
+        return [(0, n)], False
+    cuts = np.flatnonzero((dr != 0) | (ds != 0)) + 1  # first row of each (rank, step) group but the first
+    bounds = [0]
+    while bounds[-1] + CHUNK_ROWS < n:
+        i = int(np.searchsorted(cuts, bounds[-1] + CHUNK_ROWS))
+        if i == len(cuts):
+            break
+        bounds.append(int(cuts[i]))
+    bounds.append(n)
+    return list(zip(bounds[:-1], bounds[1:])), True
+
+
+class _TensorPass:
+    """The tensor rules over a run, one slice of whole steps at a time. Tensor keys, each tensor's last
+    window rows (:class:`~fp8scope.detect.features.WindowCarry`) and edge flags carry over from slice to
+    slice, so the events equal those of one pass over the whole run; layer-kind groups never span steps."""
+
+    def __init__(self, cfg: DetectConfig):
+        self.cfg, self.rules, self.km = cfg, row_rules(cfg), KeyMap()
+        self.windows = WindowCarry(cfg)
+        self.edge_state = {r: np.zeros(0, bool) for r in edge_rules(self.rules)}  # per tensor key
+        self.nan_rows: list[dict] = []
+
+    def events(self, part: pa.Table, ordered: bool) -> list[dict]:
+        """Events of one slice; ``ordered``: its rows are sorted by (rank, step)."""
+        key = _keys(self.km, part)
+        cols, nulls = _numeric_columns(part)
+        # rows sorted by (tensor, step): within (rank, step) order a stable sort by key suffices
+        perm = np.argsort(key, kind="stable") if ordered else np.lexsort((cols["step"], key))
+        c = row_features(NumpyColumns(cols, nulls, perm), key[perm], self.km, self.cfg)
+        del cols, nulls
+        group_features(c, self.km.group_of)
+        c.update(self.windows.features(c["key"], c))
+        f, ev = flags(c, self.rules)
+        fired = {r: (self._edges(r, c["key"], f[r], ev[r]) if r in ev else f[r]) for r in f}
+        return emit_row_events(c, fired, self.rules, self.km, self.nan_rows)
+
+    def _edges(self, rule: str, key: np.ndarray, f: np.ndarray, ev: np.ndarray) -> np.ndarray:
+        """Edges of ``rule`` in this slice against each tensor's flag from the slices before; updates it."""
+        state = self.edge_state[rule]
+        if len(state) < len(self.km.info):
+            state = self.edge_state[rule] = np.r_[state, np.zeros(len(self.km.info) - len(state), bool)]
+        out = edges_sorted(key, f, ev, state)
+        last_evaluable(key, f, ev, state)
+        return out
+
+
+def _keys(km, t: pa.Table) -> np.ndarray:
+    """Tensor key of every row. A run read zero-copy has one chunk per logged step, and consecutive steps
+    repeat the same names: per chunk they hit keys_of's cache."""
+    names = t.select(["rank", "layer", "tensor", "fp8_format"])
+    if names.column(0).num_chunks > 1:
+        return np.concatenate([km.keys_of(b) for b in names.to_batches()])
+    return km.keys_of(names)
+
+
+def _numeric_columns(t: pa.Table) -> tuple[dict, dict]:
+    """The numeric columns detection reads, as numpy (step / rank int64, the rest float64 with NaN for
+    null), and the null mask of amax; strings stay in arrow (only their dictionary ids are used)."""
     cols, nulls = {}, {}
     for name in TENSOR_COLUMNS:
         if name in ("layer", "tensor", "fp8_format"):
             continue
-        col = table.column(name)
+        col = t.column(name)
         if name in ("step", "rank"):
             cols[name] = col.to_numpy().astype(np.int64, copy=False)
         else:
             cols[name] = floats(col)
         if name == "amax" and col.null_count:
             nulls[name] = np.asarray(col.is_null())
-    step = cols["step"]
-    # layer_outlier's cross-layer columns, over all rows at once (groups span tensors)
-    with np.errstate(invalid="ignore", divide="ignore"):
-        amax = cols["amax"]
-        l2 = np.where(np.isfinite(amax) & (amax > 0), np.log2(amax), np.nan)
-    g = {"l2": l2, "step": step, "key": key}
-    group_features(g, km.group_of)
-    grp = {k: g[k] for k in ("n_kind", "dev", "z")}
-    del g, l2
-    # rows sorted by (tensor, step); runs are written in step order, so a stable sort by key suffices
-    perm = np.argsort(key, kind="stable") if (np.diff(step) >= 0).all() else np.lexsort((step, key))
-    key_s = key[perm]
-    del key
-    starts = np.flatnonzero(np.r_[True, key_s[1:] != key_s[:-1]])
-    events: list[dict] = []
-    nan_rows: list[dict] = []
-    a, n = 0, len(key_s)
-    while a < n:
-        b = starts[np.searchsorted(starts, a + CHUNK_ROWS)] if a + CHUNK_ROWS < starts[-1] else n
-        rows = perm[a:b]
-        c = row_features(NumpyColumns(cols, nulls, rows), key_s[a:b], km, cfg)
-        for k, v in grp.items():
-            c[k] = v[rows]
-        c.update(window_features_numpy(c["key"], c, cfg))
-        f, ev = flags(c, rules)
-        fired = {r: (edges_sorted(c["key"], f[r], ev[r]) if r in ev else f[r]) for r in f}
-        events += emit_row_events(c, fired, rules, km, nan_rows)
-        a = b
-    return events + nan_events(nan_rows, {})
+    return cols, nulls
 
 
 def _scalar_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:

@@ -263,18 +263,20 @@ def group_features(c: dict, group_of_key: np.ndarray) -> None:
 
 # ---- window features over a whole run (offline) ---------------------------------------------
 def _sliding_max(x, w: int):
-    """max over the trailing window x[i-w+1 .. i] (van Herk / Gil-Werman, O(n)); -inf = missing."""
-    n = len(x)
-    m = -(-n // w) * w
-    xp = np.full(m, -np.inf)
-    xp[:n] = x
-    b = xp.reshape(-1, w)
-    pre = np.maximum.accumulate(b, axis=1).ravel()
-    suf = np.maximum.accumulate(b[:, ::-1], axis=1)[:, ::-1].ravel()
-    out = pre[:n].copy()
-    j = np.arange(n) - w + 1
-    ok = j >= 0
-    out[ok] = np.maximum(suf[j[ok]], pre[:n][ok])
+    """max over the trailing window x[i-w+1 .. i] (-inf = missing; rows before the start count as missing).
+
+    By doubling: after k rounds m[i] is the max of the 2^k values ending at i, and a window of w is the
+    max of two overlapping power-of-two windows. log2(w) passes of contiguous maxima: ~3x faster than
+    the block prefix/suffix scans (van Herk / Gil-Werman) numpy can only do as strided accumulates."""
+    m, span = x, 1
+    while 2 * span <= w:
+        wider = m.copy()
+        np.maximum(m[span:], m[:-span], out=wider[span:])
+        m, span = wider, 2 * span
+    rest = w - span
+    out = m.copy()
+    if rest:
+        np.maximum(m[rest:], m[:-rest], out=out[rest:])
     return out
 
 
@@ -337,9 +339,61 @@ def window_features_numpy(key, cols: dict, cfg: DetectConfig) -> dict:
     return out
 
 
-def edges_sorted(key: np.ndarray, f: np.ndarray, ev: np.ndarray) -> np.ndarray:
+class WindowCarry:
+    """Window features of a run read slice by slice (rows in step order, a slice of whole steps at a time)
+    equal to :func:`window_features_numpy` over the whole run, in memory bounded by the slice.
+
+    Between slices it keeps each tensor's last ``keep`` rows of the window inputs; no window reaches further
+    back (spike_window / sat_rate_window rows, collapse_window + 1 for the scale), so a slice's rows see the
+    same history as in one pass over the run.
+    """
+
+    INPUTS = ("amax_f", "scale_inv_f", "sat_hit", "bad_amax")
+
+    def __init__(self, cfg: DetectConfig):
+        self.cfg = cfg
+        self.keep = max(int(cfg.spike_window), int(cfg.collapse_window) + 1, int(cfg.sat_rate_window)) + 1
+        self.key = np.zeros(0, np.int64)
+        self.cols: dict = {}
+
+    def features(self, key: np.ndarray, cols: dict) -> dict:
+        """Window features of rows sorted by (key, step) that come after every row seen so far."""
+        n0 = len(self.key)
+        if n0 == 0:
+            mkey, mcols, mine = key, {c: cols[c] for c in self.INPUTS}, slice(None)
+        else:  # merge the carried rows in front of each tensor's new rows (both sorted by key)
+            pos_old = np.searchsorted(key, self.key, side="left") + np.arange(n0)
+            mine = np.searchsorted(self.key, key, side="right") + np.arange(len(key))
+            mkey = _merged(self.key, key, pos_old, mine)
+            mcols = {c: _merged(self.cols[c], cols[c], pos_old, mine) for c in self.INPUTS}
+        out = window_features_numpy(mkey, mcols, self.cfg)
+        self._keep_tail(mkey, mcols)
+        return {k: v[mine] for k, v in out.items()}
+
+    def _keep_tail(self, key: np.ndarray, cols: dict) -> None:
+        """The last ``keep`` rows of each tensor of merged rows sorted by (key, step)."""
+        n = len(key)
+        if n == 0:
+            return
+        end = np.flatnonzero(np.r_[key[1:] != key[:-1], True])  # last row of each tensor
+        seg = np.cumsum(np.r_[0, key[1:] != key[:-1]])
+        tail = end[seg] - np.arange(n) < self.keep
+        self.key = key[tail]
+        self.cols = {c: v[tail] for c, v in cols.items()}
+
+
+def _merged(a: np.ndarray, b: np.ndarray, pos_a: np.ndarray, pos_b: np.ndarray) -> np.ndarray:
+    """``a`` and ``b`` placed at positions ``pos_a`` / ``pos_b`` of one array."""
+    out = np.empty(len(a) + len(b), b.dtype)
+    out[pos_a] = a
+    out[pos_b] = b
+    return out
+
+
+def edges_sorted(key: np.ndarray, f: np.ndarray, ev: np.ndarray, before: np.ndarray | None = None) -> np.ndarray:
     """Edge of ``f`` over rows sorted by (key, step): true where f holds and did not hold on the
-    previous *evaluable* row of the same tensor (the online detector keeps that flag per tensor)."""
+    previous *evaluable* row of the same tensor (the online detector keeps that flag per tensor).
+    ``before[key]``: the flag at each tensor's last evaluable row before these rows (None: no rows before)."""
     n = len(f)
     if n == 0 or not f.any():
         return f
@@ -350,4 +404,16 @@ def edges_sorted(key: np.ndarray, f: np.ndarray, ev: np.ndarray) -> np.ndarray:
     ok = prev >= seg_start
     prevf = np.zeros(n, bool)
     prevf[ok] = f[prev[ok]]
+    if before is not None:
+        prevf[~ok] = before[key[~ok]]
     return f & ~prevf
+
+
+def last_evaluable(key: np.ndarray, f: np.ndarray, ev: np.ndarray, state: np.ndarray) -> None:
+    """``state[k]`` = ``f`` at tensor k's last evaluable row among rows sorted by (key, step), for the
+    tensors that have one (the ``before`` of the next slice's :func:`edges_sorted`)."""
+    idx = np.flatnonzero(ev)
+    if len(idx):
+        k = key[idx]
+        last = idx[np.r_[k[1:] != k[:-1], True]]
+        state[key[last]] = f[last]
