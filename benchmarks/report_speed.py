@@ -9,7 +9,9 @@
 every step's tensors K times under new layer names (63 tensors x 16 = 1008).
 
 Peak RSS is the child's ru_maxrss (resource.getrusage(RUSAGE_CHILDREN) after each run, which
-is the max over children so far: each command runs in a fresh interpreter, measured in order).
+is the max over children so far: each command runs in a fresh interpreter, measured in order);
+CPU is its user + system time, less sensitive than wall time to other work on a shared machine.
+The 1-minute load average is printed before and after.
 """
 
 from __future__ import annotations
@@ -22,16 +24,18 @@ import sys
 import time
 
 
-def measure(cmd: list[str]) -> tuple[float, float, int]:
+def measure(cmd: list[str]) -> tuple[float, float, float, int]:
+    """(wall s, CPU s, peak RSS MiB, exit code) of ``cmd``."""
     t0 = time.perf_counter()
     # a fresh process per measurement so RUSAGE_CHILDREN's max is this command's
     code = ("import resource, subprocess, sys, json; p = subprocess.run(sys.argv[1:], stdout=subprocess.DEVNULL); "
-            "print(json.dumps([p.returncode, resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss]))")
+            "u = resource.getrusage(resource.RUSAGE_CHILDREN); "
+            "print(json.dumps([p.returncode, u.ru_maxrss, u.ru_utime + u.ru_stime]))")
     out = subprocess.run([sys.executable, "-c", code, *cmd], capture_output=True, text=True, check=True).stdout
     import json
 
-    rc, rss_kb = json.loads(out.strip().splitlines()[-1])
-    return time.perf_counter() - t0, rss_kb / 1024, rc
+    rc, rss_kb, cpu = json.loads(out.strip().splitlines()[-1])
+    return time.perf_counter() - t0, cpu, rss_kb / 1024, rc
 
 
 def online(run_dir: str, tile: int, n_steps: int) -> None:
@@ -93,11 +97,12 @@ def main(argv=None) -> int:
     }
     if args.html:
         cmds["report --html"] = fp + ["report", args.run, "--html", "/tmp/fp8scope-big-report.html"]
-    print(f"run: {args.run}  (cores: {os.cpu_count()})")
+    print(f"run: {args.run}  (cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.2f})")
     for name, cmd in cmds.items():
         for i in range(args.repeat):
-            s, rss, rc = measure(cmd)
-            print(f"{name:15s} try {i + 1}: {s:6.2f} s  peak RSS {rss:7.0f} MiB  rc={rc}", flush=True)
+            s, cpu, rss, rc = measure(cmd)
+            print(f"{name:15s} try {i + 1}: {s:6.2f} s  CPU {cpu:6.2f} s  peak RSS {rss:7.0f} MiB  rc={rc}", flush=True)
+    print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 
 

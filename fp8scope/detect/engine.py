@@ -1,10 +1,11 @@
 """Offline detection: ``detect(run, config) -> events DataFrame``, vectorized in numpy.
 
-The tensors table's rows are sorted by (tensor, step) through a permutation; per chunk of
-whole tensors numpy computes the row features, the window features (O(n) sliding max and
-running counts) and the layer-kind features, then every rule's predicate
-(:mod:`fp8scope.detect.rules`); only the rows that fire become python dicts, where the
-one-line messages are written. A 10,000-step x 500-tensor run (5M rows) takes a few seconds.
+The tensors table is read in slices of whole steps; per slice the rows are sorted by (tensor, step)
+through a permutation and numpy computes the row features, the layer-kind features, the window
+features (sliding max and running counts, each tensor's last window rows carried over from the
+previous slice) and every rule's predicate (:mod:`fp8scope.detect.rules`); only the rows that fire
+become python dicts, where the one-line messages are written. A 10,000-step x 500-tensor run
+(5M rows) takes ~2.5 s in ~0.4 GiB.
 
 The rule predicates, the event construction (:func:`emit_row_events`, :func:`nan_events`) and the
 scalar rules (:class:`ScalarState`) are shared with the online detector, which evaluates the
