@@ -11,13 +11,14 @@ from __future__ import annotations
 import time
 
 import numpy as np
+import pandas as pd
 import pyarrow as pa
 import pytest
 
 import fp8scope.detect.engine as engine
 from fp8scope.capture.collector import TensorKey
 from fp8scope.detect import DetectConfig, detect
-from fp8scope.detect.features import _sliding_max
+from fp8scope.detect.features import WindowCarry, _sliding_max, window_features_numpy
 from fp8scope.run import Run, _distinct_rows
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
 from fp8scope.step_records import scalar_batch, tensor_batch
@@ -104,9 +105,7 @@ def test_sliced_detection_equals_one_pass(run_dir, chunk_rows, monkeypatch):
 
 
 def pd_equal(a, b) -> None:
-    import pandas.testing as pdt
-
-    pdt.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
+    pd.testing.assert_frame_equal(a.reset_index(drop=True), b.reset_index(drop=True))
 
 
 def test_slices_cut_between_steps_of_a_rank(run_dir, monkeypatch):
@@ -138,6 +137,78 @@ def test_rows_out_of_step_order_fall_back_to_one_slice(tmp_path, monkeypatch):
     one = _events(tmp_path, ONE_PASS, monkeypatch)
     assert {"amax_spike", "nan_origin"} <= set(one["rule"])
     pd_equal(_events(tmp_path, 10, monkeypatch), one)
+
+
+def _window_reference(rows: dict, cfg: DetectConfig) -> dict:
+    """The window features of one tensor's rows, from their definitions (docs/detection.md), row by row."""
+    W, K, R = cfg.spike_window, cfg.collapse_window, cfg.sat_rate_window
+    a, si = rows["amax_f"], rows["scale_inv_f"]
+
+    def fmax(v):
+        v = [x for x in v if x == x]
+        return max(v) if v else float("nan")
+
+    out: dict = {k: [] for k in ("prev_max", "n_prev", "prev_bad_amax", "prev_scale_inv", "si_old", "si_max", "n_si",
+                                 "max_jump", "n_sat", "n_rate")}
+    for j in range(len(a)):
+        out["prev_max"].append(fmax(a[max(0, j - W):j]))
+        out["n_prev"].append(int(np.sum(~np.isnan(a[max(0, j - W):j]))))
+        out["prev_bad_amax"].append(bool(rows["bad_amax"][j - 1]) if j else False)
+        out["prev_scale_inv"].append(si[j - 1] if j else float("nan"))
+        out["si_old"].append(si[j - min(j, K)])
+        out["si_max"].append(fmax(si[max(0, j - K):j + 1]))
+        out["n_si"].append(int(np.sum(~np.isnan(si[max(0, j - K):j + 1]))))
+        out["max_jump"].append(fmax([si[i] / si[i - 1] for i in range(max(1, j - K + 1), j + 1)]))
+        out["n_sat"].append(int(np.sum(rows["sat_hit"][max(0, j - R + 1):j + 1] != 0)))
+        out["n_rate"].append(min(j + 1, R))
+    return out
+
+
+def _window_inputs(counts, rng) -> tuple[np.ndarray, dict]:
+    key = np.repeat(np.arange(len(counts)) * 3, counts)
+    n = len(key)
+    amax, si = rng.lognormal(size=n), rng.lognormal(size=n)
+    amax[rng.random(n) < 0.1] = np.nan
+    si[rng.random(n) < 0.1] = np.nan
+    return key, {"amax_f": amax, "scale_inv_f": si, "sat_hit": (rng.random(n) < 0.3).astype(np.int64),
+                 "bad_amax": rng.random(n) < 0.1}
+
+
+CFG_SMALL = DetectConfig(spike_window=7, collapse_window=4, sat_rate_window=5)
+
+
+@pytest.mark.parametrize("counts", [[30, 30, 30], [1, 40, 3, 0, 12], [9]], ids=["same-rows", "ragged", "one"])
+def test_window_features_match_their_definitions(counts):
+    rng = np.random.default_rng(len(counts))
+    counts = [c for c in counts if c]
+    key, cols = _window_inputs(counts, rng)
+    got = window_features_numpy(key, cols, CFG_SMALL)
+    start = 0
+    for c in counts:
+        ref = _window_reference({k: v[start:start + c] for k, v in cols.items()}, CFG_SMALL)
+        for name, want in ref.items():
+            assert np.array_equal(got[name][start:start + c], np.array(want, dtype=got[name].dtype), equal_nan=True), name
+        start += c
+
+
+@pytest.mark.parametrize("ragged", [False, True])
+def test_window_carry_over_slices_equals_one_pass(ragged):
+    """Rows fed slice by slice (each tensor's rows in step order, tensors appearing late or skipping slices)."""
+    rng = np.random.default_rng(7)
+    steps, tensors = 60, 5
+    logged = rng.random((steps, tensors)) < 0.7 if ragged else np.ones((steps, tensors), bool)
+    step, key = np.nonzero(logged)  # step-major rows
+    _, cols = _window_inputs([len(key)], rng)
+    order = np.lexsort((step, key))
+    one = window_features_numpy(key[order], {k: v[order] for k, v in cols.items()}, CFG_SMALL)
+    carry, parts = WindowCarry(CFG_SMALL), []
+    for lo in range(0, steps, 9):
+        rows = np.flatnonzero((step >= lo) & (step < lo + 9))
+        rows = rows[np.lexsort((step[rows], key[rows]))]
+        part = carry.features(key[rows], {k: v[rows] for k, v in cols.items()})
+        parts.append(pd.DataFrame(part).assign(_row=rows))
+    sliced = pd.concat(parts).set_index("_row").loc[order].reset_index(drop=True)
+    pd.testing.assert_frame_equal(sliced, pd.DataFrame(one), check_dtype=True)
 
 
 @pytest.mark.parametrize("n", [0, 1, 5, 63, 64, 100, 1000])
