@@ -465,10 +465,10 @@ amax_values = st.one_of(
 
 
 @settings(max_examples=150, deadline=None)
-@given(amaxes=st.lists(amax_values, min_size=1, max_size=30), hist=st.integers(1, 5),
+@given(amaxes=st.lists(amax_values, min_size=1, max_size=80), hist=st.integers(1, 40),
        margin=st.sampled_from([0, 1, 3, 0.5]), algo=st.sampled_from(["max", "most_recent"]),
-       current=st.booleans(), fmt=st.sampled_from([E4M3, E5M2]), record=st.lists(st.booleans(), min_size=30,
-                                                                                   max_size=30))
+       current=st.booleans(), fmt=st.sampled_from([E4M3, E5M2]), record=st.lists(st.booleans(), min_size=80,
+                                                                                   max_size=80))
 def test_host_and_tensor_modes_agree_bit_for_bit(amaxes, hist, margin, algo, current, fmt, record):
     recipe = CurrentScaling(margin=margin) if current else DelayedScaling(amax_history_len=hist, margin=margin,
                                                                             amax_compute_algo=algo)

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from fp8scope.capture.stats import CHEAP_FIELDS, cheap_vector, full_stats
+from fp8scope.capture.stats import CHEAP_FIELDS, cheap_row, cheap_vector, full_row
 from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
 
@@ -144,9 +144,9 @@ class StepCollector:
         derive the scale); cheap steps then cost no pass over the tensor at all."""
         kid = self._key(layer, role, source, fmt, tuple(x.shape))
         if self.full:
-            vec = full_stats(x, scale, scale_inv, expected_amax, fmt, deq=deq, amax=amax)
+            vec = full_row(x, scale, scale_inv, expected_amax, fmt, deq=deq, amax=amax)
         else:
-            vec = cheap_vector(x, scale, scale_inv, expected_amax, amax=amax)
+            vec = cheap_row(x, scale, scale_inv, expected_amax, amax=amax)
         self._append(role, vec, kid, x.numel())
 
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
@@ -187,8 +187,14 @@ class StepCollector:
             else:
                 host_scalars[name] = float(value)
         parts = tensor_scalars
-        if vecs:  # one stack for all rows: a handful of device ops per step, not per tensor
-            device = vecs[0].device
+        first = next((v for v in vecs if isinstance(v, torch.Tensor)), None)
+        if vecs and first is None:
+            # every row computed on the host (CPU kernel, host scaling states): one tensor, one call
+            parts = [torch.tensor(vecs, dtype=torch.float64).reshape(-1)] + tensor_scalars
+        elif vecs:  # one stack for all rows: a handful of device ops per step, not per tensor
+            vecs = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=first.dtype, device=first.device)
+                    for v in vecs]
+            device = first.device
             if any(v.device != device for v in vecs):
                 vecs = [v.to(device, non_blocking=True) for v in vecs]
             parts = [torch.stack(vecs).reshape(-1)] + tensor_scalars

@@ -189,10 +189,10 @@ def _f32_buffer(v: torch.Tensor | float) -> torch.Tensor:
     return torch.tensor(float(v), dtype=torch.float32)
 
 
-def _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax) -> torch.Tensor | None:
-    """``full_stats`` by the one-pass CPU kernel, or None where it does not apply (another device,
-    dtype or scale layout; kernel unavailable or still building). The result is built on the
-    host in one allocation: on CPU the small torch ops of the generic path cost more than the pass."""
+def _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax) -> list[float] | None:
+    """``full_stats`` by the one-pass CPU kernel as a list of floats, or None where it does not
+    apply (another device, dtype or scale layout; kernel unavailable or still building). Plain
+    floats: on CPU the small torch ops of the generic path cost more than the pass itself."""
     if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or x.numel() == 0:
         return None
     lib = native.kernel(wait=False)
@@ -234,7 +234,7 @@ def _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax) -> torch.Te
     vals[_F_SCALE] = _host_scalar(scale, "min")
     vals[_F_SCALE_INV] = _host_scalar(scale_inv, "max")
     vals[_F_EXPECTED] = _host_scalar(expected_amax, "max")
-    return torch.tensor(vals, dtype=torch.float64)
+    return vals
 
 
 (_F_AMAX, _F_MIN_NZ, _F_NUMEL, _F_ZEROS, _F_NONFINITE, _F_OVERFLOW, _F_UNDERFLOW, _F_SATURATED, _F_SQ_ERR,
@@ -267,7 +267,7 @@ def full_stats(
     """
     fast = _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax)
     if fast is not None:
-        return fast
+        return torch.tensor(fast, dtype=torch.float64)
     out = cheap_stats(x, scale, scale_inv, expected_amax, amax=amax)
     x = x.detach()
     n = x.numel()
@@ -326,6 +326,21 @@ def full_stats(
         torch.clamp(a, min=0, out=t).sign_().neg_().add_(1.0).mul_(_FLT_MAX).add_(a)
         min_nz = torch.minimum(min_nz, t.amin())
     return _finish(out, n, acc, min_nz)
+
+
+def full_row(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, amax=None) -> list[float] | torch.Tensor:
+    """:func:`full_stats` for the collector: a plain list of floats where the CPU kernel computed
+    it (the step's rows then become one tensor in one call), else the device tensor."""
+    fast = _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax)
+    return fast if fast is not None else full_stats(x, scale, scale_inv, expected_amax, fmt, deq=deq, amax=amax)
+
+
+def cheap_row(x, scale, scale_inv, expected_amax, amax=None) -> tuple[float, ...] | torch.Tensor:
+    """:func:`cheap_vector` for the collector: a tuple when every value is already a host float
+    (scaling states on the CPU), else the device vector."""
+    if type(amax) is float and type(scale) is float and type(scale_inv) is float and type(expected_amax) is float:
+        return (amax, scale, scale_inv, expected_amax)
+    return cheap_vector(x, scale, scale_inv, expected_amax, amax=amax)
 
 
 def _finish(out: torch.Tensor, n: int, acc: torch.Tensor, min_nz: torch.Tensor) -> torch.Tensor:

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import math
 import struct
+from collections import deque
 from typing import NamedTuple
 
 import torch
@@ -117,8 +118,10 @@ class ScalingState:
     # ---- state -------------------------------------------------------------------------
     def _init_tensors(self, device: torch.device) -> None:
         n = self.recipe.amax_history_len if self.delayed else 1
-        # host mode: the same state as float32 values in Python floats
-        self._h = [0.0] * n
+        # host mode: the same state as float32 values in Python floats. The history is a ring
+        # (h[i] = _ring[(_head + i) % n]) and "max" keeps a monotonic deque of the recorded amaxes
+        # in the window, so an update costs O(1) instead of O(amax_history_len) (TE's default 1024)
+        self._set_host_history([0.0] * n)
         self._s, self._si, self._e, self._k = 1.0, 1.0, self.scaled_max, False
         self._scales_cache: Scales | None = None
         self._la = 0.0
@@ -151,14 +154,14 @@ class ScalingState:
     def _sync_tensors(self) -> None:
         """Host floats -> the tensor fields (when leaving host mode or when asked for tensors)."""
         f32 = dict(dtype=torch.float32, device=self._device)
-        self._history = torch.tensor(self._h, **f32)
+        self._history = torch.tensor(self._host_history(), **f32)
         self._scale = torch.tensor(self._s, **f32)
         self._scale_inv = torch.tensor(self._si, **f32)
         self._expected = torch.tensor(self._e, **f32)
         self._kept = torch.tensor(self._k, device=self._device)
 
     def _sync_floats(self, history_cpu: torch.Tensor) -> None:
-        self._h = [float(v) for v in history_cpu.tolist()]
+        self._set_host_history([float(v) for v in history_cpu.tolist()])
         self._s, self._si = float(self._scale), float(self._scale_inv)
         self._e, self._k = float(self._expected), bool(self._kept)
         self._scales_cache = None
@@ -174,7 +177,7 @@ class ScalingState:
     def amax_history(self) -> torch.Tensor:
         """Copy of the history, shape [amax_history_len], row 0 = most recent amax."""
         if self._host:
-            return torch.tensor(self._h, dtype=torch.float32)
+            return torch.tensor(self._host_history(), dtype=torch.float32)
         return self._history.clone()
 
     @property
@@ -253,19 +256,43 @@ class ScalingState:
         sf = _f32(self.scaled_max / amax)
         return (_FP32_MAX if math.isinf(sf) else sf), True
 
+    def _set_host_history(self, h: list[float]) -> None:
+        """Host history from ``h`` (row 0 = the current slot): the ring, and the deque holding the
+        recorded amaxes h[1], ..., h[n-1] (oldest first) that can still be the window's max."""
+        self._ring, self._head, self._seq = list(h), 0, 0
+        self._window: deque[tuple[int, float]] = deque()
+        for v in h[1:]:
+            self._push_recorded(v)
+
+    def _host_history(self) -> list[float]:
+        n = len(self._ring)
+        return [self._ring[(self._head + i) % n] for i in range(n)]
+
+    def _push_recorded(self, v: float) -> None:
+        """``v`` enters the history window (TE's roll); NaN takes a slot but never wins the max."""
+        self._seq += 1
+        win = self._window
+        if v == v:
+            while win and win[-1][1] <= v:
+                win.pop()
+            win.append((self._seq, v))
+        while win and win[0][0] <= self._seq - len(self._ring):
+            win.popleft()
+
     def _host_update(self) -> None:
         """:meth:`update` on host floats, step for step the same as the tensor code above."""
-        h = self._h
-        last = h[0]
+        n = len(self._ring)
+        last = self._ring[self._head]
         roll = last != 0  # NaN != 0 is true
+        if roll:
+            self._push_recorded(last)  # the window is now the last n recorded amaxes, `last` included
+            self._head = (self._head + 1) % n  # roll(h, -1): row 1 becomes row 0 ...
+            self._ring[self._head] = 0.0  # ... and is cleared: the oldest amax falls off
         if self.recipe.amax_compute_algo == "max":
-            amax = max([0.0] + [v for v in h if v == v]) if roll else 0.0
+            # fmaxf from 0: NaN ignored; no roll, no amax
+            amax = max(0.0, self._window[0][1]) if (roll and self._window) else 0.0
         else:
             amax = last
-        if roll:
-            rolled = h[1:] + h[:1]
-            rolled[0] = 0.0
-            self._h = rolled
         scale, valid = self._host_scale_from_amax(amax, self._s)
         self._s = scale
         self._si = _f32(1.0 / scale)
@@ -305,6 +332,7 @@ class ScalingState:
             self._pending = True
         return out
 
+
     def latest(self) -> tuple:
         """``(amax, scale, scale_inv, expected_amax)`` of the latest :meth:`begin`: Python floats in
         host mode, 0-d tensors otherwise (a tap reporting what the layer just used)."""
@@ -336,7 +364,7 @@ class ScalingState:
             return
         self.update()
         if record:
-            self._h[0] = a
+            self._ring[self._head] = a
             self._pending = True
 
     def __repr__(self) -> str:
