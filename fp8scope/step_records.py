@@ -63,13 +63,35 @@ def _float_col(values: np.ndarray) -> pa.Array:
     return pa.array(values, type=pa.float64(), from_pandas=True)
 
 
+def _identity_columns(kids: np.ndarray, keys: Sequence[TensorKey], cache: dict | None) -> dict[str, pa.Array]:
+    """layer / tensor / source / fp8_format / fp8_max for these rows. A training loop logs the same
+    tensors in the same order step after step, so a writer passes a ``cache`` and the arrays are
+    built once per distinct row list instead of once per step."""
+    sig = kids.tobytes() if cache is not None else None
+    if sig is not None and sig in cache:
+        return cache[sig]
+    ks = [keys[k] for k in kids]
+    cols = {
+        "layer": pa.array([k.layer for k in ks], type=pa.string()),
+        "tensor": pa.array([k.role for k in ks], type=pa.string()),
+        "source": pa.array([k.source for k in ks], type=pa.string()),
+        "fp8_format": pa.array([k.fmt for k in ks], type=pa.string()),
+        "fp8_max": pa.array(np.array([k.fp8_max for k in ks], dtype=np.float64)),
+    }
+    if sig is not None:
+        if len(cache) >= 32:  # bounded: a loop whose row list keeps changing only rebuilds
+            cache.clear()
+        cache[sig] = cols
+    return cols
+
+
 def tensor_batch(
-    step: int, rank: int, matrix: np.ndarray, key_ids: Sequence[int], keys: Sequence[TensorKey], full: bool
+    step: int, rank: int, matrix: np.ndarray, key_ids: Sequence[int], keys: Sequence[TensorKey], full: bool,
+    cache: dict | None = None,
 ) -> pa.RecordBatch:
-    """One record batch: a row per tensor captured in ``step``."""
+    """One record batch: a row per tensor captured in ``step`` (``cache``: see ``_identity_columns``)."""
     m, kids, order, calls = merge_rows(matrix, key_ids)
     n = len(kids)
-    ks = [keys[k] for k in kids]
     f = {name: m[:, i] for name, i in FIELD_INDEX.items()}
     finite_n = f["numel"] - np.nan_to_num(f["nonfinite"], nan=0.0)
     with np.errstate(divide="ignore", invalid="ignore"):
@@ -79,11 +101,8 @@ def tensor_batch(
     cols = {
         "step": pa.array(np.full(n, step, dtype=np.int64)),
         "rank": pa.array(np.full(n, rank, dtype=np.int32)),
-        "layer": pa.array([k.layer for k in ks], type=pa.string()),
-        "tensor": pa.array([k.role for k in ks], type=pa.string()),
+        **_identity_columns(kids, keys, cache),
         "order": pa.array(order, type=pa.int32()),
-        "source": pa.array([k.source for k in ks], type=pa.string()),
-        "fp8_format": pa.array([k.fmt for k in ks], type=pa.string()),
         "full": pa.array(np.full(n, full, dtype=bool)),
         "calls": pa.array(calls, type=pa.int32()),
         "amax": _float_col(f["amax"]),
@@ -91,7 +110,6 @@ def tensor_batch(
         "scale": _float_col(f["scale"]),
         "scale_inv": _float_col(f["scale_inv"]),
         "expected_amax": _float_col(f["expected_amax"]),
-        "fp8_max": pa.array(np.array([k.fp8_max for k in ks], dtype=np.float64)),
         "numel": _int_col(f["numel"]),
         **{name: _int_col(f[name]) for name in _COUNT_FIELDS if name != "numel"},
         "qerr_mse": _float_col(mse),

@@ -49,6 +49,7 @@ class BackgroundWriter:
         self.suspicious_step: int | None = None  # last cheap step that showed clipping or non-finite amax
         self._last_check = time.monotonic()
         self.dropped = 0
+        self._identity_cache: dict = {}  # step_records.tensor_batch's per-row-list string columns
         self._thread = threading.Thread(target=self._run, name="fp8scope-writer", daemon=True)
         self._thread.start()
 
@@ -156,7 +157,8 @@ class BackgroundWriter:
         matrix, tail = stats_matrix(payload)
         tensors = None
         if payload.n_rows:
-            tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, payload.full)
+            tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, payload.full,
+                                   cache=self._identity_cache)
             self._writer.write("tensors", tensors)
             if not payload.full and self._suspicious(tensors):
                 self.suspicious_step = payload.step

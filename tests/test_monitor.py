@@ -198,3 +198,21 @@ def test_a_clipped_cheap_step_triggers_full_stats_on_the_next_steps(mlp, tmp_pat
     assert sorted(df[df.full].step.unique()) == [0, 6, 7]  # step 0 by `every`, 6-7 after the spike at 5
     up = df[(df.layer == "up") & (df.tensor == "activation")].set_index("step")
     assert up.loc[5, "amax"] > up.loc[5, "fp8_max"] * up.loc[5, "scale_inv"]
+
+
+def test_tensor_batch_identity_cache_gives_the_same_rows():
+    """The writer caches the string columns per row list; a changed row list must not reuse them."""
+    import numpy as np
+
+    from fp8scope.capture.collector import TensorKey
+    from fp8scope.schema import N_FIELDS
+    from fp8scope.step_records import tensor_batch
+
+    keys = [TensorKey(f"l{i}", ("activation", "weight", "gradient")[i % 3], "emulated", "e4m3", 448.0, (4, 4))
+            for i in range(6)]
+    m = np.random.default_rng(0).random((6, N_FIELDS))
+    cache: dict = {}
+    for kids in ([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], [5, 3, 1], [0, 1, 2, 3, 4, 5], [2, 2, 4]):
+        rows = m[: len(kids)]
+        assert tensor_batch(7, 0, rows, kids, keys, True, cache=cache).equals(tensor_batch(7, 0, rows, kids, keys, True))
+    assert len(cache) == 3
