@@ -40,13 +40,14 @@ def writer(rank: int, run: str, duration: float, step_ms: float, n_tensors: int,
     rng = np.random.default_rng(rank)
     w = RunWriter(run, rank)
     samples = []
+    cache: dict = {}
     t_end = time.time() + duration
     step = 0
     next_tick = time.perf_counter()
     while time.time() < t_end:
         m = rng.random((n_tensors, N_FIELDS)) * 100
         t0 = time.perf_counter()
-        tb = tensor_batch(step, rank, m, list(range(n_tensors)), keys, True)
+        tb = tensor_batch(step, rank, m, list(range(n_tensors)), keys, True, cache=cache)  # as the monitor's writer
         w.write("tensors", tb)
         w.write("scalars", scalar_batch(step, rank, ["loss", "lr"], [float(m[0, 0]), 1e-3], time.time()))
         dt = time.perf_counter() - t0
