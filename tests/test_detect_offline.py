@@ -8,7 +8,6 @@ has something to carry across slice boundaries.
 
 from __future__ import annotations
 
-import os
 import time
 
 import numpy as np
@@ -257,26 +256,3 @@ def test_distinct_rows_counts_tensors_across_repeated_and_changing_steps():
     t = pa.Table.from_batches([batch(p) for p in steps])
     assert _distinct_rows(t, ["layer", "tensor"]) == 3
     assert _distinct_rows(t.combine_chunks(), ["layer", "tensor"]) == 3
-
-
-@pytest.mark.skipif(not hasattr(os, "posix_fadvise"), reason="no posix_fadvise on this OS")
-def test_reader_reads_new_stream_bytes_ahead_and_ignores_refusals(tmp_path, monkeypatch):
-    """The new bytes of a stream (over PREFETCH_MIN) are announced to the kernel before they are read; a
-    file system that refuses the hint changes nothing."""
-    from fp8scope.store import reader
-
-    write_run(tmp_path, steps=200, ranks=(0,), restart_at=None)
-    calls = []
-    monkeypatch.setattr(reader, "PREFETCH_MIN", 1 << 16)
-    monkeypatch.setattr(os, "posix_fadvise", lambda fd, start, n, advice: calls.append((start, n, advice)))
-    tail = reader.StreamTail(tmp_path / "streams" / "tensors-r00000-s0000.arrows")
-    n_rows = sum(b.num_rows for b in tail.read_new())
-    size = os.path.getsize(tail.path)
-    assert calls == [(0, size, os.POSIX_FADV_WILLNEED)]
-
-    def refuse(*a):
-        raise OSError(22, "not supported here")
-
-    monkeypatch.setattr(os, "posix_fadvise", refuse)
-    again = reader.StreamTail(tail.path)
-    assert sum(b.num_rows for b in again.read_new()) == n_rows
