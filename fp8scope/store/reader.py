@@ -129,30 +129,6 @@ def _map(path: Path) -> pa.Buffer | None:
         return mm.read_buffer(size)
 
 
-PREFETCH_MIN = 1 << 20  # bytes; a smaller new tail is read in a fault or two anyway
-
-
-def _prefetch(path: Path, start: int, length: int) -> None:
-    """Ask the kernel to read ``length`` bytes of the file from ``start`` ahead, asynchronously.
-
-    The bytes are then read through the memory map, header by header and buffer by buffer: with the
-    file out of the page cache each first touch is a small synchronous read. On the benchmark VM a
-    900 MB stream took 30 s to read that way and 3 s read ahead (``fp8scope report`` of a run whose
-    streams had been evicted: 33.6 s -> 5.0 s). Only a hint: skipped where the OS lacks it."""
-    if length < PREFETCH_MIN or not hasattr(os, "posix_fadvise"):
-        return
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.posix_fadvise(fd, start, length, os.POSIX_FADV_WILLNEED)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
-
-
 def _schema_for_name(path: Path) -> pa.Schema | None:
     parsed = parse_stream_name(Path(path).name)
     return TABLE_SCHEMAS.get(parsed[0]) if parsed else None
@@ -209,7 +185,6 @@ class StreamTail:
         buf = _map(self.path)
         if buf is None or len(buf) <= self.offset:
             return []
-        _prefetch(self.path, self.offset, len(buf) - self.offset)
         try:
             spans, end, eos = scan_messages(buf, self.offset)
         except _Garbage as e:
