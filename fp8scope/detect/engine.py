@@ -5,7 +5,7 @@ through a permutation and numpy computes the row features, the layer-kind featur
 features (sliding max and running counts, each tensor's last window rows carried over from the
 previous slice) and every rule's predicate (:mod:`fp8scope.detect.rules`); only the rows that fire
 become python dicts, where the one-line messages are written. A 10,000-step x 500-tensor run
-(5M rows) takes ~2.5 s in ~0.4 GiB.
+(5M rows) takes ~2 s in ~0.4 GiB.
 
 The rule predicates, the event construction (:func:`emit_row_events`, :func:`nan_events`) and the
 scalar rules (:class:`ScalarState`) are shared with the online detector, which evaluates the
