@@ -226,7 +226,7 @@ def events_batch(df: pd.DataFrame) -> pa.RecordBatch:
 
 
 # ---- offline -------------------------------------------------------------------------------
-CHUNK_ROWS = 1 << 18  # rows per pass of the window features (bounds memory; whole tensors per chunk)
+CHUNK_ROWS = 1 << 18  # rows per slice of the offline pass (whole steps): bounds its memory
 
 
 @contextlib.contextmanager
