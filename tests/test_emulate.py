@@ -493,3 +493,20 @@ def test_scale_is_a_true_float32_division():
         got = torch.tensor([st_.begin(a.reshape(1)).scale.item() for a in amaxes])
         want = torch.from_numpy(np.float32(448.0) / amaxes.numpy())
         assert bool((got == want).all()), (host, int((got != want).sum()))
+
+
+@settings(max_examples=60, deadline=None)
+@given(amaxes=st.lists(amax_values, min_size=1, max_size=40), hist=st.integers(1, 8),
+       algo=st.sampled_from(["max", "most_recent"]))
+def test_deferred_begin_equals_begin(amaxes, hist, algo):
+    """begin_deferred + record_amax (what-if full steps: one pass over the tensor) is begin(x)."""
+    recipe = DelayedScaling(amax_history_len=hist, amax_compute_algo=algo)
+    a, b = ScalingState(recipe, E4M3, host=True), ScalingState(recipe, E4M3, host=True)
+    assert a.defers_amax and not ScalingState(recipe, E4M3, host=False).defers_amax
+    for v in amaxes:
+        x = torch.tensor([v], dtype=torch.float32)
+        want = [t.item() for t in a.begin(x)]
+        got = list(b.begin_deferred())
+        b.record_amax(x.item())  # the float32 value, as a measuring pass returns it
+        assert same(got, want)
+        assert same(a.amax_history.tolist(), b.amax_history.tolist())

@@ -212,3 +212,27 @@ def test_no_compiler_falls_back_to_torch_with_one_warning(tmp_path):
     off = subprocess.run([sys.executable, "-c", "from fp8scope import native; print(native.status())"],
                          cwd=ROOT, capture_output=True, text=True, env={**os.environ, "FP8SCOPE_NATIVE": "0"})
     assert off.stdout.strip() == "off (FP8SCOPE_NATIVE=0)"
+
+
+def test_whatif_full_steps_measure_the_amax_once_and_log_what_cheap_steps_log(lib, tmp_path):
+    """Plain layers under delayed scaling: on full steps the state records the amax the full-stats
+    pass measured. The scales and amaxes logged must be those of cheap steps (and of the torch path)."""
+    from tests.conftest import MLP
+
+    cols = ["step", "layer", "tensor", "amax", "scale", "scale_inv", "expected_amax"]
+    tables = {}
+    for name, every, on in (("full", 1, True), ("cheap", 10**9, True), ("torch", 1, False)):
+        old = native.set_enabled(on)
+        try:
+            torch.manual_seed(0)
+            model = MLP()
+            with fp8scope.Monitor(model, tmp_path / name, every=every, detect=False,
+                                  recipe=DelayedScaling(amax_history_len=3)) as mon:
+                train(model, mon, 8)
+        finally:
+            native.set_enabled(old)
+        t = fp8scope.load_run(tmp_path / name).tensors()
+        tables[name] = t[cols].sort_values(cols[:3]).reset_index(drop=True)
+    assert len(tables["full"]) == 8 * 9
+    assert tables["full"].equals(tables["cheap"])
+    assert tables["full"].equals(tables["torch"])

@@ -34,6 +34,9 @@ def _in_backward() -> bool:
         return False
 
 
+_AMAX = FIELD_INDEX["amax"]
+
+
 @dataclass(frozen=True)
 class TensorKey:
     """Identity of one monitored tensor; its row in the store carries these strings."""
@@ -137,17 +140,20 @@ class StepCollector:
         self.active = False
 
     # ---- called from hooks ------------------------------------------------------------
-    def record(self, layer, role, source, fmt, x, scale, scale_inv, expected_amax, deq=None, amax=None) -> None:
+    def record(self, layer, role, source, fmt, x, scale, scale_inv, expected_amax, deq=None, amax=None) -> float | None:
         """One capture; the adapter has already checked ``wants(role)``.
 
         ``amax``: the tensor's amax when the adapter already has it (a recipe computed it to
-        derive the scale); cheap steps then cost no pass over the tensor at all."""
+        derive the scale); cheap steps then cost no pass over the tensor at all. Returns the amax
+        that full stats measured on the host (NaN-propagating), else None: a what-if state can
+        record it instead of reading the tensor a second time."""
         kid = self._key(layer, role, source, fmt, tuple(x.shape))
         if self.full:
             vec = full_row(x, scale, scale_inv, expected_amax, fmt, deq=deq, amax=amax)
         else:
             vec = cheap_row(x, scale, scale_inv, expected_amax, amax=amax)
         self._append(role, vec, kid, x.numel())
+        return vec[_AMAX] if type(vec) is list else None
 
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
         """A row from an amax someone else computed (e.g. TE's amax history), no tensor at hand."""

@@ -52,7 +52,9 @@ class Sink(Protocol):
         expected_amax: Any,
         deq: torch.Tensor | None = None,
         amax: torch.Tensor | None = None,
-    ) -> None: ...
+    ) -> float | None: ...
+
+    full: bool  # this step takes full stats
 
 
 Handle = Callable[[], None]  # undoes one attachment
@@ -138,7 +140,7 @@ class WhatIfSource:
 
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
-        from fp8scope.emulate import ScalingState
+        from fp8scope.emulate import ScalingState, tensor_amax
 
         fwd_fmt = recipe_format(recipe.fp8_format, "forward")
         bwd_fmt = recipe_format(recipe.fp8_format, "backward")
@@ -148,7 +150,15 @@ class WhatIfSource:
             state = states.get(role)
             if state is None:
                 state = states[role] = ScalingState(recipe, fmt, device=x.device)
-            amax, scale, scale_inv, expected = state.begin_values(x.detach(), record=True)
+            x = x.detach()
+            if sink.full and state.defers_amax:
+                # delayed scaling on the CPU: the scales do not depend on this tensor, so full stats
+                # measure its amax in their single pass and the state records that one
+                scale, scale_inv, expected = state.begin_deferred()
+                measured = sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
+                state.record_amax(measured if measured is not None else tensor_amax(x).item())
+                return
+            amax, scale, scale_inv, expected = state.begin_values(x, record=True)
             sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected, amax=amax)
 
         def pre_hook(mod, args):

@@ -340,6 +340,26 @@ class ScalingState:
             return self._la, self._s, self._si, self._e
         return self._last_amax, self._scale, self._scale_inv, self._expected
 
+    @property
+    def defers_amax(self) -> bool:
+        """True when :meth:`begin_deferred` applies: delayed scaling kept in host floats."""
+        return self._host and self.delayed
+
+    def begin_deferred(self) -> tuple[float, float, float]:
+        """``begin(x, record=True)`` in two halves, for a caller that reads ``x`` anyway: this applies
+        the pending update and returns ``(scale, scale_inv, expected_amax)`` (delayed scaling's scales
+        do not depend on ``x``); :meth:`record_amax` then records ``x``'s amax. Host mode only."""
+        if not self.defers_amax:
+            raise RuntimeError("begin_deferred needs delayed scaling in host mode (see defers_amax)")
+        self.update()
+        return self._s, self._si, self._e
+
+    def record_amax(self, amax: float) -> None:
+        """Second half of :meth:`begin_deferred`: ``amax`` (NaN-propagating) of the tensor just scaled."""
+        self._la, self._last_amax = float(amax), None
+        self._ring[self._head] = float(amax)
+        self._pending = True
+
     def begin_values(self, x: torch.Tensor, record: bool = True) -> tuple:
         """:meth:`begin` returning ``(amax, scale, scale_inv, expected_amax)``: Python floats in
         host mode (no tensor made at all: what the what-if monitor needs per tensor), 0-d tensors
