@@ -20,14 +20,13 @@ from __future__ import annotations
 
 import ctypes
 import math
-import struct
 import threading
 from functools import lru_cache
 
 import torch
 
 from fp8scope import native
-from fp8scope.emulate.scaling import tensor_amax  # the one amax definition (NaN-propagating)
+from fp8scope.emulate.scaling import round_f32, tensor_amax  # the one amax definition (NaN-propagating)
 from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
 
@@ -90,9 +89,6 @@ def cheap_vector(
     When the recipe already computed ``amax`` (our emulated layers, what-if states) this costs
     no pass over ``x`` at all; otherwise one fused min/max pass."""
     dev = x.device
-    if type(amax) is float and type(scale) is float and type(scale_inv) is float and type(expected_amax) is float:
-        # host floats (what-if states on the CPU): one small tensor, no per-field ops
-        return torch.tensor([amax, scale, scale_inv, expected_amax], dtype=torch.float32, device=dev)
     a = tensor_amax(x) if amax is None else _scalar32(amax, dev, "max")
     return torch.stack([a, _scalar32(scale, dev, "min"), _scalar32(scale_inv, dev, "max"),
                         _scalar32(expected_amax, dev, "max")])
@@ -155,9 +151,6 @@ def _row_chunks(x: torch.Tensor, scale: torch.Tensor, inv: torch.Tensor):
         yield x[r:r + step], part(scale, r), part(inv, r)
 
 
-_KERNEL_DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-
-
 def _per_row(t: torch.Tensor, x: torch.Tensor) -> int | None:
     """1 for a single scale, the row count for one scale per row of ``x``, None otherwise."""
     if t.numel() == 1:
@@ -175,10 +168,7 @@ def _host_scalar(v: torch.Tensor | float, reduce: str) -> float:
         if v.numel() > 1:
             v = v.detach().amin() if reduce == "min" else v.detach().amax()
         v = v.item()
-    return _F32.unpack(_F32.pack(v))[0] if math.isfinite(v) and abs(v) <= _FLT_MAX else float(v)
-
-
-_F32 = struct.Struct("f")
+    return round_f32(float(v))
 
 
 def _f32_buffer(v: torch.Tensor | float) -> torch.Tensor:
@@ -193,7 +183,8 @@ def _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax) -> list[flo
     """``full_stats`` by the one-pass CPU kernel as a list of floats, or None where it does not
     apply (another device, dtype or scale layout; kernel unavailable or still building). Plain
     floats: on CPU the small torch ops of the generic path cost more than the pass itself."""
-    if x.device.type != "cpu" or x.dtype not in _KERNEL_DTYPES or x.numel() == 0:
+    code = native.dtype_code(x.dtype)
+    if x.device.type != "cpu" or code is None or x.numel() == 0:
         return None
     lib = native.kernel(wait=False)
     if lib is None:
@@ -215,7 +206,7 @@ def _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax) -> list[flo
     rows = max(n_scale, n_inv)
     n = xc.numel()
     res = (ctypes.c_double * 10)()
-    lib.fp8s_full_stats(xc.data_ptr(), _KERNEL_DTYPES[xc.dtype], rows, n // rows, s.data_ptr(), n_scale,
+    lib.fp8s_full_stats(xc.data_ptr(), code, rows, n // rows, s.data_ptr(), n_scale,
                         i.data_ptr(), n_inv, None if d is None else d.data_ptr(), fmt.max,
                         saturation_floor(fmt), fmt.underflow_threshold, _emin(fmt), fmt.mantissa_bits,
                         torch.get_num_threads(), res)

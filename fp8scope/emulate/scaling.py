@@ -54,7 +54,7 @@ _FP32_MAX = float(torch.finfo(torch.float32).max)
 _F32 = struct.Struct("f")
 
 
-def _f32(v: float) -> float:
+def round_f32(v: float) -> float:
     """``v`` rounded to float32 (to nearest, ties to even; past float32's range: +-inf)."""
     try:
         return _F32.unpack(_F32.pack(v))[0]
@@ -253,7 +253,7 @@ class ScalingState:
         valid = math.isfinite(amax) and amax > 0
         if not valid:
             return fallback, False
-        sf = _f32(self.scaled_max / amax)
+        sf = round_f32(self.scaled_max / amax)
         return (_FP32_MAX if math.isinf(sf) else sf), True
 
     def _set_host_history(self, h: list[float]) -> None:
@@ -295,7 +295,7 @@ class ScalingState:
             amax = last
         scale, valid = self._host_scale_from_amax(amax, self._s)
         self._s = scale
-        self._si = _f32(1.0 / scale)
+        self._si = round_f32(1.0 / scale)
         if valid:
             self._e = amax
         self._k = not valid
@@ -332,7 +332,6 @@ class ScalingState:
             self._pending = True
         return out
 
-
     def latest(self) -> tuple:
         """``(amax, scale, scale_inv, expected_amax)`` of the latest :meth:`begin`: Python floats in
         host mode, 0-d tensors otherwise (a tap reporting what the layer just used)."""
@@ -368,9 +367,9 @@ class ScalingState:
             self._to(x.device)
         if self._host:
             self._host_begin(x, record)
-            return self._la, self._s, self._si, self._e
-        s = self.begin(x, record)
-        return self._last_amax, s.scale, s.scale_inv, s.expected_amax
+        else:
+            self.begin(x, record)
+        return self.latest()
 
     def _host_begin(self, x: torch.Tensor, record: bool) -> None:
         a = native.amax(x.detach())  # one pass, no tensor made; None where the kernel does not apply
@@ -379,13 +378,12 @@ class ScalingState:
         self._la, self._last_amax = a, None
         if not self.delayed:
             scale, valid = self._host_scale_from_amax(a, 1.0)
-            self._s, self._si, self._e, self._k = scale, _f32(1.0 / scale), a, not valid
+            self._s, self._si, self._e, self._k = scale, round_f32(1.0 / scale), a, not valid
             self._scales_cache = None
             return
         self.update()
         if record:
-            self._ring[self._head] = a
-            self._pending = True
+            self.record_amax(a)
 
     def __repr__(self) -> str:
         return (

@@ -146,7 +146,17 @@ def kernel(wait: bool = True) -> ctypes.CDLL | None:
         return _state["lib"]
 
 
-_AMAX_DTYPES: dict = {}
+_DTYPE_CODES: dict = {}  # torch dtype -> the kernel's element type (F32, BF16, F16 in fused_stats.c)
+
+
+def dtype_code(dtype) -> int | None:
+    """The kernel's code for a torch dtype, None for a dtype it does not read
+    (torch is imported here, not at module import: readers never need it)."""
+    if not _DTYPE_CODES:
+        import torch
+
+        _DTYPE_CODES.update({torch.float32: 0, torch.bfloat16: 1, torch.float16: 2})
+    return _DTYPE_CODES.get(dtype)
 
 
 def amax(x) -> float | None:
@@ -155,11 +165,7 @@ def amax(x) -> float | None:
     lib = kernel(wait=False)
     if lib is None or x.device.type != "cpu" or not x.is_contiguous():
         return None
-    if not _AMAX_DTYPES:
-        import torch
-
-        _AMAX_DTYPES.update({torch.float32: 0, torch.bfloat16: 1, torch.float16: 2})
-    code = _AMAX_DTYPES.get(x.dtype)
+    code = dtype_code(x.dtype)
     if code is None:
         return None
     import torch

@@ -66,7 +66,7 @@ static inline float round_fp8(float v, int emin, int mbits) {
 /* One contiguous run of elements sharing one scale. `LOAD(i)` reads element i as float; `DEQ(i)` is the
  * dequantized value (given by the caller, or computed here). Written so gcc vectorizes the inner loop:
  * no branches (ternaries become blends), fminf avoided (its NaN rules block vectorization), and the
- * float reductions allowed to reassociate by the omp simd pragma (-fopenmp-simd, no OpenMP runtime). */
+ * float reductions allowed to reassociate by the omp simd pragma. */
 #define DEFINE_SEGMENT(NAME, ELEM, LOAD, DEQ)                                                         \
     static void NAME(job_t *j, int64_t a, int64_t b, float s, float iv) {                             \
         const ELEM *restrict x = (const ELEM *)j->x;                                                  \
