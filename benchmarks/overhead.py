@@ -104,7 +104,10 @@ def make_setups(fp8: str, tmp: str, size: dict):
     return out
 
 
-def time_interleaved(setups, rounds: int, block: int, warmup: int) -> dict[str, float]:
+def time_interleaved(setups, rounds: int, block: int, warmup: int) -> tuple[dict[str, float], dict[str, float]]:
+    """Median step time per configuration, and the paired ratio to ``plain``: the median over rounds
+    of (this configuration's block / plain's block in the same round). Adjacent blocks see the same
+    machine, so the paired ratio cancels the slow drifts of a shared VM that the medians keep."""
     per_step: dict[str, list[float]] = {k: [] for k in setups}
     step = {k: 0 for k in setups}
     for k, (s, m) in setups.items():  # warm-up: allocator, first-step costs
@@ -121,7 +124,9 @@ def time_interleaved(setups, rounds: int, block: int, warmup: int) -> dict[str, 
                 train.train_step(s, step[k], m)
                 step[k] += 1
             per_step[k].append((time.perf_counter() - t0) / block)
-    return {k: statistics.median(v) for k, v in per_step.items()}
+    medians = {k: statistics.median(v) for k, v in per_step.items()}
+    paired = {k: statistics.median(a / b for a, b in zip(v, per_step["plain"])) for k, v in per_step.items()}
+    return medians, paired
 
 
 def step_tensors(fp8: str, size: dict):
@@ -186,16 +191,17 @@ def main() -> int:
         for fp8, label in (("delayed", "tiny GPT, emulated FP8 (delayed scaling)"),
                            ("off", "tiny GPT, plain FP32, what-if stats")):
             setups = make_setups(fp8, tmp, size)
-            t = time_interleaved(setups, args.rounds, args.block, args.warmup)
+            t, pr = time_interleaved(setups, args.rounds, args.block, args.warmup)
             for _, m in setups.values():
                 if isinstance(m, fp8scope.Monitor):
                     m.close()
             n = len(fp8scope.load_run(os.path.join(tmp, f"{fp8}-full")).manifest["tensors"])
             print(f"\n{label}: {n} monitored tensors, median step time")
             print(f"  plain (no monitor)        {t['plain'] * 1e3:8.1f} ms")
-            print(f"  (a) default sampling      {t['default'] * 1e3:8.1f} ms   ratio {t['default'] / t['plain']:.3f}x")
-            print(f"  (b) full stats every step {t['full'] * 1e3:8.1f} ms   ratio {t['full'] / t['plain']:.3f}x")
-            print(f"  naive .item() hooks       {t['naive'] * 1e3:8.1f} ms   ratio {t['naive'] / t['plain']:.3f}x")
+            for k, label in (("default", "(a) default sampling"), ("full", "(b) full stats every step"),
+                             ("naive", "naive .item() hooks")):
+                print(f"  {label:25s} {t[k] * 1e3:8.1f} ms   ratio {t[k] / t['plain']:.3f}x"
+                      f"   paired {pr[k]:.3f}x")
             print(f"  ours full / naive         {t['full'] / t['naive']:.3f}x")
         tensors = step_tensors("delayed", size)
         st = time_stats(tensors, reps=3 if args.quick else 10)

@@ -2,7 +2,7 @@
 
     .venv/bin/python benchmarks/make_big_run.py            # once: /tmp/fp8scope-big (10k steps x 500 tensors)
     .venv/bin/python benchmarks/report_speed.py [--run /tmp/fp8scope-big] [--repeat 2] [--html]
-    .venv/bin/python benchmarks/report_speed.py --online RUN [--tile 16] [--steps 300]
+    .venv/bin/python benchmarks/report_speed.py --online RUN [--tile 16] [--steps 300] [--batch 10]
 
 ``--online RUN`` instead replays RUN's first ``--steps`` logged steps through ``OnlineDetector``
 (what the detection thread does per step) and prints CPU ms per step; ``--tile K`` repeats
@@ -38,7 +38,7 @@ def measure(cmd: list[str]) -> tuple[float, float, float, int]:
     return time.perf_counter() - t0, cpu, rss_kb / 1024, rc
 
 
-def online(run_dir: str, tile: int, n_steps: int) -> None:
+def online(run_dir: str, tile: int, n_steps: int, batch: int = 1) -> None:
     import logging
 
     import pyarrow as pa
@@ -67,10 +67,12 @@ def online(run_dir: str, tile: int, n_steps: int) -> None:
     for b in batches[:warm]:
         det(b[0], 0, b[1], b[2])
     c0, w0 = time.process_time(), time.perf_counter()
-    for b in batches[warm:]:
-        det(b[0], 0, b[1], b[2])
+    rest = [(b[0], 0, b[1], b[2]) for b in batches[warm:]]
+    for i in range(0, len(rest), batch):  # as the detection thread hands them over: `batch` steps per pass
+        det.process(rest[i:i + batch])
     n = len(batches) - warm
-    print(f"online: {batches[0][1].num_rows} tensors/step, {n} steps: {1e3 * (time.process_time() - c0) / n:.2f} ms CPU/step "
+    print(f"online, {batch} step(s) per pass: {batches[0][1].num_rows} tensors/step, {n} steps: "
+          f"{1e3 * (time.process_time() - c0) / n:.2f} ms CPU/step "
           f"({1e3 * (time.perf_counter() - w0) / n:.2f} ms wall), {len(det.events)} events")
 
 
@@ -82,9 +84,10 @@ def main(argv=None) -> int:
     p.add_argument("--online", metavar="RUN", help="time OnlineDetector per step replaying RUN instead")
     p.add_argument("--tile", type=int, default=1, help="--online: repeat each step's tensors K times")
     p.add_argument("--steps", type=int, default=300, help="--online: steps to replay")
+    p.add_argument("--batch", type=int, default=1, help="--online: steps per detection pass")
     args = p.parse_args(argv)
     if args.online:
-        online(args.online, args.tile, args.steps)
+        online(args.online, args.tile, args.steps, args.batch)
         return 0
     if not os.path.exists(os.path.join(args.run, "run.json")):
         print(f"no run at {args.run}; run benchmarks/make_big_run.py first", file=sys.stderr)

@@ -285,10 +285,10 @@ class Monitor:
             self.collector.step = self._step
             payload = self.collector.end_step(scalars)
             if self._writer is not None and self._writer.failed is None:
-                ticket = self._writer.submit(payload)
-                # CPU: wait for this step's write (cheap) so a returned step() is durable.
-                # CUDA: only for the previous one, to keep the GPU copy asynchronous.
-                self._writer.wait(ticket if payload.ready is None else ticket - 1, timeout=60)
+                if payload.ready is None:  # CPU: written before returning, so a returned step() is durable
+                    self._writer.write_now(payload)
+                else:  # CUDA: wait only for the previous step, to keep the GPU copy asynchronous
+                    self._writer.wait(self._writer.submit(payload) - 1, timeout=60)
                 if self._writer.suspicious_step is not None:  # clipping or NaN seen: look closer
                     self._writer.suspicious_step = None
                     self.collector.force_full = max(self.collector.force_full, self.full_on_anomaly)

@@ -14,6 +14,7 @@ import numpy as np
 import pyarrow as pa
 
 from fp8scope.capture.collector import TensorKey
+from fp8scope.capture.stats import CHEAP_FIELDS
 from fp8scope.schema import FIELD_INDEX, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
 
 _COUNT_FIELDS = ("numel", "zeros", "nonfinite", "overflow", "underflow", "saturated")
@@ -118,13 +119,69 @@ def tensor_batch(
     return pa.RecordBatch.from_arrays([cols[name] for name in TENSOR_SCHEMA.names], schema=TENSOR_SCHEMA)
 
 
-def scalar_batch(step: int, rank: int, names: Sequence[str], values: Sequence[float], wall_time: float) -> pa.RecordBatch:
+# cheap-step columns that only depend on the row list: built once per row list (see cheap_tensor_batch)
+_CHEAP_NULLS = ("min_nonzero", "zeros", "nonfinite", "overflow", "underflow", "saturated", "qerr_mse", "sqnr_db")
+
+
+def cheap_tensor_batch(
+    step: int, rank: int, rows: np.ndarray, key_ids: Sequence[int], numels: Sequence[int],
+    keys: Sequence[TensorKey], cache: dict,
+) -> pa.RecordBatch:
+    """:func:`tensor_batch` for a cheap step, from its narrow rows (one per capture, columns
+    ``CHEAP_FIELDS``: amax, scale, scale_inv, expected_amax).
+
+    A cheap step changes four float columns and the step number; everything else (identity,
+    order, numel, the null count columns) is the same as the last step with this row list, so
+    it is built once and reused. That keeps the writer's work per step (which ``Monitor.step``
+    waits for on CPU) to a handful of small arrays. Micro-batch merging takes the general path."""
+    kids = np.asarray(key_ids, dtype=np.int64)
+    numel = np.asarray(numels, dtype=np.float64)
+    sig = ("cheap", kids.tobytes(), numel.tobytes())
+    static = cache.get(sig)
+    if static is None:
+        if len(np.unique(kids)) != len(kids):  # several captures of one tensor: merge rules apply
+            matrix = np.full((len(kids), len(STAT_FIELDS)), np.nan)
+            for j, name in enumerate(CHEAP_FIELDS):
+                matrix[:, FIELD_INDEX[name]] = rows[:, j]
+            matrix[:, FIELD_INDEX["numel"]] = np.where(numel >= 0, numel, np.nan)
+            return tensor_batch(step, rank, matrix, key_ids, keys, False, cache=cache)
+        n = len(kids)
+        static = {
+            "rank": pa.array(np.full(n, rank, dtype=np.int32)),
+            **_identity_columns(kids, keys, cache),
+            "order": pa.array(np.arange(n, dtype=np.int32)),
+            "full": pa.array(np.zeros(n, dtype=bool)),
+            "calls": pa.array(np.ones(n, dtype=np.int32)),
+            "numel": _int_col(np.where(numel >= 0, numel, np.nan)),
+            **{name: pa.nulls(n, TENSOR_SCHEMA.field(name).type) for name in _CHEAP_NULLS},
+        }
+        if len(cache) >= 32:
+            cache.clear()
+        cache[sig] = static
+    cols_major = np.ascontiguousarray(rows.T)
+    cols = {**static, "step": pa.array(np.full(len(kids), step, dtype=np.int64))}
+    for j, name in enumerate(CHEAP_FIELDS):
+        cols[name] = _float_col(cols_major[j])
+    return pa.RecordBatch.from_arrays([cols[name] for name in TENSOR_SCHEMA.names], schema=TENSOR_SCHEMA)
+
+
+def scalar_batch(
+    step: int, rank: int, names: Sequence[str], values: Sequence[float], wall_time: float, cache: dict | None = None,
+) -> pa.RecordBatch:
+    """One record batch of a step's scalars (``cache``: a writer's dict, keeps the names column)."""
     n = len(names)
+    names_col = cache.get(tuple(names)) if cache is not None else None
+    if names_col is None:
+        names_col = pa.array(list(names), type=pa.string())
+        if cache is not None:
+            if len(cache) >= 32:
+                cache.clear()
+            cache[tuple(names)] = names_col
     return pa.RecordBatch.from_arrays(
         [
             pa.array(np.full(n, step, dtype=np.int64)),
             pa.array(np.full(n, rank, dtype=np.int32)),
-            pa.array(list(names), type=pa.string()),
+            names_col,
             pa.array(np.asarray(values, dtype=np.float64)),
             pa.array(np.full(n, wall_time, dtype=np.float64)),
         ],

@@ -6,6 +6,12 @@ rank's streams (flushed to the OS, so a SIGKILL after ``write`` returns loses no
 keeps the manifest's tensor list current, and runs any per-step listeners (online
 detection plugs in here). If anything fails (disk full, folder deleted, read-only), it
 warns once, stops logging, and keeps draining so training is never blocked.
+
+A CPU step is on the host already and ``Monitor.step`` must return only once it is
+durable, so waking this thread and waiting for it would add two thread hand-offs to a
+sub-millisecond append. :meth:`BackgroundWriter.write_now` appends such a step in the
+caller's thread when nothing is queued ahead of it, and queues only the rest (manifest
+update, listeners) for the thread: listeners still never run on the training thread.
 """
 
 from __future__ import annotations
@@ -19,8 +25,8 @@ from typing import Callable
 
 import pyarrow as pa
 
-from fp8scope.capture.collector import StepPayload, TensorKey, stats_matrix
-from fp8scope.step_records import scalar_batch, tensor_batch
+from fp8scope.capture.collector import StepPayload, TensorKey, cheap_rows, stats_matrix
+from fp8scope.step_records import cheap_tensor_batch, scalar_batch, tensor_batch
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
 Listener = Callable[[int, int, "pa.RecordBatch | None", pa.RecordBatch], "dict[str, pa.RecordBatch] | None"]
@@ -49,7 +55,10 @@ class BackgroundWriter:
         self.suspicious_step: int | None = None  # last cheap step that showed clipping or non-finite amax
         self._last_check = time.monotonic()
         self.dropped = 0
-        self._identity_cache: dict = {}  # step_records.tensor_batch's per-row-list string columns
+        self._identity_cache: dict = {}  # step_records: columns that only depend on the row list
+        self._scalar_names: dict = {}  # step_records.scalar_batch's names columns
+        self._io = threading.Lock()  # one user of the streams at a time: this thread or write_now's caller
+        self.inline = True  # write_now may append in the caller's thread (DistributedWriter: no)
         self._thread = threading.Thread(target=self._run, name="fp8scope-writer", daemon=True)
         self._thread.start()
 
@@ -57,6 +66,31 @@ class BackgroundWriter:
     def submit(self, payload: StepPayload) -> int:
         """Queue one step; returns a ticket for :meth:`wait`. Never blocks: a full queue drops the step."""
         return self._enqueue(payload, "steps")
+
+    def write_now(self, payload: StepPayload) -> bool:
+        """Append a host-ready step before returning (the CPU durability wait without a thread
+        hand-off); its manifest update and listeners go to the thread. When other work is queued
+        or running, the step is queued behind it and waited for instead. True if written."""
+        if self.failed:
+            return False
+        with self._cond:
+            self._submitted += 1
+            ticket = self._submitted
+        if self.inline and self._done == ticket - 1 and self._queue.empty() and self._io.acquire(blocking=False):
+            try:
+                if self._done == ticket - 1:  # still nothing ahead of this step
+                    done = None
+                    try:
+                        done = self._append_step(payload)
+                    except Exception as exc:
+                        self._fail(exc)
+                    self._mark_done(ticket)
+                    if done is not None:
+                        self._enqueue(("after", payload, *done), "listener calls")
+                    return done is not None
+            finally:
+                self._io.release()
+        return self._put(ticket, payload, "steps") and self.wait(ticket, timeout=60)
 
     def submit_table(self, table: str, batch: pa.RecordBatch) -> None:
         """Queue extra rows for another table (shadow results, events): written in order with the steps."""
@@ -68,14 +102,19 @@ class BackgroundWriter:
         with self._cond:
             self._submitted += 1
             ticket = self._submitted
+        self._put(ticket, item, what)
+        return ticket
+
+    def _put(self, ticket: int, item, what: str) -> bool:
         try:
             self._queue.put_nowait((ticket, item))
+            return True
         except queue.Full:
             self.dropped += 1
             if self.dropped == 1:
-                warnings.warn(f"fp8scope: writer is behind; dropping {what} rather than slowing training", stacklevel=4)
+                warnings.warn(f"fp8scope: writer is behind; dropping {what} rather than slowing training", stacklevel=5)
             self._mark_done(ticket)
-        return ticket
+            return False
 
     def wait(self, ticket: int, timeout: float | None = None) -> bool:
         """Block until step ``ticket`` is written (or logging has stopped). True if written."""
@@ -119,13 +158,16 @@ class BackgroundWriter:
                         self._fail(exc)
                 return
             if self.failed is None:
-                try:
-                    if isinstance(payload, tuple):  # (table, batch) from submit_table
-                        self._writer.write(*payload)
-                    else:
-                        self._write_step(payload)
-                except Exception as exc:
-                    self._fail(exc)
+                with self._io:
+                    try:
+                        if isinstance(payload, tuple) and payload[0] == "after":  # a step write_now appended
+                            self._after_step(*payload[1:])
+                        elif isinstance(payload, tuple):  # (table, batch) from submit_table
+                            self._writer.write(*payload)
+                        else:
+                            self._write_step(payload)
+                    except Exception as exc:
+                        self._fail(exc)
             self._mark_done(ticket)
 
     @staticmethod
@@ -152,21 +194,36 @@ class BackgroundWriter:
                 raise FileNotFoundError(f"{path} was removed while training wrote to it")
 
     def _write_step(self, payload: StepPayload) -> None:
+        self._after_step(payload, *self._append_step(payload))
+
+    def _append_step(self, payload: StepPayload) -> tuple["pa.RecordBatch | None", pa.RecordBatch]:
+        """The durable part of a step: its batches appended to the streams."""
         self._check_folder()
         payload.wait()
-        matrix, tail = stats_matrix(payload)
         tensors = None
-        if payload.n_rows:
-            tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, payload.full,
-                                   cache=self._identity_cache)
+        if payload.full:
+            matrix, tail = stats_matrix(payload)
+            if payload.n_rows:
+                tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, True,
+                                       cache=self._identity_cache)
+        else:  # cheap step: the narrow rows straight into the cached columns
+            rows, tail = cheap_rows(payload)
+            if payload.n_rows:
+                tensors = cheap_tensor_batch(payload.step, self.rank, rows, payload.key_ids, payload.numels,
+                                             self._keys, self._identity_cache)
+        if tensors is not None:
             self._writer.write("tensors", tensors)
             if not payload.full and self._suspicious(tensors):
                 self.suspicious_step = payload.step
         names = list(payload.scalar_names) + list(payload.host_scalars)
         values = list(tail) + list(payload.host_scalars.values())
-        scalars = scalar_batch(payload.step, self.rank, names, values, payload.wall_time)
+        scalars = scalar_batch(payload.step, self.rank, names, values, payload.wall_time, cache=self._scalar_names)
         if len(names):
             self._writer.write("scalars", scalars)
+        return tensors, scalars
+
+    def _after_step(self, payload: StepPayload, tensors: "pa.RecordBatch | None", scalars: pa.RecordBatch) -> None:
+        """What may lag the step: the manifest's tensor list and the listeners."""
         if len(self._keys) > self._known_keys and self._on_new_keys is not None:
             self._known_keys = len(self._keys)
             self._on_new_keys(list(self._keys))

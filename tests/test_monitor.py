@@ -216,3 +216,92 @@ def test_tensor_batch_identity_cache_gives_the_same_rows():
         rows = m[: len(kids)]
         assert tensor_batch(7, 0, rows, kids, keys, True, cache=cache).equals(tensor_batch(7, 0, rows, kids, keys, True))
     assert len(cache) == 3
+
+
+def test_cheap_tensor_batch_equals_the_general_path():
+    """Cheap steps skip widening to every field and reuse the row list's columns: same batch, bit for bit."""
+    import numpy as np
+
+    from fp8scope.capture.collector import TensorKey
+    from fp8scope.capture.stats import CHEAP_FIELDS
+    from fp8scope.schema import FIELD_INDEX, N_FIELDS
+    from fp8scope.step_records import cheap_tensor_batch, tensor_batch
+
+    keys = [TensorKey(f"l{i}", ("activation", "weight", "gradient")[i % 3], "whatif", "e4m3", 448.0, (4, 4))
+            for i in range(6)]
+    rng = np.random.default_rng(1)
+    cache: dict = {}
+    for step, kids in enumerate(([0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5], [5, 3, 1], [2, 2, 4], [0, 1, 2, 3, 4, 5])):
+        rows = rng.random((len(kids), len(CHEAP_FIELDS))) * 10
+        rows[0, 0] = np.nan  # a NaN amax is stored as null on both paths
+        numels = [16] * len(kids)
+        numels[-1] = -1  # a row without a tensor at hand (TE's amax history)
+        wide = np.full((len(kids), N_FIELDS), np.nan)
+        for j, name in enumerate(CHEAP_FIELDS):
+            wide[:, FIELD_INDEX[name]] = rows[:, j]
+        wide[:, FIELD_INDEX["numel"]] = np.where(np.asarray(numels) >= 0, numels, np.nan)
+        want = tensor_batch(step, 3, wide, kids, keys, False)
+        got = cheap_tensor_batch(step, 3, rows, kids, numels, keys, cache)
+        assert got.equals(want), step
+        assert got.column("zeros").null_count == got.num_rows and got.column("amax").null_count == 1
+
+
+def test_inline_step_writes_keep_order_with_concurrent_table_writes(tmp_path, monkeypatch):
+    """CPU steps are appended by the training thread when the writer thread is idle and queued behind it
+    when not; either way every step lands once, in order, next to rows other threads log meanwhile."""
+    import threading
+
+    import pyarrow as pa
+
+    from fp8scope.schema import TABLE_SCHEMAS
+
+    schema = pa.schema([("step", pa.int64()), ("rank", pa.int32()), ("text", pa.string())])
+    monkeypatch.setitem(TABLE_SCHEMAS, "notes_test", schema)
+    mlp = MLP()
+    mon = fp8scope.Monitor(mlp, tmp_path / "r", every=3, detect=True)
+    stop = threading.Event()
+    sent = []
+
+    def other_thread():
+        i = 0
+        while not stop.is_set():
+            mon.log_table("notes_test", pa.RecordBatch.from_pylist([{"step": i, "rank": 0, "text": "x"}], schema=schema))
+            sent.append(i)
+            i += 1
+            time.sleep(0.0005)
+
+    t = threading.Thread(target=other_thread)
+    t.start()
+    try:
+        train(mlp, mon, steps=60)
+    finally:
+        stop.set()
+        t.join()
+        mon.close()
+    run = fp8scope.load_run(tmp_path / "r")
+    steps = run.tensors().groupby("step").size()
+    assert list(steps.index) == list(range(60)) and (steps == steps.iloc[0]).all()
+    assert list(run.scalars().query("name == 'loss'").step) == list(range(60))
+    assert sorted(run.table("notes_test").to_pandas().step) == sent
+    assert mon.logging_failed is None and mon._writer.dropped == 0
+
+
+def test_background_detector_examines_steps_in_batches_and_flush_does_not_wait():
+    from fp8scope.detect.online import BackgroundDetector
+
+    calls = []
+
+    class Det:
+        def process(self, steps):
+            calls.append([s[0] for s in steps])
+            return None
+
+    bg = BackgroundDetector(Det(), lambda table, batch: None, max_delay=60.0, max_batch=8)
+    t0 = time.monotonic()
+    for s in range(20):
+        bg(s, 0, None, None)
+    bg.flush()
+    assert time.monotonic() - t0 < 30  # flushed at once, not after max_delay
+    assert [s for c in calls for s in c] == list(range(20))
+    assert all(len(c) <= 8 for c in calls) and len(calls) <= 4
+    bg.close()

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 
 from fp8scope.capture.stats import CHEAP_FIELDS, cheap_row, cheap_vector, full_row
@@ -80,9 +81,7 @@ class StepCollector:
         self.keys: list[TensorKey] = []
         self._key_ids: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
-        self._vecs: list[torch.Tensor] = []
-        self._rows: list[int] = []
-        self._numels: list[int] = []
+        self._caps: list[tuple[Any, int, int]] = []  # (stats row, key id, numel) in execution order
         self._recomputed: list[tuple[torch.Tensor, int, int]] = []  # forwards re-run inside backward
         self.step = 0
         self.full = True
@@ -126,13 +125,9 @@ class StepCollector:
         # only count for tensors the step has no ordinary capture of (use_reentrant=True runs the
         # first forward under no_grad, where nothing was captured): no double counting either way.
         if role != "gradient" and _in_backward():
-            with self._lock:
-                self._recomputed.append((vec, kid, numel))
-            return
-        with self._lock:
-            self._vecs.append(vec)
-            self._rows.append(kid)
-            self._numels.append(numel)
+            self._recomputed.append((vec, kid, numel))
+        else:
+            self._caps.append((vec, kid, numel))  # one append: atomic, so no lock between hook threads
 
     def fail(self, exc: BaseException) -> None:
         """Replaced by the Monitor (warn once, stop capturing); the default just stops."""
@@ -155,6 +150,19 @@ class StepCollector:
         self._append(role, vec, kid, x.numel())
         return vec[_AMAX] if type(vec) is list else None
 
+    def record_values(self, layer, role, source, fmt, x, values: tuple) -> None:
+        """A cheap step's capture from a scaling state's ``latest()`` tuple ``(amax, scale,
+        scale_inv, expected_amax)``; the adapter has already checked ``wants(role)`` and ``not full``.
+
+        The per-tensor hot path of every cheap step (emulated layers, what-if states), so it does
+        the least work: with host floats (CPU states) the tuple itself is the row."""
+        kid = self._key_ids.get((layer, role))
+        if kid is None:
+            kid = self._key(layer, role, source, fmt, tuple(x.shape))
+        if type(values[0]) is not float:  # device states: one small stack on the device
+            values = cheap_vector(x, values[1], values[2], values[3], amax=values[0])
+        self._append(role, values, kid, x.numel())
+
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
         """A row from an amax someone else computed (e.g. TE's amax history), no tensor at hand."""
         kid = self._key(layer, role, source, fmt, tuple(shape))
@@ -170,8 +178,11 @@ class StepCollector:
     def end_step(self, scalars: dict[str, Any]) -> StepPayload:
         """Stack this step's stats and scalar tensors and start the single host transfer."""
         with self._lock:
-            vecs, rows, numels, recomputed = self._vecs, self._rows, self._numels, self._recomputed
-            self._vecs, self._rows, self._numels, self._recomputed = [], [], [], []
+            caps, recomputed = self._caps, self._recomputed
+            self._caps, self._recomputed = [], []
+        vecs = [c[0] for c in caps]
+        rows = [c[1] for c in caps]
+        numels = [c[2] for c in caps]
         if recomputed:
             seen = set(rows)
             for vec, kid, numel in recomputed:
@@ -196,7 +207,7 @@ class StepCollector:
         first = next((v for v in vecs if isinstance(v, torch.Tensor)), None)
         if vecs and first is None:
             # every row computed on the host (CPU kernel, host scaling states): one tensor, one call
-            parts = [torch.tensor(vecs, dtype=torch.float64).reshape(-1)] + tensor_scalars
+            parts = [torch.from_numpy(np.array(vecs, dtype=np.float64).reshape(-1))] + tensor_scalars
         elif vecs:  # one stack for all rows: a handful of device ops per step, not per tensor
             vecs = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=first.dtype, device=first.device)
                     for v in vecs]
@@ -222,12 +233,18 @@ class StepCollector:
         )
 
 
+def cheap_rows(payload: StepPayload) -> tuple["Any", "Any"]:
+    """A cheap step's (n_rows, len(CHEAP_FIELDS)) rows, as captured, and the scalar values."""
+    arr = payload.host.numpy()
+    n = payload.n_rows * len(CHEAP_FIELDS)
+    return arr[:n].reshape(payload.n_rows, len(CHEAP_FIELDS)), arr[n:]
+
+
 def stats_matrix(payload: StepPayload) -> tuple["Any", "Any"]:
     """Split a payload's host tensor into the (n_rows, N_FIELDS) stats matrix and the scalar values.
 
     Full steps carry full-width rows; cheap steps carry only ``CHEAP_FIELDS`` per row on the
     device, widened here (numel comes from the host-side shapes, the counts stay NaN)."""
-    import numpy as np
 
     arr = payload.host.numpy()
     width = N_FIELDS if payload.full else len(CHEAP_FIELDS)

@@ -54,6 +54,9 @@ class Sink(Protocol):
         amax: torch.Tensor | None = None,
     ) -> float | None: ...
 
+    def record_values(self, layer: str, role: str, source: str, fmt: Fp8Format, x: torch.Tensor,
+                      values: tuple) -> None: ...
+
     full: bool  # this step takes full stats
 
 
@@ -112,9 +115,13 @@ class EmulatedSource:
         def _tap(role, x, deq, scale, scale_inv, expected_amax, fmt):
             if sink.wants(role, grad_enabled=called_with_grad[0] if role != "gradient" else True):
                 # the layer's scaling state already computed this tensor's amax (and, on the CPU,
-                # holds it and the scales as floats: one small tensor per row instead of a stack)
-                amax, scale, scale_inv, expected_amax = getattr(module, f"{role}_state").latest()
-                sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq, amax=amax)
+                # holds it and the scales as floats: the row is that tuple, no tensor made)
+                values = getattr(module, f"{role}_state").latest()
+                if sink.full:
+                    amax, scale, scale_inv, expected_amax = values
+                    sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq, amax=amax)
+                else:
+                    sink.record_values(layer, role, "emulated", fmt, x, values)
 
         tap = guarded(sink, _tap)
         module.fp8scope_tap = tap
@@ -158,8 +165,12 @@ class WhatIfSource:
                 measured = sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
                 state.record_amax(measured if measured is not None else tensor_amax(x).item())
                 return
-            amax, scale, scale_inv, expected = state.begin_values(x, record=True)
-            sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected, amax=amax)
+            values = state.begin_values(x, record=True)
+            if sink.full:
+                amax, scale, scale_inv, expected = values
+                sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected, amax=amax)
+            else:
+                sink.record_values(layer, role, "whatif", fmt, x, values)
 
         def pre_hook(mod, args):
             x = _first_tensor(args)

@@ -47,14 +47,21 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _command_word(argv: list[str]) -> str | None:
+    """The sub-command as typed (first word that is not an option), before any parsing."""
+    return next((a for a in argv if not a.startswith("-")), None)
+
+
 def main(argv: list[str] | None = None) -> int:
+    # Yield before anything else: building the parser imports pandas (~0.5 s of CPU), and a CLI call
+    # beside a training job must not spend that at normal priority (benchmarks/reliability_load.py).
+    if _command_word(sys.argv[1:] if argv is None else list(argv)) not in KEEP_PRIORITY:
+        yield_to_training()
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):
         parser.print_help()
         return 2
-    if args.command not in KEEP_PRIORITY:
-        yield_to_training()
     try:
         return int(args.func(args) or 0)
     except Fp8ScopeError as exc:

@@ -330,10 +330,10 @@ def _read(run, name: str, columns: list[str]) -> pa.Table:
 def _tensor_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
     """Row features, windows (per tensor, rows sorted by step), group features (per step and
     kind) and the rules, in numpy; only the rows that fire become python dicts. The table is
-    read in slices of whole steps of about CHUNK_ROWS rows (:class:`_TensorPass`), so memory stays
+    read in slices of whole steps of about CHUNK_ROWS rows (:class:`TensorPass`), so memory stays
     bounded by the slice, not the run."""
     bounds, ordered = _step_slices(table)
-    tp = _TensorPass(cfg)
+    tp = TensorPass(cfg)
     events: list[dict] = []
     for a, b in bounds:
         events += tp.events(table.slice(a, b - a), ordered)
@@ -361,7 +361,7 @@ def _step_slices(table: pa.Table) -> tuple[list[tuple[int, int]], bool]:
     return list(zip(bounds[:-1], bounds[1:])), True
 
 
-class _TensorPass:
+class TensorPass:
     """The tensor rules over a run, one slice of whole steps at a time. Tensor keys, each tensor's last
     window rows (:class:`~fp8scope.detect.features.WindowCarry`) and edge flags carry over from slice to
     slice, so the events equal those of one pass over the whole run; layer-kind groups never span steps."""

@@ -105,6 +105,7 @@ class DistributedWriter(BackgroundWriter):
         self._warned: set[str] = set()
         drop = frozenset({"tensors", "scalars"}) if mode == "aggregate" else frozenset()
         super().__init__(_PerRankFilter(run_writer, drop), rank, keys, on_new_keys, max_queue=max_queue)
+        self.inline = False  # the exchange is a collective: it stays on this thread, never the training one
 
     # ---- writer thread -----------------------------------------------------------
     def _write_step(self, payload: StepPayload) -> None:
