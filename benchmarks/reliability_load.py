@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -46,12 +47,12 @@ def writer(rank: int, run: str, duration: float, step_ms: float, n_tensors: int,
     next_tick = time.perf_counter()
     while time.time() < t_end:
         m = rng.random((n_tensors, N_FIELDS)) * 100
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         tb = tensor_batch(step, rank, m, list(range(n_tensors)), keys, True, cache=cache)  # as the monitor's writer
         w.write("tensors", tb)
         w.write("scalars", scalar_batch(step, rank, ["loss", "lr"], [float(m[0, 0]), 1e-3], time.time()))
-        dt = time.perf_counter() - t0
-        samples.append((time.time(), dt))
+        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
+        samples.append((time.time(), dt, cpu))
         step += 1
         next_tick += step_ms / 1000
         time.sleep(max(0.0, next_tick - time.perf_counter()))
@@ -111,9 +112,18 @@ def reader(kind: str, run: str, stop: str, out: str) -> None:
 
 def run_load(writers=8, tensors=2000, phase_s=6.0, rounds=3, step_ms=100.0, readers=("cli", "api", "dashboard"),
              work: str | None = None) -> dict:
+    own = work is None
+    work = Path(work or tempfile.mkdtemp(prefix="fp8load-"))
+    try:
+        return _run_load(work, writers, tensors, phase_s, rounds, step_ms, readers)
+    finally:
+        if own:  # ~1 GB per run: left behind, later runs measure the kernel's dirty-page writeback
+            shutil.rmtree(work, ignore_errors=True)
+
+
+def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers) -> dict:
     from fp8scope.store import new_manifest, write_manifest
 
-    work = Path(work or tempfile.mkdtemp(prefix="fp8load-"))
     run = work / "run"
     write_manifest(run, new_manifest(world_size=writers))
     duration = phase_s * 2 * rounds + 2
@@ -149,19 +159,32 @@ def run_load(writers=8, tensors=2000, phase_s=6.0, rounds=3, step_ms=100.0, read
     for r in range(writers):
         samples += json.loads((work / f"w{r}.json").read_text())
 
-    def in_phase(t, flag):
-        # skip the first second of each phase: readers' interpreter start-up is a transient
-        return any(a + 1.0 <= t < b and f == flag for a, b, f in phases)
-
-    a = [dt * 1000 for t, dt in samples if in_phase(t, False)]
-    b = [dt * 1000 for t, dt in samples if in_phase(t, True)]
+    def phase_writes(a, b, col):  # write times (ms) in one phase; its first second skipped (reader start-up)
+        return [row[col] * 1000 for row in samples if a + 1.0 <= row[0] < b]
 
     def summ(x):
         if not x:
             return {"n": 0}
         x = sorted(x)
         return {"n": len(x), "mean_ms": round(statistics.fmean(x), 3), "median_ms": round(statistics.median(x), 3),
-                "p95_ms": round(x[int(0.95 * (len(x) - 1))], 3)}
+                "p95_ms": round(x[int(0.95 * (len(x) - 1))], 3), "p99_ms": round(x[int(0.99 * (len(x) - 1))], 3),
+                "max_ms": round(x[-1], 1), "over_10ms": sum(v > 10 for v in x)}
+
+    def pooled(flag, col):
+        return [v for a, b, f in phases if f == flag for v in phase_writes(a, b, col)]
+
+    def paired(stat, col):
+        """Median over rounds of stat(with readers) / stat(without) in the same round: adjacent phases
+        share the machine's state of the moment (a shared VM drifts by more than the effect measured)."""
+        ratios = []
+        for (a0, b0, _), (a1, b1, _) in zip(phases[0::2], phases[1::2]):
+            off, on = phase_writes(a0, b0, col), phase_writes(a1, b1, col)
+            if off and on:
+                ratios.append(stat(on) / stat(off))
+        return round(100 * (statistics.median(ratios) - 1), 1) if ratios else None
+
+    a, b = pooled(False, 1), pooled(True, 1)
+    p95 = lambda x: sorted(x)[int(0.95 * (len(x) - 1))]  # noqa: E731
 
     import fp8scope
 
@@ -170,8 +193,13 @@ def run_load(writers=8, tensors=2000, phase_s=6.0, rounds=3, step_ms=100.0, read
     return {
         "writers": writers, "tensors_per_step": tensors, "step_ms": step_ms, "phase_s": phase_s, "rounds": rounds,
         "without_readers": summ(a), "with_readers": summ(b),
+        "cpu_without_readers": summ(pooled(False, 2)), "cpu_with_readers": summ(pooled(True, 2)),
         "slowdown_mean_pct": round(100 * (statistics.fmean(b) / statistics.fmean(a) - 1), 1) if a and b else None,
         "slowdown_median_pct": round(100 * (statistics.median(b) / statistics.median(a) - 1), 1) if a and b else None,
+        "paired_slowdown_median_pct": paired(statistics.median, 1),
+        "paired_slowdown_mean_pct": paired(statistics.fmean, 1),
+        "paired_slowdown_p95_pct": paired(p95, 1),
+        "paired_cpu_slowdown_median_pct": paired(statistics.median, 2),
         "reads": {k: sum(r["reads"] for r in reader_results if r["kind"] == k) for k in readers},
         "reader_errors": errors, "rows_written": final["tables"], "cpus": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 1),
@@ -192,9 +220,11 @@ if __name__ == "__main__":
     ap.add_argument("--phase-s", type=float, default=6.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--step-ms", type=float, default=100.0)
+    ap.add_argument("--readers", default="cli,api,dashboard", help="comma-separated: cli, api, dashboard")
     ap.add_argument("--out")
     args = ap.parse_args()
-    res = run_load(args.writers, args.tensors, args.phase_s, args.rounds, args.step_ms)
+    res = run_load(args.writers, args.tensors, args.phase_s, args.rounds, args.step_ms,
+                   readers=tuple(r for r in args.readers.split(",") if r))
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))

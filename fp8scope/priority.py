@@ -34,18 +34,6 @@ def yield_to_training(niceness: int | None = None) -> int | None:
         now = os.nice(0)
         if target > now:
             now = os.nice(min(target, 19) - now)
+        return now
     except (OSError, AttributeError):  # no nice() here, or not allowed: reading still works
         return None
-    if now >= 19 and os.environ.get("FP8SCOPE_SCHED_IDLE", "1") != "0":
-        _idle_policy()
-    return now
-
-
-def _idle_policy() -> None:
-    """Linux SCHED_IDLE on top of niceness 19: the scheduler then treats a CPU that runs only readers
-    as idle, so a waking trainer thread is placed there and preempts them at once instead of queueing
-    behind another busy CPU. Allowed without privileges; threads started later inherit it."""
-    try:
-        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
-    except (AttributeError, OSError):
-        pass

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -50,7 +51,8 @@ def _run_and_kill(run_dir, delay: float) -> list[int]:
     time.sleep(delay)
     os.kill(proc.pid, signal.SIGKILL)
     rest, _ = proc.communicate()
-    returned += [int(l.split()[1]) for l in rest.splitlines() if l.startswith("RETURNED")]
+    # a line the kill cut short ("RETURNED" without its number) names no step: skip it
+    returned += [int(m.group(1)) for m in re.finditer(r"^RETURNED (\d+)$", rest, re.M)]
     return returned
 
 

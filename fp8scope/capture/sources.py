@@ -157,20 +157,19 @@ class WhatIfSource:
             state = states.get(role)
             if state is None:
                 state = states[role] = ScalingState(recipe, fmt, device=x.device)
+            if not sink.full:  # the cheap-step path, every tensor every step: the least work
+                sink.record_values(layer, role, "whatif", fmt, x, state.begin_values(x, record=True))
+                return
             x = x.detach()
-            if sink.full and state.defers_amax:
+            if state.defers_amax:
                 # delayed scaling on the CPU: the scales do not depend on this tensor, so full stats
                 # measure its amax in their single pass and the state records that one
                 scale, scale_inv, expected = state.begin_deferred()
                 measured = sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
                 state.record_amax(measured if measured is not None else tensor_amax(x).item())
                 return
-            values = state.begin_values(x, record=True)
-            if sink.full:
-                amax, scale, scale_inv, expected = values
-                sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected, amax=amax)
-            else:
-                sink.record_values(layer, role, "whatif", fmt, x, values)
+            amax, scale, scale_inv, expected = state.begin_values(x, record=True)
+            sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected, amax=amax)
 
         def pre_hook(mod, args):
             x = _first_tensor(args)
@@ -179,11 +178,13 @@ class WhatIfSource:
             if sink.wants("weight"):
                 report("weight", mod.weight, fwd_fmt)
 
+        on_grad = guarded(sink, lambda g: report("gradient", g, bwd_fmt))  # made once, hooked every forward
+
         def post_hook(mod, args, output):
             if sink.wants("output") and isinstance(output, torch.Tensor):
                 report("output", output, fwd_fmt)
             if sink.wants("gradient"):
-                _hook_output_gradient(output, guarded(sink, lambda g: report("gradient", g, bwd_fmt)))
+                _hook_output_gradient(output, on_grad)
 
         h1 = module.register_forward_pre_hook(guarded(sink, pre_hook))
         h2 = module.register_forward_hook(guarded(sink, post_hook))

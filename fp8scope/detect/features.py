@@ -137,25 +137,9 @@ def floats(col) -> np.ndarray:
     return col.to_numpy(zero_copy_only=False).astype(np.float64, copy=False)
 
 
-class ArrowColumns:
-    """Column getter over a pyarrow Table / RecordBatch: ``get(name)`` -> float64 numpy (NaN for nulls)."""
-
-    def __init__(self, t):
-        self.t = t
-
-    def get(self, name: str) -> np.ndarray:
-        return floats(self.t.column(name))
-
-    def ints(self, name: str) -> np.ndarray:
-        return self.t.column(name).to_numpy(zero_copy_only=False).astype(np.int64, copy=False)
-
-    def present(self, name: str):
-        col = self.t.column(name)
-        return ~np.asarray(col.is_null()) if col.null_count else True
-
-
-class NumpyColumns(ArrowColumns):
-    """Column getter over whole-table numpy columns (``cols``, ``nulls``: name -> null mask), taking ``rows``."""
+class NumpyColumns:
+    """Column getter over whole-table numpy columns (``cols``, ``nulls``: name -> null mask), taking ``rows``:
+    ``get(name)`` -> float64 (NaN for nulls), ``ints(name)``, ``present(name)``."""
 
     def __init__(self, cols: dict, nulls: dict, rows: np.ndarray):
         self.cols, self.nulls, self.rows = cols, nulls, rows
@@ -170,10 +154,8 @@ class NumpyColumns(ArrowColumns):
         return True if m is None else ~m[self.rows]
 
 
-def row_features(t, key: np.ndarray, km: KeyMap, cfg: DetectConfig) -> dict:
-    """Per-row feature columns of a tensors table / batch (or an :class:`ArrowColumns`-like getter),
-    rows as given, whose key ids are ``key``."""
-    src = t if isinstance(t, ArrowColumns) else ArrowColumns(t)
+def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConfig) -> dict:
+    """Per-row feature columns of the rows ``src`` selects, whose key ids are ``key``."""
     get = src.get
     c: dict = {"key": key}
     c["step"] = src.ints("step")

@@ -363,18 +363,21 @@ class ScalingState:
         """:meth:`begin` returning ``(amax, scale, scale_inv, expected_amax)``: Python floats in
         host mode (no tensor made at all: what the what-if monitor needs per tensor), 0-d tensors
         otherwise."""
+        if self._host and x.is_cpu:  # the per-tensor path of a what-if cheap step: no device objects made
+            self._host_begin(x, record)
+            return self._la, self._s, self._si, self._e
         if x.device != self._device:
             self._to(x.device)
         if self._host:
             self._host_begin(x, record)
         else:
-            self.begin(x, record)
+            self.begin(x.detach(), record)  # a hook's tensor may require grad: no graph for the amax
         return self.latest()
 
     def _host_begin(self, x: torch.Tensor, record: bool) -> None:
-        a = native.amax(x.detach())  # one pass, no tensor made; None where the kernel does not apply
+        a = native.amax(x)  # one pass over the data, no tensor made; None where the kernel does not apply
         if a is None:
-            a = tensor_amax(x).item()  # a CPU tensor: a memory read, not a device sync
+            a = tensor_amax(x.detach()).item()  # a CPU tensor: a memory read, not a device sync
         self._la, self._last_amax = a, None
         if not self.delayed:
             scale, valid = self._host_scale_from_amax(a, 1.0)
