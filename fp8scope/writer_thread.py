@@ -23,6 +23,7 @@ import time
 import warnings
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
 
 from fp8scope.capture.collector import StepPayload, TensorKey, cheap_rows, stats_matrix
@@ -171,16 +172,11 @@ class BackgroundWriter:
             self._mark_done(ticket)
 
     @staticmethod
-    def _suspicious(tensors: pa.RecordBatch) -> bool:
+    def _suspicious(amax, scale_inv, fp8_max) -> bool:
         """A cheap step worth a closer look: a non-finite amax, or an amax at least 8x what the
         scale in use can represent (an outlier, as the saturation rule counts it; not the overflow
         of a tensor growing early in training). The monitor then takes full stats next."""
-        import numpy as np
-
-        amax = tensors.column("amax").to_numpy(zero_copy_only=False)
-        limit = tensors.column("scale_inv").to_numpy(zero_copy_only=False) * tensors.column("fp8_max").to_numpy()
-        with np.errstate(invalid="ignore"):
-            return bool((~np.isfinite(amax)).any() or (amax > 8 * limit).any())
+        return bool((~np.isfinite(amax)).any() or (amax > 8 * scale_inv * fp8_max).any())  # NaN compares False
 
     def _check_folder(self, force: bool = False) -> None:
         """Writes into a deleted folder succeed silently (the files are unlinked, not closed):
@@ -211,10 +207,15 @@ class BackgroundWriter:
             if payload.n_rows:
                 tensors = cheap_tensor_batch(payload.step, self.rank, rows, payload.key_ids, payload.numels,
                                              self._keys, self._identity_cache)
+                fp8_max = tensors.column("fp8_max").to_numpy()
+                if len(fp8_max) == len(rows):  # one capture per tensor: the batch's rows are the captures
+                    amax, scale_inv = rows[:, 0], rows[:, 2]
+                else:  # micro-batches merged
+                    amax, scale_inv = (tensors.column(c).to_numpy(zero_copy_only=False) for c in ("amax", "scale_inv"))
+                if self._suspicious(amax, scale_inv, fp8_max):
+                    self.suspicious_step = payload.step
         if tensors is not None:
             self._writer.write("tensors", tensors)
-            if not payload.full and self._suspicious(tensors):
-                self.suspicious_step = payload.step
         names = list(payload.scalar_names) + list(payload.host_scalars)
         values = list(tail) + list(payload.host_scalars.values())
         scalars = scalar_batch(payload.step, self.rank, names, values, payload.wall_time, cache=self._scalar_names)

@@ -205,6 +205,16 @@ class StepCollector:
                 host_scalars[name] = float(value)
         parts = tensor_scalars
         first = next((v for v in vecs if isinstance(v, torch.Tensor)), None)
+        if first is None and all(t.is_cpu for t in tensor_scalars):
+            # everything already on the host (CPU kernel, host scaling states, CPU scalars): one numpy
+            # array, no torch op at all (.item() of a CPU tensor is a memory read, not a sync)
+            flat = np.array(vecs, dtype=np.float64).reshape(-1) if vecs else np.zeros(0)
+            if tensor_scalars:
+                flat = np.concatenate([flat, np.array([t.item() for t in tensor_scalars], dtype=np.float64)])
+            return StepPayload(
+                step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows),
+                host=torch.from_numpy(flat), ready=None, scalar_names=names, host_scalars=host_scalars, numels=numels,
+            )
         if vecs and first is None:
             # every row computed on the host (CPU kernel, host scaling states): one tensor, one call
             parts = [torch.from_numpy(np.array(vecs, dtype=np.float64).reshape(-1))] + tensor_scalars
