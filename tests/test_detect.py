@@ -323,3 +323,27 @@ def test_detection_in_small_slices_equals_one_pass(runs, name, monkeypatch):
     one = detect(runs[name])
     monkeypatch.setattr(engine, "CHUNK_ROWS", 50)
     pd.testing.assert_frame_equal(detect(runs[name]), one)
+
+
+def test_online_batches_of_any_size_give_the_same_events(runs):
+    """The detection thread hands over 1 to 64 steps per pass (one-chunk and many-chunk tables mixed)."""
+    import pyarrow.compute as pc
+
+    from fp8scope.detect.online import OnlineDetector
+
+    run = load_run(runs["outlier"])
+    t = run.table("tensors").drop_columns(["segment"])
+    steps = pc.unique(t["step"]).to_pylist()
+    batches = [(s, 0, t.filter(pc.equal(t["step"], s)).combine_chunks().to_batches()[0], None) for s in steps]
+    cols = ["step", "rule", "layer", "tensor", "message"]
+    frames = []
+    for sizes in ([1], [3, 1, 2], [64]):
+        det, i, k = OnlineDetector(), 0, 0
+        while i < len(batches):
+            n = sizes[k % len(sizes)]
+            det.process(batches[i:i + n])
+            i, k = i + n, k + 1
+        frames.append(det.frame()[cols].sort_values(cols).reset_index(drop=True))
+    assert len(frames[0]) > 0
+    pd.testing.assert_frame_equal(frames[1], frames[0])
+    pd.testing.assert_frame_equal(frames[2], frames[0])

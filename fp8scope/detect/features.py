@@ -67,7 +67,8 @@ class KeyMap:
     def keys_of(self, t) -> np.ndarray:
         rank, lay, ten, fmt = (t.column(c) for c in ("rank", "layer", "tensor", "fp8_format"))
         last = self._last
-        if last is not None and last[0].equals(rank) and last[1].equals(lay) and last[2].equals(ten):
+        if (last is not None and type(last[0]) is type(rank)  # a Table's chunked columns or a batch's arrays
+                and last[0].equals(rank) and last[1].equals(lay) and last[2].equals(ten)):
             return last[3]
         n0 = len(self.info)
         r = rank.to_numpy(zero_copy_only=False).astype(np.int64)

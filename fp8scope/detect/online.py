@@ -7,12 +7,14 @@ detection are one code path and give the same events. Events are returned as
 ``{"events": RecordBatch}`` (the writer stores them), logged with :mod:`logging` (logger
 ``fp8scope.detect``) and passed to ``on_event(event_dict)`` if given.
 
-Why batches: the pass costs about the same for 1 step as for 20 (numpy calls on small arrays), and
-the detection thread shares the interpreter lock with the training loop. ``BackgroundDetector``
-therefore hands the detector the steps that arrived within ``max_delay`` seconds (1 s by default)
-of the first one: on a fast loop (the tiny GPT at 10 steps/s) that is ~10 steps per pass, ~0.2 ms
-of CPU per step instead of ~1 ms; on a loop slower than one step a second it is one step per pass
-and the cost is negligible beside the step. Events arrive at most ``max_delay`` after their step.
+Why batches: a pass carries each tensor's last window rows (101) and costs about the same for 1
+step as for 20, and the detection thread shares the interpreter lock with the training loop.
+``BackgroundDetector`` therefore hands the detector the steps that arrived within ``max_delay``
+seconds (2 s by default) of the first, at most 64. CPU per step (benchmarks/report_speed.py
+--online, demo run): 63 tensors 1.3 ms one step per pass, 0.22 ms ten per pass; 1,008 tensors
+13.5 ms one per pass, 2.2 ms ten per pass, 1.1 ms fifty per pass. A fast loop (the tiny GPT, 10
+steps/s) gets ~20 steps per pass; a slow one (a large model at one step a second) 2-3, where the
+cost is small beside the step. Events arrive at most ``max_delay`` after their step.
 """
 
 from __future__ import annotations
@@ -151,7 +153,7 @@ class BackgroundDetector:
     """
 
     def __init__(self, detector: OnlineDetector, submit: Callable[[str, pa.RecordBatch], Any], max_queue: int = 1024,
-                 max_delay: float = 1.0, max_batch: int = 64):
+                 max_delay: float = 2.0, max_batch: int = 64):
         self.detector = detector
         self._submit = submit
         self.max_delay = float(max_delay)
