@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import shutil
 import statistics
 import subprocess
@@ -47,12 +48,14 @@ def writer(rank: int, run: str, duration: float, step_ms: float, n_tensors: int,
     next_tick = time.perf_counter()
     while time.time() < t_end:
         m = rng.random((n_tensors, N_FIELDS)) * 100
-        t0, c0 = time.perf_counter(), time.process_time()
+        t0, c0, u0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         tb = tensor_batch(step, rank, m, list(range(n_tensors)), keys, True, cache=cache)  # as the monitor's writer
         w.write("tensors", tb)
         w.write("scalars", scalar_batch(step, rank, ["loss", "lr"], [float(m[0, 0]), 1e-3], time.time()))
-        dt, cpu = time.perf_counter() - t0, time.process_time() - c0
-        samples.append((time.time(), dt, cpu))
+        dt, cpu, u1 = time.perf_counter() - t0, time.process_time() - c0, resource.getrusage(resource.RUSAGE_SELF)
+        # what a slow write did: page faults (minor, major), involuntary context switches, kernel CPU s
+        samples.append((time.time(), dt, cpu, u1.ru_minflt - u0.ru_minflt, u1.ru_majflt - u0.ru_majflt,
+                        u1.ru_nivcsw - u0.ru_nivcsw, u1.ru_stime - u0.ru_stime))
         step += 1
         next_tick += step_ms / 1000
         time.sleep(max(0.0, next_tick - time.perf_counter()))
@@ -184,6 +187,17 @@ def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers) -
         return round(100 * (statistics.median(ratios) - 1), 1) if ratios else None
 
     a, b = pooled(False, 1), pooled(True, 1)
+    slow = [row for row in samples if row[1] > 0.010]  # the writes over 10 ms, whatever the phase
+
+    def slow_writes() -> dict:
+        if not slow:
+            return {"n": 0}
+        pick = lambda i: round(statistics.median(r[i] for r in slow), 4)  # noqa: E731
+        return {"n": len(slow), "median_wall_ms": round(1000 * pick(1), 1), "median_cpu_ms": round(1000 * pick(2), 1),
+                "median_kernel_cpu_ms": round(1000 * pick(6), 1), "median_minor_faults": pick(3),
+                "median_major_faults": pick(4), "median_involuntary_switches": pick(5),
+                "typical_write_minor_faults": statistics.median(r[3] for r in samples)}
+
     p95 = lambda x: sorted(x)[int(0.95 * (len(x) - 1))]  # noqa: E731
 
     import fp8scope
@@ -200,6 +214,7 @@ def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers) -
         "paired_slowdown_mean_pct": paired(statistics.fmean, 1),
         "paired_slowdown_p95_pct": paired(p95, 1),
         "paired_cpu_slowdown_median_pct": paired(statistics.median, 2),
+        "slow_writes": slow_writes(),
         "reads": {k: sum(r["reads"] for r in reader_results if r["kind"] == k) for k in readers},
         "reader_errors": errors, "rows_written": final["tables"], "cpus": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 1),

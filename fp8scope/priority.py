@@ -3,7 +3,7 @@
 A dashboard or a report reading a run on the training node competes with the trainer for CPU
 (the writer thread, the data loader, the host side of every kernel launch). The reading
 commands of the CLI, the dashboard server included, therefore raise their own niceness before
-they start: 19 by default, the lowest, so they run on spare CPU (``FP8SCOPE_NICE`` sets another
+they start (the CLI before it imports anything): 19 by default, the lowest, so they run on spare CPU (``FP8SCOPE_NICE`` sets another
 value, ``FP8SCOPE_NICE=0`` turns it off). On an idle machine this changes nothing; on a busy one
 the trainer is served first. (At niceness 10, readers still slowed 8 logging writers' median
 step by 26-34 % in benchmarks/reliability_load.py on a 2-core box; at 19, by 0-3 %.) A script of
