@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from fp8scope.capture.collector import TensorKey
+from fp8scope.capture.collector import TensorKey, widen_cheap_rows
 from fp8scope.capture.stats import CHEAP_FIELDS
 from fp8scope.schema import FIELD_INDEX, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
 
@@ -136,15 +136,11 @@ def cheap_tensor_batch(
     waits for on CPU) to a handful of small arrays. Micro-batch merging takes the general path."""
     kids = np.asarray(key_ids, dtype=np.int64)
     numel = np.asarray(numels, dtype=np.float64)
-    sig = ("cheap", kids.tobytes(), numel.tobytes())
+    sig = ("cheap", rank, kids.tobytes(), numel.tobytes())
     static = cache.get(sig)
     if static is None:
         if len(np.unique(kids)) != len(kids):  # several captures of one tensor: merge rules apply
-            matrix = np.full((len(kids), len(STAT_FIELDS)), np.nan)
-            for j, name in enumerate(CHEAP_FIELDS):
-                matrix[:, FIELD_INDEX[name]] = rows[:, j]
-            matrix[:, FIELD_INDEX["numel"]] = np.where(numel >= 0, numel, np.nan)
-            return tensor_batch(step, rank, matrix, key_ids, keys, False, cache=cache)
+            return tensor_batch(step, rank, widen_cheap_rows(rows, numels), key_ids, keys, False, cache=cache)
         n = len(kids)
         static = {
             "rank": pa.array(np.full(n, rank, dtype=np.int32)),

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 import warnings
-from typing import Callable
+from typing import Callable, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -31,6 +31,14 @@ from fp8scope.step_records import cheap_tensor_batch, scalar_batch, tensor_batch
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
 Listener = Callable[[int, int, "pa.RecordBatch | None", pa.RecordBatch], "dict[str, pa.RecordBatch] | None"]
+
+
+class _Appended(NamedTuple):
+    """Queued by ``write_now``: a step already on disk whose manifest update and listeners remain."""
+
+    payload: StepPayload
+    tensors: "pa.RecordBatch | None"
+    scalars: pa.RecordBatch
 
 
 class BackgroundWriter:
@@ -87,7 +95,7 @@ class BackgroundWriter:
                         self._fail(exc)
                     self._mark_done(ticket)
                     if done is not None:
-                        self._enqueue(("after", payload, *done), "listener calls")
+                        self._enqueue(_Appended(payload, *done), "listener calls")
                     return done is not None
             finally:
                 self._io.release()
@@ -161,8 +169,8 @@ class BackgroundWriter:
             if self.failed is None:
                 with self._io:
                     try:
-                        if isinstance(payload, tuple) and payload[0] == "after":  # a step write_now appended
-                            self._after_step(*payload[1:])
+                        if isinstance(payload, _Appended):  # a step write_now appended: what is left of it
+                            self._after_step(payload.payload, payload.tensors, payload.scalars)
                         elif isinstance(payload, tuple):  # (table, batch) from submit_table
                             self._writer.write(*payload)
                         else:

@@ -255,15 +255,19 @@ def stats_matrix(payload: StepPayload) -> tuple["Any", "Any"]:
 
     Full steps carry full-width rows; cheap steps carry only ``CHEAP_FIELDS`` per row on the
     device, widened here (numel comes from the host-side shapes, the counts stay NaN)."""
-
+    if not payload.full:
+        rows, tail = cheap_rows(payload)
+        return widen_cheap_rows(rows, payload.numels), tail
     arr = payload.host.numpy()
-    width = N_FIELDS if payload.full else len(CHEAP_FIELDS)
-    n = payload.n_rows * width
-    rows = arr[:n].reshape(payload.n_rows, width)
-    if payload.full:
-        return rows, arr[n:]
-    matrix = np.full((payload.n_rows, N_FIELDS), np.nan)
+    n = payload.n_rows * N_FIELDS
+    return arr[:n].reshape(payload.n_rows, N_FIELDS), arr[n:]
+
+
+def widen_cheap_rows(rows, numels) -> "Any":
+    """Cheap rows (``CHEAP_FIELDS`` columns) as ``STAT_FIELDS`` rows: numel from the captures'
+    host-side shapes (-1: no tensor at hand), the full-only fields NaN."""
+    matrix = np.full((len(rows), N_FIELDS), np.nan)
     matrix[:, [FIELD_INDEX[f] for f in CHEAP_FIELDS]] = rows
-    numel = np.asarray(payload.numels, dtype=np.float64)
+    numel = np.asarray(numels, dtype=np.float64)
     matrix[:, FIELD_INDEX["numel"]] = np.where(numel >= 0, numel, np.nan)
-    return matrix, arr[n:]
+    return matrix
