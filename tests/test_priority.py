@@ -55,3 +55,21 @@ def test_yield_to_training_never_lowers_and_never_raises():
             "print('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert r.stdout.strip() == "ok", r.stderr
+
+
+@pytest.mark.skipif(not hasattr(os, "nice"), reason="no nice() on this platform")
+def test_the_cli_yields_before_it_imports_the_commands(run_dir):
+    """Building the parser imports pandas (~0.5 s of CPU): a reading command must already run niced then."""
+    code = ("import os, sys\n"
+            "import fp8scope.cli.main as m\n"
+            "build = m.build_parser\n"
+            "def spy():\n"
+            "    print('AT_PARSER', os.nice(0), 'pandas' in sys.modules)\n"
+            "    return build()\n"
+            "m.build_parser = spy\n"
+            "m.main(sys.argv[1:])\n")
+    base = os.nice(0)
+    for argv, want in ((["info", str(run_dir)], max(base, 19)), (["doctor"], base)):
+        r = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
+        at = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("AT_PARSER")][0]
+        assert int(at[1]) == want and at[2] == "False", (argv, at, r.stderr[-300:])
