@@ -25,7 +25,6 @@ import warnings
 from pathlib import Path
 from typing import Any, Iterable
 
-import torch
 from torch import nn
 
 from fp8scope import native

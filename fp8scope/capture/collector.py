@@ -203,7 +203,16 @@ class StepCollector:
                 names.append(name)
             else:
                 host_scalars[name] = float(value)
-        parts = tensor_scalars
+        host, ready = self._host_array(vecs, tensor_scalars)
+        return StepPayload(
+            step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows), host=host,
+            ready=ready, scalar_names=names, host_scalars=host_scalars, numels=numels,
+        )
+
+    @staticmethod
+    def _host_array(vecs: list, tensor_scalars: list[torch.Tensor]):
+        """The step's rows then its scalar tensors as one flat float64 host tensor, and the CUDA event
+        that says the copy has landed (None when it is valid already)."""
         first = next((v for v in vecs if isinstance(v, torch.Tensor)), None)
         if first is None and all(t.is_cpu for t in tensor_scalars):
             # everything already on the host (CPU kernel, host scaling states, CPU scalars): one numpy
@@ -211,10 +220,8 @@ class StepCollector:
             flat = np.array(vecs, dtype=np.float64).reshape(-1) if vecs else np.zeros(0)
             if tensor_scalars:
                 flat = np.concatenate([flat, np.array([t.item() for t in tensor_scalars], dtype=np.float64)])
-            return StepPayload(
-                step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows),
-                host=torch.from_numpy(flat), ready=None, scalar_names=names, host_scalars=host_scalars, numels=numels,
-            )
+            return torch.from_numpy(flat), None
+        parts = tensor_scalars
         if vecs and first is None:
             # every row computed on the host (CPU kernel, host scaling states): one tensor, one call
             parts = [torch.from_numpy(np.array(vecs, dtype=np.float64).reshape(-1))] + tensor_scalars
@@ -237,10 +244,7 @@ class StepCollector:
             ready.record()
         else:
             host = flat
-        return StepPayload(
-            step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows), host=host,
-            ready=ready, scalar_names=names, host_scalars=host_scalars, numels=numels,
-        )
+        return host, ready
 
 
 def cheap_rows(payload: StepPayload) -> tuple["Any", "Any"]:

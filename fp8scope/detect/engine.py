@@ -340,6 +340,12 @@ def _tensor_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
     return events + nan_events(tp.nan_rows, {})
 
 
+def in_step_order(rank: np.ndarray, step: np.ndarray) -> bool:
+    """Rows sorted by (rank, step), as one rank's stream is written: what :class:`TensorPass` calls ``ordered``."""
+    dr, ds = np.diff(rank), np.diff(step)
+    return bool(((dr > 0) | ((dr == 0) & (ds >= 0))).all())
+
+
 def _step_slices(table: pa.Table) -> tuple[list[tuple[int, int]], bool]:
     """Row ranges [a, b) of about CHUNK_ROWS rows, cut between (rank, step) groups, and True, when the
     rows are sorted by (rank, step) (a run is written in step order, one stream per rank); else one range
@@ -347,9 +353,9 @@ def _step_slices(table: pa.Table) -> tuple[list[tuple[int, int]], bool]:
     n = table.num_rows
     rank = table.column("rank").to_numpy().astype(np.int64, copy=False)
     step = table.column("step").to_numpy().astype(np.int64, copy=False)
-    dr, ds = np.diff(rank), np.diff(step)
-    if not ((dr > 0) | ((dr == 0) & (ds >= 0))).all():
+    if not in_step_order(rank, step):
         return [(0, n)], False
+    dr, ds = np.diff(rank), np.diff(step)
     cuts = np.flatnonzero((dr != 0) | (ds != 0)) + 1  # first row of each (rank, step) group but the first
     bounds = [0]
     while bounds[-1] + CHUNK_ROWS < n:

@@ -31,8 +31,8 @@ import pandas as pd
 import pyarrow as pa
 
 from fp8scope.detect.config import DetectConfig
-from fp8scope.detect.engine import (ScalarState, TensorPass, events_batch_from_records, nan_events, sort_events,
-                                    to_frame)
+from fp8scope.detect.engine import (ScalarState, TensorPass, events_batch_from_records, in_step_order, nan_events,
+                                    sort_events, to_frame)
 from fp8scope.detect.features import TENSOR_COLUMNS
 
 log = logging.getLogger("fp8scope.detect")
@@ -102,9 +102,7 @@ class OnlineDetector:
         table = table.select([c for c in TENSOR_COLUMNS if c in table.column_names])
         rank = np.concatenate([b.column("rank").to_numpy() for b in batches]).astype(np.int64)
         step = np.concatenate([b.column("step").to_numpy() for b in batches])
-        dr, ds = np.diff(rank), np.diff(step)
-        ordered = bool(((dr > 0) | ((dr == 0) & (ds >= 0))).all())  # a monitor's own steps: always
-        out = self._pass.events(table, ordered)
+        out = self._pass.events(table, in_step_order(rank, step))  # a monitor's own steps: always in order
         if self._pass.nan_rows:
             out += nan_events(self._pass.nan_rows, self._nan_state)
             self._pass.nan_rows = []
