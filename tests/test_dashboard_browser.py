@@ -231,7 +231,9 @@ def test_html_in_layer_names_is_inert(page, env):
 
 def test_live_run_gains_steps(page, env):
     root = env["root"]
-    proc = subprocess.Popen([PY, *TRAIN, "--steps", "400", "--run-dir", str(root / "live")], env=_env(), cwd=ROOT_DIR,
+    # far more steps than the test needs (it is terminated below): a run that finishes while the page
+    # loads would read "finished", and 400 steps of this model take ~5 s on a fast core
+    proc = subprocess.Popen([PY, *TRAIN, "--steps", "100000", "--run-dir", str(root / "live")], env=_env(), cwd=ROOT_DIR,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 90
