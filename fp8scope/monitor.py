@@ -333,7 +333,7 @@ class Monitor:
     def flush(self) -> None:
         """Wait until every ended step is written."""
         if self._writer is not None:
-            self._writer.wait(self._writer._submitted, timeout=60)
+            self._writer.sync(timeout=60)
 
     def close(self) -> None:
         """Detach all hooks and finish writing. Safe to call twice."""

@@ -11,11 +11,15 @@ A CPU step is on the host already and ``Monitor.step`` must return only once it 
 durable, so waking this thread and waiting for it would add two thread hand-offs to a
 sub-millisecond append. :meth:`BackgroundWriter.write_now` appends such a step in the
 caller's thread when nothing is queued ahead of it, and queues only the rest (manifest
-update, listeners) for the thread: listeners still never run on the training thread.
+update, listeners) for the thread: listeners still never run on the training thread. That
+rest waits in a deque the thread drains every ``after_delay`` seconds (and before any other work,
+and at ``sync``/close) instead of waking the thread per step: on a small machine each wake-up
+takes a core from the training's own threads mid-step.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import queue
 import threading
@@ -41,6 +45,9 @@ class _Appended(NamedTuple):
     scalars: pa.RecordBatch
 
 
+_SYNC = object()  # queued by sync(): done once everything before it, write_now's rest included, is
+
+
 class BackgroundWriter:
     def __init__(
         self,
@@ -49,6 +56,7 @@ class BackgroundWriter:
         keys: list[TensorKey],
         on_new_keys: Callable[[list[TensorKey]], None] | None = None,
         max_queue: int = 64,
+        after_delay: float = 0.25,
     ):
         self._writer = run_writer
         self.rank = rank
@@ -68,6 +76,8 @@ class BackgroundWriter:
         self._scalar_names: dict = {}  # step_records.scalar_batch's names columns
         self._io = threading.Lock()  # one user of the streams at a time: this thread or write_now's caller
         self.inline = True  # write_now may append in the caller's thread (DistributedWriter: no)
+        self._after: collections.deque[_Appended] = collections.deque()  # write_now's rest, in step order
+        self.after_delay = float(after_delay)
         self._thread = threading.Thread(target=self._run, name="fp8scope-writer", daemon=True)
         self._thread.start()
 
@@ -94,12 +104,17 @@ class BackgroundWriter:
                     except Exception as exc:
                         self._fail(exc)
                     self._mark_done(ticket)
-                    if done is not None:
-                        self._enqueue(_Appended(payload, *done), "listener calls")
+                    if done is not None:  # no wake-up: the thread drains these on its own time
+                        self._after.append(_Appended(payload, *done))
                     return done is not None
             finally:
                 self._io.release()
         return self._put(ticket, payload, "steps") and self.wait(ticket, timeout=60)
+
+    def sync(self, timeout: float | None = 60) -> bool:
+        """Wait until everything handed over so far is done, the manifest updates and listener calls
+        of the steps ``write_now`` appended included. True unless logging stopped or it timed out."""
+        return self.wait(self._enqueue(_SYNC, "a flush"), timeout=timeout)
 
     def submit_table(self, table: str, batch: pa.RecordBatch) -> None:
         """Queue extra rows for another table (shadow results, events): written in order with the steps."""
@@ -156,9 +171,25 @@ class BackgroundWriter:
         with self._cond:
             self._cond.notify_all()
 
+    def _drain_after(self) -> None:
+        """The manifest updates and listener calls of the steps ``write_now`` appended, oldest first."""
+        while self._after:
+            item = self._after.popleft()
+            if self.failed is None:
+                with self._io:
+                    try:
+                        self._after_step(item.payload, item.tensors, item.scalars)
+                    except Exception as exc:
+                        self._fail(exc)
+
     def _run(self) -> None:
         while True:
-            ticket, payload = self._queue.get()
+            try:
+                ticket, payload = self._queue.get(timeout=self.after_delay)
+            except queue.Empty:
+                self._drain_after()
+                continue
+            self._drain_after()  # what write_now appended came before anything queued now
             if payload is None:
                 if self.failed is None:  # a folder removed after the last periodic look still gets reported
                     try:
@@ -169,8 +200,8 @@ class BackgroundWriter:
             if self.failed is None:
                 with self._io:
                     try:
-                        if isinstance(payload, _Appended):  # a step write_now appended: what is left of it
-                            self._after_step(payload.payload, payload.tensors, payload.scalars)
+                        if payload is _SYNC:
+                            pass
                         elif isinstance(payload, tuple):  # (table, batch) from submit_table
                             self._writer.write(*payload)
                         else:

@@ -26,11 +26,13 @@ from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
 
 
+_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
+
+
 def _in_backward() -> bool:
     """True while autograd runs a backward pass on this thread (e.g. checkpoint recomputation)."""
-    fn = getattr(torch._C, "_current_graph_task_id", None)
     try:
-        return fn is not None and fn() != -1
+        return _graph_task_id is not None and _graph_task_id() != -1
     except Exception:
         return False
 
@@ -83,6 +85,7 @@ class StepCollector:
         self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
         self._caps: list[tuple[Any, int, int]] = []  # (stats row, key id, numel) in execution order
         self._recomputed: list[tuple[torch.Tensor, int, int]] = []  # forwards re-run inside backward
+        self._deferred: list[Any] = []  # scaling states whose update runs at the step's end (defer_update)
         self.step = 0
         self.full = True
         self.active = True
@@ -163,6 +166,11 @@ class StepCollector:
             values = cheap_vector(x, values[1], values[2], values[3], amax=values[0])
         self._append(role, values, kid, x.numel())
 
+    def defer_update(self, state: Any) -> None:
+        """Run ``state.update()`` when this step ends (a what-if state that recorded an amax): one
+        warm loop over the step's states instead of an update inside every hook."""
+        self._deferred.append(state)
+
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
         """A row from an amax someone else computed (e.g. TE's amax history), no tensor at hand."""
         kid = self._key(layer, role, source, fmt, tuple(shape))
@@ -178,8 +186,10 @@ class StepCollector:
     def end_step(self, scalars: dict[str, Any]) -> StepPayload:
         """Stack this step's stats and scalar tensors and start the single host transfer."""
         with self._lock:
-            caps, recomputed = self._caps, self._recomputed
-            self._caps, self._recomputed = [], []
+            caps, recomputed, deferred = self._caps, self._recomputed, self._deferred
+            self._caps, self._recomputed, self._deferred = [], [], []
+        for state in deferred:
+            state.update()  # a no-op for a state already updated (captured twice this step)
         vecs = [c[0] for c in caps]
         rows = [c[1] for c in caps]
         numels = [c[2] for c in caps]

@@ -57,6 +57,8 @@ class Sink(Protocol):
     def record_values(self, layer: str, role: str, source: str, fmt: Fp8Format, x: torch.Tensor,
                       values: tuple) -> None: ...
 
+    def defer_update(self, state: Any) -> None: ...
+
     full: bool  # this step takes full stats
 
 
@@ -87,10 +89,20 @@ def _hook_output_gradient(output: Any, on_grad: Callable[[torch.Tensor], None]) 
     """Call ``on_grad(grad_output)`` when autograd computes the gradient of ``output``."""
     out = output[0] if isinstance(output, (tuple, list)) else output
     if isinstance(out, torch.Tensor) and out.requires_grad:
-        def _hook(grad: torch.Tensor) -> None:  # returning None leaves the gradient untouched
-            on_grad(grad)
+        node, nr = out.grad_fn, out.output_nr
+        if node is None:  # a leaf (cannot come out of a layer, but hook it the tensor way if it does)
+            out.register_hook(lambda grad: on_grad(grad) and None)
+            return
 
-        out.register_hook(_hook)
+        # A pre-hook on the node that made ``out`` sees the gradient of ``out`` as that node's
+        # backward receives it (after any tensor hook of the user's). Registering it is cheaper than
+        # ``Tensor.register_hook`` (no handle dict, no Python-side checks), and it runs every forward.
+        def _pre(grads: tuple) -> None:  # returning None leaves the gradients untouched
+            grad = grads[nr]
+            if grad is not None:
+                on_grad(grad)
+
+        node.register_prehook(_pre)
 
 
 # ---------------------------------------------------------------------------------------
@@ -148,6 +160,7 @@ class WhatIfSource:
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
         from fp8scope.emulate import ScalingState, tensor_amax
+        from fp8scope.native import amax as native_amax
 
         fwd_fmt = recipe_format(recipe.fp8_format, "forward")
         bwd_fmt = recipe_format(recipe.fp8_format, "backward")
@@ -158,6 +171,15 @@ class WhatIfSource:
             if state is None:
                 state = states[role] = ScalingState(recipe, fmt, device=x.device)
             if not sink.full:  # the cheap-step path, every tensor every step: the least work
+                if state.defers_amax and x.is_cpu:
+                    # delayed scaling in host floats: the amax is this hook's only pass over x; the
+                    # state's update waits for the step's end (collector.defer_update)
+                    a = native_amax(x)
+                    if a is None:
+                        a = tensor_amax(x.detach()).item()  # a CPU tensor: a memory read, no sync
+                    sink.record_values(layer, role, "whatif", fmt, x, state.record_now(a))
+                    sink.defer_update(state)
+                    return
                 sink.record_values(layer, role, "whatif", fmt, x, state.begin_values(x, record=True))
                 return
             x = x.detach()

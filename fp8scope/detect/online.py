@@ -157,6 +157,9 @@ class BackgroundDetector:
         self.max_delay = float(max_delay)
         self.max_batch = max(1, int(max_batch))
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
+        self._hurry = threading.Event()  # set by flush() / close(): stop waiting for more steps
+        self._urgent = 0  # flush / close markers queued and not yet taken
+        self._urgent_lock = threading.Lock()
         self.skipped = 0
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="fp8scope-detect", daemon=True)
@@ -181,14 +184,24 @@ class BackgroundDetector:
 
     def _collect(self) -> list:
         """The next batch: a first item, then whatever arrives within ``max_delay`` (a flush or the
-        close sentinel ends it at once)."""
+        close sentinel ends the wait at once; a backlog of ``max_batch`` steps is taken at once).
+
+        The thread sleeps out the delay rather than waking for every step that arrives: on a small
+        machine each wake-up takes a core from the training's own threads."""
         items = [self._q.get()]
-        deadline = time.monotonic() + self.max_delay
-        while items[-1] is not None and items[-1] is not _FLUSH and len(items) < self.max_batch:
-            try:
-                items.append(self._q.get(timeout=max(0.0, deadline - time.monotonic())))
-            except queue.Empty:
-                break
+        if items[-1] is not None and items[-1] is not _FLUSH:
+            if self._urgent == 0 and self._q.qsize() < self.max_batch - 1:
+                self._hurry.wait(self.max_delay)
+            while len(items) < self.max_batch and items[-1] is not None and items[-1] is not _FLUSH:
+                try:
+                    items.append(self._q.get_nowait())
+                except queue.Empty:
+                    break
+        if items[-1] is None or items[-1] is _FLUSH:
+            with self._urgent_lock:
+                self._urgent -= 1
+                if self._urgent == 0:
+                    self._hurry.clear()
         return items
 
     def _examine(self, steps: list) -> dict[str, list]:
@@ -228,9 +241,15 @@ class BackgroundDetector:
 
     def flush(self) -> None:
         """Wait until every queued step has been examined (without waiting out ``max_delay``)."""
-        self._q.put(_FLUSH)
+        self._put_marker(_FLUSH)
         self._q.join()
 
+    def _put_marker(self, marker) -> None:
+        with self._urgent_lock:
+            self._urgent += 1
+        self._q.put(marker)
+        self._hurry.set()
+
     def close(self, timeout: float = 60.0) -> None:
-        self._q.put(None)
+        self._put_marker(None)
         self._thread.join(timeout)

@@ -359,6 +359,23 @@ class ScalingState:
         self._ring[self._head] = float(amax)
         self._pending = True
 
+    def record_now(self, amax: float) -> tuple:
+        """The cheap-step half of :meth:`begin_values` for a caller that measured ``amax`` itself
+        (host-mode delayed scaling only, see :attr:`defers_amax`): applies an update still pending
+        from an earlier capture, records ``amax`` and returns ``(amax, scale, scale_inv,
+        expected_amax)``.
+
+        The update that ``amax`` itself makes pending is left to :meth:`update`, which the monitor
+        calls for all of a step's states at the step's end (TE's own timing): the same scales as
+        the lazy update, but the work runs once per step in a tight loop instead of inside each
+        hook, where the interpreter is cold after the layer's matmul and costs ~10x more."""
+        if self._pending:
+            self._host_update()
+        self._la = self._ring[self._head] = amax
+        self._last_amax = None
+        self._pending = True
+        return amax, self._s, self._si, self._e
+
     def begin_values(self, x: torch.Tensor, record: bool = True) -> tuple:
         """:meth:`begin` returning ``(amax, scale, scale_inv, expected_amax)``: Python floats in
         host mode (no tensor made at all: what the what-if monitor needs per tensor), 0-d tensors
