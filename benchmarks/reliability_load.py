@@ -9,11 +9,17 @@ Writers: one process per rank; each step builds its 2,000-row tensors batch and 
 stats matrix (what the monitor's writer thread does: step_records.tensor_batch) and appends them
 with RunWriter; a training step is simulated by sleeping to the next --step-ms tick (a GPU step
 does not use the host CPU). "write time" = build + append, measured per step.
+
+Readers: one process per kind, started once after the writers; they open the run during a 15 s
+warm-up, then read only in the "with readers" phases and idle in the others (a quiet phase starts
+once every reader has finished its read in flight). The CLI reader runs each command as a fresh
+process, like a user typing.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import resource
@@ -48,6 +54,7 @@ def writer(rank: int, run: str, duration: float, step_ms: float, n_tensors: int,
     next_tick = time.perf_counter()
     while time.time() < t_end:
         m = rng.random((n_tensors, N_FIELDS)) * 100
+        g0 = gc.get_stats()[2]["collections"]
         t0, c0, u0 = time.perf_counter(), time.process_time(), resource.getrusage(resource.RUSAGE_SELF)
         tb = tensor_batch(step, rank, m, list(range(n_tensors)), keys, True, cache=cache)  # as the monitor's writer
         w.write("tensors", tb)
@@ -55,7 +62,8 @@ def writer(rank: int, run: str, duration: float, step_ms: float, n_tensors: int,
         dt, cpu, u1 = time.perf_counter() - t0, time.process_time() - c0, resource.getrusage(resource.RUSAGE_SELF)
         # what a slow write did: page faults (minor, major), involuntary context switches, kernel CPU s
         samples.append((time.time(), dt, cpu, u1.ru_minflt - u0.ru_minflt, u1.ru_majflt - u0.ru_majflt,
-                        u1.ru_nivcsw - u0.ru_nivcsw, u1.ru_stime - u0.ru_stime))
+                        u1.ru_nivcsw - u0.ru_nivcsw, u1.ru_stime - u0.ru_stime,
+                        gc.get_stats()[2]["collections"] - g0))
         step += 1
         next_tick += step_ms / 1000
         time.sleep(max(0.0, next_tick - time.perf_counter()))
@@ -63,7 +71,11 @@ def writer(rank: int, run: str, duration: float, step_ms: float, n_tensors: int,
     Path(out).write_text(json.dumps(samples))
 
 
-def reader(kind: str, run: str, stop: str, out: str) -> None:
+def reader(kind: str, run: str, ctl: str, out: str) -> None:
+    """One reader for the whole benchmark: it reads while ``ctl/active`` exists and idles (after
+    saying so in ``ctl/idle-<kind>``) while it does not; ``ctl/stop`` ends it. Started once, so the
+    phases compare steady reading with none, not a reader's start-up (an opened dashboard stays
+    open; see --cold for what opening costs)."""
     import fp8scope
 
     # As the product's readers do: the CLI and the dashboard server call this at start-up
@@ -71,45 +83,54 @@ def reader(kind: str, run: str, stop: str, out: str) -> None:
     # run in fresh processes and apply it themselves.
     if kind != "cli":
         fp8scope.yield_to_training()
+    ctl_dir = Path(ctl)
     errors, n = [], 0
-    if kind == "api":
-        r = None
-        while not os.path.exists(stop):
-            try:
-                if r is None:
-                    r = fp8scope.load_run(run)
-                else:
-                    r.refresh()
-                r.tensors(last=1)
-                r.info()
-                n += 1
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"{type(e).__name__}: {e}")
-            time.sleep(0.5)
-    elif kind == "dashboard":
-        from dashboard import data as D
+    state: dict = {}
 
-        cache = D.RunCache()
-        while not os.path.exists(stop):
-            try:
-                p = Path(run)
-                e = cache.get(p)
-                cache.refresh(p, force=True)
-                D.run_status(p, cache)
-                D.heatmap_frame(e, "log2_amax", None)
-                D.scalars_frame(e)
-                n += 1
-            except Exception as e:  # noqa: BLE001
-                errors.append(f"{type(e).__name__}: {e}")
-            time.sleep(2.0)  # the dashboard's default refresh interval
-    else:  # cli: a fresh process each time, like a user typing
-        while not os.path.exists(stop):
-            for args in (["info", run], ["tensors", run, "--last", "1", "--csv"]):
-                r = subprocess.run([sys.executable, "-m", "fp8scope", *args], capture_output=True, text=True, cwd=ROOT)
-                n += 1
-                if r.returncode != 0:
-                    errors.append(r.stderr.strip()[:300])
-            time.sleep(1.0)
+    def once() -> float:
+        """One read of the run; returns the pause before the next one."""
+        if kind == "api":
+            if "run" not in state:
+                state["run"] = fp8scope.load_run(run)
+            else:
+                state["run"].refresh()
+            state["run"].tensors(last=1)
+            state["run"].info()
+            return 0.5
+        if kind == "dashboard":
+            from dashboard import data as D
+
+            cache = state.setdefault("cache", D.RunCache())
+            p = Path(run)
+            e = cache.get(p)
+            cache.refresh(p, force=True)
+            D.run_status(p, cache)
+            D.heatmap_frame(e, "log2_amax", None)
+            D.scalars_frame(e)
+            return 2.0  # the dashboard's default refresh interval
+        # cli: a fresh process each time, like a user typing
+        for args in (["info", run], ["tensors", run, "--last", "1", "--csv"]):
+            r = subprocess.run([sys.executable, "-m", "fp8scope", *args], capture_output=True, text=True, cwd=ROOT)
+            if r.returncode != 0:
+                raise RuntimeError(r.stderr.strip()[:300])
+        return 1.0
+
+    idle = ctl_dir / f"idle-{kind}"
+    while not (ctl_dir / "stop").exists():
+        if not (ctl_dir / "active").exists():
+            idle.touch()
+            time.sleep(0.05)
+            continue
+        idle.unlink(missing_ok=True)
+        try:
+            pause = once()
+            n += 1
+        except Exception as e:  # noqa: BLE001
+            errors.append(f"{type(e).__name__}: {e}")
+            pause = 0.5
+        t_end = time.time() + pause
+        while time.time() < t_end and (ctl_dir / "active").exists():
+            time.sleep(0.05)
     Path(out).write_text(json.dumps({"kind": kind, "reads": n, "errors": errors}))
 
 
@@ -129,41 +150,47 @@ def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers) -
 
     run = work / "run"
     write_manifest(run, new_manifest(world_size=writers))
-    duration = phase_s * 2 * rounds + 2
+    warmup_s = 15.0 if readers else 0.0
+    duration = phase_s * 2 * rounds + warmup_s + 10
     me = str(Path(__file__).resolve())
     wprocs = [subprocess.Popen([sys.executable, me, "--_writer", str(r), str(run), str(duration), str(step_ms),
                                 str(tensors), str(work / f"w{r}.json")], cwd=ROOT) for r in range(writers)]
     deadline = time.time() + 120  # wait until every writer has written its first step
     while time.time() < deadline and len(list((run / "streams").glob("tensors-*"))) < writers:
         time.sleep(0.1)
-    time.sleep(0.5)
+    ctl = work / "ctl"
+    ctl.mkdir()
+    (ctl / "active").touch()  # warm-up: the readers open the run (not measured)
+    rprocs = [subprocess.Popen([sys.executable, me, "--_reader", kind, str(run), str(ctl), str(work / f"r-{kind}.json")],
+                               cwd=ROOT) for kind in readers]
+    time.sleep(warmup_s)
     phases = []  # (start, end, with_readers)
-    reader_results = []
     try:
         for k in range(rounds):
             for with_readers in (False, True):  # interleaved: A B A B ...
+                if with_readers:
+                    (ctl / "active").touch()
+                else:
+                    (ctl / "active").unlink(missing_ok=True)
+                    t_wait = time.time() + 120  # an in-flight read finishes before the quiet phase starts
+                    while time.time() < t_wait and not all((ctl / f"idle-{kind}").exists() for kind in readers):
+                        time.sleep(0.05)
                 t0 = time.time()
-                rprocs = []
-                stop = work / f"stop{k}{int(with_readers)}"
-                if with_readers:
-                    rprocs = [subprocess.Popen([sys.executable, me, "--_reader", kind, str(run), str(stop),
-                                                str(work / f"r{k}-{kind}.json")], cwd=ROOT) for kind in readers]
                 time.sleep(phase_s)
-                stop.touch()
-                for p in rprocs:
-                    p.wait(timeout=120)
                 phases.append((t0, time.time(), with_readers))
-                if with_readers:
-                    reader_results += [json.loads((work / f"r{k}-{kind}.json").read_text()) for kind in readers]
     finally:
+        (ctl / "stop").touch()
+        for p in rprocs:
+            p.wait(timeout=300)
         for p in wprocs:
             p.wait(timeout=duration + 120)
+    reader_results = [json.loads((work / f"r-{kind}.json").read_text()) for kind in readers]
     samples = []
     for r in range(writers):
         samples += json.loads((work / f"w{r}.json").read_text())
 
-    def phase_writes(a, b, col):  # write times (ms) in one phase; its first second skipped (reader start-up)
-        return [row[col] * 1000 for row in samples if a + 1.0 <= row[0] < b]
+    def phase_writes(a, b, col):  # write times (ms) in one phase
+        return [row[col] * 1000 for row in samples if a <= row[0] < b]
 
     def summ(x):
         if not x:
@@ -196,7 +223,8 @@ def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers) -
         return {"n": len(slow), "median_wall_ms": round(1000 * pick(1), 1), "median_cpu_ms": round(1000 * pick(2), 1),
                 "median_kernel_cpu_ms": round(1000 * pick(6), 1), "median_minor_faults": pick(3),
                 "median_major_faults": pick(4), "median_involuntary_switches": pick(5),
-                "typical_write_minor_faults": statistics.median(r[3] for r in samples)}
+                "typical_write_minor_faults": statistics.median(r[3] for r in samples),
+                "with_full_gc": sum(r[7] > 0 for r in slow), "full_gcs_in_all_writes": sum(r[7] for r in samples)}
 
     p95 = lambda x: sorted(x)[int(0.95 * (len(x) - 1))]  # noqa: E731
 
@@ -215,6 +243,9 @@ def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers) -
         "paired_slowdown_p95_pct": paired(p95, 1),
         "paired_cpu_slowdown_median_pct": paired(statistics.median, 2),
         "slow_writes": slow_writes(),
+        "per_phase": [{"with_readers": f, "mean_ms": round(statistics.fmean(w), 3), "median_ms": round(statistics.median(w), 3),
+                       "max_ms": round(max(w), 1)}
+                      for a, b, f in phases if (w := phase_writes(a, b, 1))],
         "reads": {k: sum(r["reads"] for r in reader_results if r["kind"] == k) for k in readers},
         "reader_errors": errors, "rows_written": final["tables"], "cpus": os.cpu_count(),
         "loadavg_1m": round(os.getloadavg()[0], 1),

@@ -34,6 +34,7 @@ from fp8scope.store.manifest import read_manifest
 
 MAX_COLS = 400  # heatmap step buckets
 MAX_POINTS = 1000  # line-chart step buckets
+UPDATE_ROWS = 2_000_000  # a live refresh re-aggregates at most this many tensors rows (see Rollup._open_bucket)
 LIVE_SECONDS = 120.0  # a run written to within this long, streams not closed: "live"
 REFRESH_MIN_INTERVAL = 1.0
 
@@ -285,6 +286,8 @@ class Rollup:
         self._buf: dict[str, np.ndarray] = {}  # arrays with spare capacity, rows in (bucket, tid) order
         self._n = 0
         self.version: tuple = ()
+        self.rank_last: dict[int, int] = {}  # each rank's newest step seen: where a live update starts
+        self.updates = 0  # live refreshes applied in place (a rebuild makes a new Rollup)
 
     # -- build -----------------------------------------------------------------------------
     def _tid(self, t: pa.Table) -> np.ndarray:
@@ -468,31 +471,62 @@ class Rollup:
     def build(self, t: pa.Table) -> None:
         self._names = t.column_names
         self._buf, self._n = {}, 0
+        self.rank_last = {}
         if t.num_rows:
             self._put(0, self._aggregate(t))
+            self._note_ranks(t)
+
+    def _note_ranks(self, t: pa.Table) -> None:
+        """Remember each rank's newest step among ``t``'s rows (ranks absent from ``t`` keep theirs)."""
+        if "rank" not in t.column_names or not t.num_rows:
+            return
+        last = t.group_by("rank").aggregate([("step", "max")])
+        for r, st in zip(last["rank"].to_pylist(), last["step_max"].to_pylist()):
+            if st is not None and st > self.rank_last.get(r, -(1 << 62)):
+                self.rank_last[r] = st
+
+    def _open_bucket(self) -> int:
+        """The oldest bucket a live update recomputes: the one holding the last step of the rank
+        furthest behind. Each rank logs its steps in ascending order, so older buckets are final;
+        with one stream per rank written independently, the ranks of a live run are a few steps
+        apart, and starting at the newest bucket (the lead rank's) would count the other ranks'
+        next rows as changes to final buckets and rebuild the whole rollup on every refresh.
+        A rank so far behind that recomputing from its bucket would re-read more than
+        ``UPDATE_ROWS`` rows is taken for stalled and left out; if it logs again, ``update``'s row
+        count check sees rows land in a final bucket and the caller rebuilds, as before."""
+        b = self.a["b"]
+        newest = int(b[-1])
+        for bucket in sorted({s // self.g for s in self.rank_last.values()}):
+            if bucket >= newest:
+                break
+            k = int(np.searchsorted(b, bucket))
+            if int(self.a["n"][k:].sum()) <= UPDATE_ROWS:
+                return bucket
+        return newest
 
     def update(self, t: pa.Table) -> bool:
-        """Recompute the buckets from the one holding the previous last step; False when older rows
-        changed (a restarted segment replayed steps, a compaction): the caller rebuilds."""
+        """Recompute the buckets from the oldest one a rank may still add rows to (``_open_bucket``);
+        False when rows before it changed (a restarted segment replayed steps, a compaction, a
+        stalled rank came back): the caller rebuilds."""
         if not self._n:
             return False
         a = self.a
-        xb = int(a["b"][-1])  # newest bucket (rows are in bucket order)
+        xb = self._open_bucket()
         x = xb * self.g
         keep = int(np.searchsorted(a["b"], xb))
-        step = t["step"]
-        old = pc.less(step, x)
-        n_old = pc.sum(old).as_py() or 0
-        seg_old = (pc.sum(pc.if_else(old, pc.cast(t["segment"], pa.int64()), 0)).as_py() or 0
+        new = _rows_from_step(t, x)
+        n_old = t.num_rows - new.num_rows
+        seg_old = ((pc.sum(t["segment"]).as_py() or 0) - (pc.sum(new["segment"]).as_py() or 0)
                    if "segment" in t.column_names else 0)
         if n_old != int(a["n"][:keep].sum()) or seg_old != int(a["segsum"][:keep].sum()):
             return False
         self._names = t.column_names
-        new = t.filter(pc.invert(old))
         if new.num_rows:
             self._put(keep, self._aggregate(new))
+            self._note_ranks(new)
         else:
             self._n = keep
+        self.updates += 1
         return True
 
     # -- queries ---------------------------------------------------------------------------
@@ -515,6 +549,20 @@ class Rollup:
         col = a["b"][rows] // k
         starts = np.flatnonzero(np.r_[True, (tid[1:] != tid[:-1]) | (col[1:] != col[:-1])]) if len(rows) else np.empty(0, int)
         return starts, col[starts] * width
+
+
+def _rows_from_step(t: pa.Table, x: int) -> pa.Table:
+    """The rows of ``t`` with step >= x. A live run's table is thousands of record batches (one per
+    rank and step); filtering all of them costs ~0.1 s per refresh at 6M rows, so only the batches
+    whose largest step reaches x (the newest few per rank) are filtered."""
+    i = t.schema.get_field_index("step")
+    tail = []
+    for b in t.to_batches():
+        hi = pc.max(b.column(i)).as_py()
+        if hi is not None and hi >= x:
+            tail.append(b)
+    sub = pa.Table.from_batches(tail, schema=t.schema)
+    return sub.filter(pc.greater_equal(sub["step"], x))
 
 
 def rollup(e: Entry) -> Rollup | None:

@@ -26,9 +26,12 @@ Steps = range | tuple | list | None
 BASE_TABLES = ("tensors", "scalars", "events")
 
 
-def load_run(path: str | os.PathLike) -> "Run":
-    """Open a run folder (validates run.json; RunError with a one-line message if it is not a run)."""
-    return Run(path)
+def load_run(path: str | os.PathLike, combine_chunks: bool = True) -> "Run":
+    """Open a run folder (validates run.json; RunError with a one-line message if it is not a run).
+
+    ``combine_chunks=False`` reads the streams zero-copy (see :class:`Run`): ~10x faster to open and
+    no copy of the run in memory, at ~3x the cost per filter; right for one look at a big run."""
+    return Run(path, combine_chunks=combine_chunks)
 
 
 class Run:
@@ -57,10 +60,8 @@ class Run:
     def table(self, name: str, ranks: int | Iterable[int] | None = None) -> pa.Table:
         """All segments of all (or the given) ranks merged, later segment wins, plus a `segment` column."""
         t = self._data.table(name)
-        if ranks is not None:
-            ranks = [ranks] if isinstance(ranks, (int, np.integer)) else list(ranks)
-            t = t.filter(pc.is_in(t["rank"], value_set=pa.array(ranks, pa.int32())))
-        return t
+        mask = _rank_mask(t, ranks)
+        return t if mask is None else t.filter(mask)
 
     def tensors(
         self,
@@ -76,13 +77,14 @@ class Run:
         steps: range (start <= step < stop, honouring its stride) or (lo, hi) inclusive,
         either end may be None; last: only the last N steps present (after rank/layer filters).
         """
-        t = self.table("tensors", rank)
+        t = self._data.table("tensors")
+        masks = [_rank_mask(t, rank)]
         if layer is not None:
-            t = t.filter(_regex_mask(t["layer"], layer))
+            masks.append(_regex_mask(t["layer"], layer))
         if tensor is not None:
             roles = [tensor] if isinstance(tensor, str) else list(tensor)
-            t = t.filter(pc.is_in(t["tensor"], value_set=pa.array(roles, pa.string())))
-        t = _filter_steps(t, steps, last)
+            masks.append(pc.is_in(t["tensor"], value_set=pa.array(roles, pa.string())))
+        t = _filter_rows(t, masks, steps, last)
         return _sorted(t, ["step", "rank", "order"]).to_pandas()
 
     def scalars(
@@ -93,11 +95,12 @@ class Run:
         last: int | None = None,
     ) -> pd.DataFrame:
         """Scalar series (loss, lr, grad norm...): columns step, rank, name, value, time (+ segment)."""
-        t = self.table("scalars", rank)
+        t = self._data.table("scalars")
+        masks = [_rank_mask(t, rank)]
         if name is not None:
             names = [name] if isinstance(name, str) else list(name)
-            t = t.filter(pc.is_in(t["name"], value_set=pa.array(names, pa.string())))
-        t = _filter_steps(t, steps, last)
+            masks.append(pc.is_in(t["name"], value_set=pa.array(names, pa.string())))
+        t = _filter_rows(t, masks, steps, last)
         return _sorted(t, ["step", "rank"]).to_pandas()
 
     def events(self, rank: int | Iterable[int] | None = None) -> pd.DataFrame:
@@ -198,35 +201,50 @@ def _regex_mask(col: pa.ChunkedArray, pattern: str) -> pa.ChunkedArray:
     return pc.is_in(col, value_set=pa.array(names, pa.string()))
 
 
-def _filter_steps(t: pa.Table, steps: Steps, last: int | None) -> pa.Table:
-    s = t["step"]
-    if steps is not None:
-        if isinstance(steps, range):
-            mask = pc.and_(pc.greater_equal(s, steps.start), pc.less(s, steps.stop)) if steps.step == 1 else pc.is_in(
-                s, value_set=pa.array(list(steps), pa.int64())
-            )
-        elif isinstance(steps, tuple) and len(steps) == 2:
-            lo, hi = steps
-            conds = []
-            if lo is not None:
-                conds.append(pc.greater_equal(s, int(lo)))
-            if hi is not None:
-                conds.append(pc.less_equal(s, int(hi)))
-            mask = conds[0] if len(conds) == 1 else (pc.and_(*conds) if conds else None)
-        elif isinstance(steps, (list, set, frozenset)) or hasattr(steps, "__array__"):
-            mask = pc.is_in(s, value_set=pa.array([int(x) for x in steps], pa.int64()))
-        else:
-            raise UsageError(f"steps must be a range, a (lo, hi) tuple or a list of steps, got {steps!r}")
-        if mask is not None:
-            t = t.filter(mask)
+def _rank_mask(t: pa.Table, ranks: int | Iterable[int] | None) -> pa.ChunkedArray | None:
+    if ranks is None:
+        return None
+    ranks = [ranks] if isinstance(ranks, (int, np.integer)) else list(ranks)
+    return pc.is_in(t["rank"], value_set=pa.array(ranks, pa.int32()))
+
+
+def _step_mask(s: pa.ChunkedArray, steps: Steps) -> pa.ChunkedArray | None:
+    if steps is None:
+        return None
+    if isinstance(steps, range):
+        if steps.step == 1:
+            return pc.and_(pc.greater_equal(s, steps.start), pc.less(s, steps.stop))
+        return pc.is_in(s, value_set=pa.array(list(steps), pa.int64()))
+    if isinstance(steps, tuple) and len(steps) == 2:
+        lo, hi = steps
+        conds = []
+        if lo is not None:
+            conds.append(pc.greater_equal(s, int(lo)))
+        if hi is not None:
+            conds.append(pc.less_equal(s, int(hi)))
+        return conds[0] if len(conds) == 1 else (pc.and_(*conds) if conds else None)
+    if isinstance(steps, (list, set, frozenset)) or hasattr(steps, "__array__"):
+        return pc.is_in(s, value_set=pa.array([int(x) for x in steps], pa.int64()))
+    raise UsageError(f"steps must be a range, a (lo, hi) tuple or a list of steps, got {steps!r}")
+
+
+def _filter_rows(t: pa.Table, masks: list, steps: Steps, last: int | None) -> pa.Table:
+    """``t``'s rows passing every mask (None: no condition), the ``steps`` selection and, of what is
+    left, the ``last`` N steps present. The conditions are combined first and the table filtered
+    once: filtering column by column at each condition copied millions of rows into tables the
+    next condition threw away (2.2 s for a layer + role + last-3 query on 6.4M rows)."""
+    masks = [m for m in (*masks, _step_mask(t["step"], steps)) if m is not None]
+    mask = None
+    for m in masks:
+        mask = m if mask is None else pc.and_(mask, m)
     if last is not None:
         if last <= 0:
             return t.slice(0, 0)
-        uniq = pc.unique(t["step"])
+        uniq = pc.unique(t["step"] if mask is None else pc.filter(t["step"], mask))
         if len(uniq) > last:
-            threshold = int(np.sort(uniq.to_numpy())[-last])
-            t = t.filter(pc.greater_equal(t["step"], threshold))
-    return t
+            recent = pc.greater_equal(t["step"], int(np.sort(uniq.to_numpy())[-last]))
+            mask = recent if mask is None else pc.and_(mask, recent)
+    return t if mask is None else t.filter(mask)
 
 
 def _sorted(t: pa.Table, keys: list[str]) -> pa.Table:

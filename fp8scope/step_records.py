@@ -16,6 +16,7 @@ import pyarrow as pa
 from fp8scope.capture.collector import TensorKey, widen_cheap_rows
 from fp8scope.capture.stats import CHEAP_FIELDS
 from fp8scope.schema import FIELD_INDEX, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
+from fp8scope.store.message_template import MessageTemplate, TemplateError
 
 _COUNT_FIELDS = ("numel", "zeros", "nonfinite", "overflow", "underflow", "saturated")
 
@@ -159,6 +160,62 @@ def cheap_tensor_batch(
     for j, name in enumerate(CHEAP_FIELDS):
         cols[name] = _float_col(cols_major[j])
     return pa.RecordBatch.from_arrays([cols[name] for name in TENSOR_SCHEMA.names], schema=TENSOR_SCHEMA)
+
+
+def cheap_tensor_message(
+    step: int, rank: int, rows: np.ndarray, key_ids: Sequence[int], numels: Sequence[int],
+    keys: Sequence[TensorKey], cache: dict,
+) -> "tuple[bytes, np.ndarray] | None":
+    """The serialized IPC message of :func:`cheap_tensor_batch` for these rows, and each row's
+    fp8_max, made by rewriting the step and the four float columns of the row list's last message
+    in place (``store.message_template``): what ``Monitor.step`` waits for on CPU, ~10x cheaper
+    than building and serializing the batch.
+
+    None when the template does not apply: a NaN in the rows (stored as null, which changes the
+    message's validity bitmaps) or several captures of one tensor (merged rows). The caller then
+    builds the batch with :func:`cheap_tensor_batch`."""
+    if np.isnan(rows).any():
+        return None
+    kids = np.asarray(key_ids, dtype=np.int64)
+    sig = ("cheap-message", rank, kids.tobytes(), np.asarray(numels, dtype=np.float64).tobytes())
+    entry = cache.get(sig)
+    if entry is None:
+        batch = cheap_tensor_batch(step, rank, rows, key_ids, numels, keys, cache)
+        if batch.num_rows != len(kids):  # merged micro-batch captures
+            entry = False
+        else:
+            try:
+                entry = (MessageTemplate(batch, ("step", *CHEAP_FIELDS)), batch.column("fp8_max").to_numpy())
+            except TemplateError:
+                entry = False
+        if len(cache) >= 32:
+            cache.clear()
+        cache[sig] = entry
+    if entry is False:
+        return None
+    template, fp8_max = entry
+    cols_major = rows.T
+    values: dict = {"step": step}
+    for j, name in enumerate(CHEAP_FIELDS):
+        values[name] = cols_major[j]
+    return template.fill(values), fp8_max
+
+
+def scalar_message(
+    step: int, rank: int, names: Sequence[str], values: Sequence[float], wall_time: float, cache: dict,
+) -> bytes:
+    """The serialized IPC message of :func:`scalar_batch`, rewritten in place from the last message
+    with these names (a NaN loss is a value, not a null, so every step fits the template)."""
+    key = ("message", tuple(names))
+    template = cache.get(key)
+    vals = np.asarray(values, dtype=np.float64)
+    if template is None:
+        template = MessageTemplate(scalar_batch(step, rank, names, vals, wall_time, cache),
+                                   ("step", "value", "time"))
+        if len(cache) >= 32:
+            cache.clear()
+        cache[key] = template
+    return template.fill({"step": step, "value": vals, "time": wall_time})
 
 
 def scalar_batch(

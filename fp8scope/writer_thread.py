@@ -31,7 +31,9 @@ import numpy as np
 import pyarrow as pa
 
 from fp8scope.capture.collector import StepPayload, TensorKey, cheap_rows, stats_matrix
-from fp8scope.step_records import cheap_tensor_batch, scalar_batch, tensor_batch
+from fp8scope.schema import SCALAR_SCHEMA, TENSOR_SCHEMA
+from fp8scope.step_records import cheap_tensor_batch, cheap_tensor_message, scalar_batch, scalar_message, tensor_batch
+from fp8scope.store.message_template import batch_of_message
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
 Listener = Callable[[int, int, "pa.RecordBatch | None", pa.RecordBatch], "dict[str, pa.RecordBatch] | None"]
@@ -41,8 +43,8 @@ class _Appended(NamedTuple):
     """Queued by ``write_now``: a step already on disk whose manifest update and listeners remain."""
 
     payload: StepPayload
-    tensors: "pa.RecordBatch | None"
-    scalars: pa.RecordBatch
+    tensors: "pa.RecordBatch | bytes | None"  # bytes: a serialized batch (step_records' message templates)
+    scalars: "pa.RecordBatch | bytes"
 
 
 _SYNC = object()  # queued by sync(): done once everything before it, write_now's rest included, is
@@ -241,32 +243,47 @@ class BackgroundWriter:
             if payload.n_rows:
                 tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, True,
                                        cache=self._identity_cache)
-        else:  # cheap step: the narrow rows straight into the cached columns
+        else:  # cheap step: the last message with this row list, rewritten; else the cached columns
             rows, tail = cheap_rows(payload)
             if payload.n_rows:
-                tensors = cheap_tensor_batch(payload.step, self.rank, rows, payload.key_ids, payload.numels,
-                                             self._keys, self._identity_cache)
-                fp8_max = tensors.column("fp8_max").to_numpy()
-                if len(fp8_max) == len(rows):  # one capture per tensor: the batch's rows are the captures
+                got = cheap_tensor_message(payload.step, self.rank, rows, payload.key_ids, payload.numels,
+                                           self._keys, self._identity_cache)
+                if got is not None:
+                    tensors, fp8_max = got
                     amax, scale_inv = rows[:, 0], rows[:, 2]
-                else:  # micro-batches merged
-                    amax, scale_inv = (tensors.column(c).to_numpy(zero_copy_only=False) for c in ("amax", "scale_inv"))
+                else:
+                    tensors = cheap_tensor_batch(payload.step, self.rank, rows, payload.key_ids, payload.numels,
+                                                 self._keys, self._identity_cache)
+                    fp8_max = tensors.column("fp8_max").to_numpy()
+                    if len(fp8_max) == len(rows):  # one capture per tensor: the batch's rows are the captures
+                        amax, scale_inv = rows[:, 0], rows[:, 2]
+                    else:  # micro-batches merged
+                        amax, scale_inv = (tensors.column(c).to_numpy(zero_copy_only=False)
+                                           for c in ("amax", "scale_inv"))
                 if self._suspicious(amax, scale_inv, fp8_max):
                     self.suspicious_step = payload.step
-        if tensors is not None:
+        if isinstance(tensors, bytes):
+            self._writer.write_message("tensors", tensors)
+        elif tensors is not None:
             self._writer.write("tensors", tensors)
         names = list(payload.scalar_names) + list(payload.host_scalars)
         values = list(tail) + list(payload.host_scalars.values())
-        scalars = scalar_batch(payload.step, self.rank, names, values, payload.wall_time, cache=self._scalar_names)
-        if len(names):
-            self._writer.write("scalars", scalars)
+        if not names:
+            return tensors, scalar_batch(payload.step, self.rank, names, values, payload.wall_time)
+        scalars = scalar_message(payload.step, self.rank, names, values, payload.wall_time, self._scalar_names)
+        self._writer.write_message("scalars", scalars)
         return tensors, scalars
 
-    def _after_step(self, payload: StepPayload, tensors: "pa.RecordBatch | None", scalars: pa.RecordBatch) -> None:
-        """What may lag the step: the manifest's tensor list and the listeners."""
+    def _after_step(self, payload: StepPayload, tensors: "pa.RecordBatch | bytes | None",
+                    scalars: "pa.RecordBatch | bytes") -> None:
+        """What may lag the step: the manifest's tensor list and the listeners (who get record
+        batches: a step appended from a message template is decoded here, off the training thread)."""
         if len(self._keys) > self._known_keys and self._on_new_keys is not None:
             self._known_keys = len(self._keys)
             self._on_new_keys(list(self._keys))
+        if self.listeners:
+            tensors = batch_of_message(tensors, TENSOR_SCHEMA)
+            scalars = batch_of_message(scalars, SCALAR_SCHEMA)
         for listener in list(self.listeners):
             try:
                 extra = listener(payload.step, self.rank, tensors, scalars)

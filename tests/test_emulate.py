@@ -510,3 +510,24 @@ def test_deferred_begin_equals_begin(amaxes, hist, algo):
         b.record_amax(x.item())  # the float32 value, as a measuring pass returns it
         assert same(got, want)
         assert same(a.amax_history.tolist(), b.amax_history.tolist())
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=st.lists(st.lists(amax_values, min_size=1, max_size=3), min_size=1, max_size=30),
+       hist=st.integers(1, 8), algo=st.sampled_from(["max", "most_recent"]))
+def test_record_now_with_the_update_at_step_end_equals_begin_values(steps, hist, algo):
+    """What-if cheap steps: record_now(amax) in the hook and update() when the step ends (the
+    monitor's defer_update) report the same scales and history as begin_values(x) in the hook,
+    micro-batches (several captures in one step) included."""
+    recipe = DelayedScaling(amax_history_len=hist, amax_compute_algo=algo)
+    a, b = ScalingState(recipe, E4M3, host=True), ScalingState(recipe, E4M3, host=True)
+    for captures in steps:
+        for v in captures:
+            x = torch.tensor([v], dtype=torch.float32)
+            want = a.begin_values(x, record=True)
+            got = b.record_now(x.item())
+            assert same(list(got), list(want))
+        b.update()  # the step's end; `a` applies the same update lazily, at its next begin
+    a.update()
+    assert same(a.amax_history.tolist(), b.amax_history.tolist())
+    assert same([a.scale.item(), a.scale_inv.item()], [b.scale.item(), b.scale_inv.item()])

@@ -43,6 +43,36 @@ def test_emulated_and_whatif_layers_are_captured_in_execution_order(mlp, tmp_pat
     assert set(scal.name) == {"loss", "lr"} and len(scal) == 6
 
 
+
+@pytest.mark.parametrize("micro", [1, 3])
+def test_whatif_cheap_steps_follow_delayed_scaling_of_the_logged_amaxes(mlp, tmp_path, micro):
+    """Plain layers on cheap steps: the hook records the amax and the scaling update runs when the
+    step ends. Replaying every logged amax through a fresh ScalingState must give the logged scales,
+    step by step, for activations, weights and gradients (hooked on the output's autograd node);
+    with micro-batches the update still runs once per capture, as begin() does."""
+    from fp8scope.emulate import ScalingState
+    from fp8scope.formats import get_format
+
+    recipe = DelayedScaling(amax_history_len=3)
+    with fp8scope.Monitor(mlp, tmp_path / "r", every=10**9, recipe=recipe, full_on_anomaly=0, detect=False) as mon:
+        train(mlp, mon, steps=8, micro=micro)
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert set(df[df.full].step) == {0} and set(df.calls) == {micro}  # step 0 takes full stats (a multiple of every)
+    assert len(df) == 8 * 3 * 3  # 3 layers x activation / weight / gradient, every step
+    if micro > 1:
+        return  # merged rows carry the max amax of the micro-batches, not each capture's
+    for (layer, role), rows in df.groupby(["layer", "tensor"]):
+        rows = rows.sort_values("step")
+        fmt = get_format("e5m2" if role == "gradient" else "e4m3")
+        assert set(rows.fp8_format) == {fmt.name} and set(rows.source) == {"whatif"}
+        ref = ScalingState(recipe, fmt, host=True)
+        for amax, scale, scale_inv in zip(rows.amax, rows.scale, rows.scale_inv):
+            want = ref.begin_values(torch.tensor([amax], dtype=torch.float32))
+            assert (scale, scale_inv) == (want[1], want[2]), (layer, role)
+    grad = df[(df.layer == "head") & (df.tensor == "gradient")].sort_values("step")
+    assert (grad.amax > 0).all() and grad.amax.nunique() == 8  # a real gradient each step
+
+
 def test_every_gives_full_stats_only_on_multiples_and_steps_limits_capture(mlp, tmp_path):
     with fp8scope.Monitor(mlp, tmp_path / "r", every=3, steps=(2, 7), full_on_anomaly=0) as mon:
         train(mlp, mon, steps=9)

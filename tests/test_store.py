@@ -139,6 +139,42 @@ def test_filters(run_dir: Path):
         run.tensors(layer="(")
 
 
+
+@pytest.mark.parametrize("combine", [True, False])
+def test_filters_combined_equal_pandas_filtering(run_dir: Path, combine: bool):
+    """Every condition is combined into one mask before the table is filtered once; ``last`` counts
+    the steps left after the other conditions. Same rows as filtering the whole frame in pandas,
+    whether the run was read zero-copy (the CLI's way) or copied into one chunk per stream."""
+    from fp8scope.run import Run
+
+    with RunWriter(run_dir, 0) as w0, RunWriter(run_dir, 1) as w1:
+        for s in range(12):
+            w0.write("tensors", tensor_batch(s, 0))
+            if s % 3:  # rank 1 skips every third step: `last` must count the steps left after the filters
+                w1.write("tensors", tensor_batch(s, 1))
+    run = Run(run_dir, combine_chunks=combine)
+    every = run.tensors()
+    cases = [dict(layer="mlp", tensor="weight", steps=(2, 9), rank=1, last=3), dict(rank=1, last=2),
+             dict(layer="attn", last=4), dict(tensor=["weight", "gradient"], steps=range(0, 12, 4)), dict(last=100)]
+    for kw in cases:
+        want = every
+        if "rank" in kw:
+            want = want[want["rank"] == kw["rank"]]
+        if "layer" in kw:
+            want = want[want["layer"].str.contains(kw["layer"])]
+        if "tensor" in kw:
+            want = want[want["tensor"].isin([kw["tensor"]] if isinstance(kw["tensor"], str) else kw["tensor"])]
+        if "steps" in kw:
+            st = kw["steps"]
+            want = want[want["step"].isin(list(st) if isinstance(st, range) else range(st[0], st[1] + 1))]
+        if "last" in kw:
+            want = want[want["step"].isin(sorted(want["step"].unique())[-kw["last"]:])]
+        got = run.tensors(**kw)
+        assert got.reset_index(drop=True).equals(want.reset_index(drop=True)), kw
+    assert sorted(set(run.tensors(rank=1, last=2)["step"])) == [10, 11]
+    assert sorted(set(run.tensors(rank=1, steps=(0, 6), last=2)["step"])) == [4, 5]
+
+
 def test_events_empty_has_columns(run_dir: Path):
     with RunWriter(run_dir, 0) as w:
         w.write("scalars", scalar_batch(0))

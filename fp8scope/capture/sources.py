@@ -117,31 +117,31 @@ class EmulatedSource:
 
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
-        # The layer quantizes inside an autograd Function, where grad mode reads as off;
-        # remember the caller's grad mode at module entry instead.
-        called_with_grad = [True]
-
-        def _pre(mod, args):
-            called_with_grad[0] = torch.is_grad_enabled()
+        state_attr = {role: f"{role}_state" for role in ("activation", "weight", "gradient")}
 
         def _tap(role, x, deq, scale, scale_inv, expected_amax, fmt):
-            if sink.wants(role, grad_enabled=called_with_grad[0] if role != "gradient" else True):
+            # The layer quantizes inside an autograd Function, where grad mode reads as off: the
+            # layer notes the caller's grad mode at forward entry (no forward pre-hook needed, which
+            # would send every call of the module down torch's slow hook path).
+            try:
+                if not sink.wants(role, grad_enabled=module.fp8_forward_grad if role != "gradient" else True):
+                    return
                 # the layer's scaling state already computed this tensor's amax (and, on the CPU,
                 # holds it and the scales as floats: the row is that tuple, no tensor made)
-                values = getattr(module, f"{role}_state").latest()
+                values = getattr(module, state_attr[role]).latest()
                 if sink.full:
                     amax, scale, scale_inv, expected_amax = values
-                    sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq, amax=amax)
+                    sink.record(layer, role, "emulated", fmt, x.detach(), scale, scale_inv, expected_amax,
+                                deq=deq, amax=amax)
                 else:
                     sink.record_values(layer, role, "emulated", fmt, x, values)
+            except Exception as exc:  # a monitor problem must not reach training (see guarded)
+                sink.fail(exc)
 
-        tap = guarded(sink, _tap)
-        module.fp8scope_tap = tap
-        pre = module.register_forward_pre_hook(_pre)
+        module.fp8scope_tap = _tap
 
         def detach() -> None:
-            pre.remove()
-            if getattr(module, "fp8scope_tap", None) is tap:
+            if getattr(module, "fp8scope_tap", None) is _tap:
                 module.fp8scope_tap = None
 
         return detach

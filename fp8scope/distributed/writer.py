@@ -54,6 +54,10 @@ class _PerRankFilter:
             return
         self._inner.write(table, batch)
 
+    def write_message(self, table: str, message: bytes) -> None:
+        if table not in self._drop:
+            self._inner.write_message(table, message)
+
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 

@@ -17,8 +17,10 @@ not move the training scales. With ``fp8_enabled = False`` or inside
 ``fp8_disabled()`` the layer is exactly ``nn.Linear`` and leaves its state alone.
 
 ``fp8scope_tap``, when set, is called after each quantization as
-``tap(role, x, deq, scale, scale_inv, expected_amax, fmt)``; an exception in the
-tap is swallowed (with one warning per layer) so monitoring never breaks training.
+``tap(role, x, deq, scale, scale_inv, expected_amax, fmt)`` (inside the autograd Function,
+where grad mode is off; ``layer.fp8_forward_grad`` says whether the latest forward was
+entered with grad mode on); an exception in the tap is swallowed (with one warning per
+layer) so monitoring never breaks training.
 """
 
 from __future__ import annotations
@@ -136,6 +138,7 @@ class Fp8Linear(nn.Linear):
         self.gradient_state = ScalingState(self.recipe, self.recipe.backward_format, dev)
         self.fp8_enabled = True
         self.fp8scope_tap: Tap | None = None
+        self.fp8_forward_grad = True  # grad mode at the latest forward's entry (see forward)
         self._tap_warned = False
 
     @classmethod
@@ -168,8 +171,8 @@ class Fp8Linear(nn.Linear):
         tap = self.fp8scope_tap
         if tap is None:
             return
-        try:
-            tap(role, x.detach(), deq, s.scale, s.scale_inv, s.expected_amax, fmt)
+        try:  # x as the Function received it: grad mode is off here, so nothing the tap does is recorded
+            tap(role, x, deq, s.scale, s.scale_inv, s.expected_amax, fmt)
         except Exception as exc:  # noqa: BLE001 - a monitoring bug must not stop training
             if not self._tap_warned:
                 self._tap_warned = True
@@ -183,7 +186,11 @@ class Fp8Linear(nn.Linear):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled or fp8_globally_disabled():
             return F.linear(input, self.weight, self.bias)
-        return _Fp8LinearFn.apply(input, self.weight, self.bias, self, torch.is_grad_enabled())
+        grad = torch.is_grad_enabled()
+        # Grad mode at this forward's entry, for the tap (inside the autograd Function it reads as
+        # off). Written to __dict__ directly: Module.__setattr__ costs microseconds per call.
+        self.__dict__["fp8_forward_grad"] = grad
+        return _Fp8LinearFn.apply(input, self.weight, self.bias, self, grad)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe!r}"
