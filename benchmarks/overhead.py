@@ -10,6 +10,8 @@ steps, so machine noise hits them alike):
                 fp8scope/native/fused_stats.c; ``FP8SCOPE_NATIVE=0`` times the torch formulation)
 - ``naive``     the obvious hand-written alternative: forward/backward hooks computing the same
                 numbers with one ``.item()`` per number, appended to a JSON-lines file
+- ``floor``     (what-if model only) hooks that only read each tensor's amax once per step: the
+                least any what-if monitor must do, so the floor of its overhead on this machine
 
 for two models: the tiny GPT in emulated FP8 (delayed scaling) and the same GPT in plain
 FP32 with what-if stats. Then the stats alone over one step's tensors against one plain
@@ -91,6 +93,30 @@ class NaiveMonitor:
 CONFIGS = ("plain", "default", "full", "naive")
 
 
+class AmaxFloor:
+    """The least a what-if monitor must do: one amax pass per activation, weight and gradient per
+    step (by the same one-pass kernel), nothing else, for the plain model. Its step time over the
+    plain one is the floor of any what-if overhead on this machine."""
+
+    def __init__(self, model):
+        self.amaxes: list[float] = []
+        for mod in model.modules():
+            if isinstance(mod, torch.nn.Linear):
+                mod.register_forward_pre_hook(self._pre)
+                mod.register_forward_hook(self._post)
+
+    def _pre(self, mod, args):
+        self.amaxes.append(native.amax(args[0]))
+        self.amaxes.append(native.amax(mod.weight))
+
+    def _post(self, mod, args, out):
+        node, nr = out.grad_fn, out.output_nr
+        node.register_prehook(lambda grads: self.amaxes.append(native.amax(grads[nr])) and None)
+
+    def step(self, loss=None, **kw):
+        self.amaxes.clear()
+
+
 def make_setups(fp8: str, tmp: str, size: dict, configs=CONFIGS):
     out = {}
     for cfg in configs:
@@ -99,6 +125,8 @@ def make_setups(fp8: str, tmp: str, size: dict, configs=CONFIGS):
             mon = None
         elif cfg == "naive":
             mon = NaiveMonitor(setup.model, os.path.join(tmp, f"{fp8}-naive.jsonl"))
+        elif cfg == "floor":
+            mon = AmaxFloor(setup.model)
         else:
             recipe = setup.recipe or train.make_recipe(argparse.Namespace(**{**vars(setup.args), "fp8": "delayed"}))
             kw = {} if cfg == "default" else {"every": 1}  # "default": the Monitor's own defaults
@@ -195,12 +223,14 @@ def main() -> int:
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu; one-pass CPU stats kernel: "
           f"{native.status()}")
     with tempfile.TemporaryDirectory() as tmp:
-        configs = ("plain", "default") if args.only_default else CONFIGS
         models = args.models.split(",")
         for fp8, label in (("delayed", "tiny GPT, emulated FP8 (delayed scaling)"),
                            ("off", "tiny GPT, plain FP32, what-if stats")):
             if fp8 not in models:
                 continue
+            configs = ("plain", "default") if args.only_default else CONFIGS
+            if fp8 == "off":
+                configs += ("floor",)
             setups = make_setups(fp8, tmp, size, configs)
             t, pr = time_interleaved(setups, args.rounds, args.block, args.warmup)
             for _, m in setups.values():
@@ -210,12 +240,15 @@ def main() -> int:
             print(f"\n{label}: {n} monitored tensors, median step time")
             print(f"  plain (no monitor)        {t['plain'] * 1e3:8.1f} ms")
             for k, label in (("default", "(a) default sampling"), ("full", "(b) full stats every step"),
-                             ("naive", "naive .item() hooks")):
+                             ("naive", "naive .item() hooks"), ("floor", "floor: amax pass per tensor")):
                 if k in t:
                     print(f"  {label:25s} {t[k] * 1e3:8.1f} ms   ratio {t[k] / t['plain']:.3f}x"
                           f"   paired {pr[k]:.3f}x")
             if "naive" in t:
                 print(f"  ours full / naive         {t['full'] / t['naive']:.3f}x")
+            if "floor" in t:
+                print(f"  (a) / floor               {t['default'] / t['floor']:.3f}x   paired "
+                      f"{pr['default'] / pr['floor']:.3f}x  (what the monitor adds beyond reading each tensor once)")
         if args.only_default:
             return 0
         tensors = step_tensors("delayed", size)
