@@ -10,10 +10,10 @@ stats matrix (what the monitor's writer thread does: step_records.tensor_batch) 
 with RunWriter; a training step is simulated by sleeping to the next --step-ms tick (a GPU step
 does not use the host CPU). "write time" = build + append, measured per step.
 
-Readers: one process per kind, started once after the writers; they open the run during a 15 s
-warm-up, then read only in the "with readers" phases and idle in the others (a quiet phase starts
-once every reader has finished its read in flight). The CLI reader runs each command as a fresh
-process, like a user typing.
+Readers: one process per kind, started once after the writers; they open the run during a
+warm-up (--warmup-s, 15 s), then read only in the "with readers" phases and idle in the others
+(a quiet phase starts once every reader has finished its read in flight). The CLI reader runs
+each command as a fresh process, like a user typing.
 """
 
 from __future__ import annotations
@@ -135,22 +135,22 @@ def reader(kind: str, run: str, ctl: str, out: str) -> None:
 
 
 def run_load(writers=8, tensors=2000, phase_s=6.0, rounds=3, step_ms=100.0, readers=("cli", "api", "dashboard"),
-             work: str | None = None) -> dict:
+             work: str | None = None, warmup_s: float = 15.0) -> dict:
     own = work is None
     work = Path(work or tempfile.mkdtemp(prefix="fp8load-"))
     try:
-        return _run_load(work, writers, tensors, phase_s, rounds, step_ms, readers)
+        return _run_load(work, writers, tensors, phase_s, rounds, step_ms, readers, warmup_s)
     finally:
         if own:  # ~1 GB per run: left behind, later runs measure the kernel's dirty-page writeback
             shutil.rmtree(work, ignore_errors=True)
 
 
-def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers) -> dict:
+def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers, warmup_s) -> dict:
     from fp8scope.store import new_manifest, write_manifest
 
     run = work / "run"
     write_manifest(run, new_manifest(world_size=writers))
-    warmup_s = 15.0 if readers else 0.0
+    warmup_s = warmup_s if readers else 0.0
     duration = phase_s * 2 * rounds + warmup_s + 10
     me = str(Path(__file__).resolve())
     wprocs = [subprocess.Popen([sys.executable, me, "--_writer", str(r), str(run), str(duration), str(step_ms),
@@ -161,8 +161,8 @@ def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers) -
     ctl = work / "ctl"
     ctl.mkdir()
     (ctl / "active").touch()  # warm-up: the readers open the run (not measured)
-    rprocs = [subprocess.Popen([sys.executable, me, "--_reader", kind, str(run), str(ctl), str(work / f"r-{kind}.json")],
-                               cwd=ROOT) for kind in readers]
+    rprocs = [subprocess.Popen([sys.executable, me, "--_reader", kind, str(run), str(ctl),
+                                str(work / f"r-{kind}.json")], cwd=ROOT) for kind in readers]
     time.sleep(warmup_s)
     phases = []  # (start, end, with_readers)
     try:
@@ -243,8 +243,8 @@ def _run_load(work: Path, writers, tensors, phase_s, rounds, step_ms, readers) -
         "paired_slowdown_p95_pct": paired(p95, 1),
         "paired_cpu_slowdown_median_pct": paired(statistics.median, 2),
         "slow_writes": slow_writes(),
-        "per_phase": [{"with_readers": f, "mean_ms": round(statistics.fmean(w), 3), "median_ms": round(statistics.median(w), 3),
-                       "max_ms": round(max(w), 1)}
+        "per_phase": [{"with_readers": f, "mean_ms": round(statistics.fmean(w), 3),
+                       "median_ms": round(statistics.median(w), 3), "max_ms": round(max(w), 1)}
                       for a, b, f in phases if (w := phase_writes(a, b, 1))],
         "reads": {k: sum(r["reads"] for r in reader_results if r["kind"] == k) for k in readers},
         "reader_errors": errors, "rows_written": final["tables"], "cpus": os.cpu_count(),
@@ -266,11 +266,12 @@ if __name__ == "__main__":
     ap.add_argument("--phase-s", type=float, default=6.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--step-ms", type=float, default=100.0)
+    ap.add_argument("--warmup-s", type=float, default=15.0, help="readers open the run first, unmeasured")
     ap.add_argument("--readers", default="cli,api,dashboard", help="comma-separated: cli, api, dashboard")
     ap.add_argument("--out")
     args = ap.parse_args()
     res = run_load(args.writers, args.tensors, args.phase_s, args.rounds, args.step_ms,
-                   readers=tuple(r for r in args.readers.split(",") if r))
+                   readers=tuple(r for r in args.readers.split(",") if r), warmup_s=args.warmup_s)
     print(json.dumps(res, indent=2))
     if args.out:
         Path(args.out).write_text(json.dumps(res, indent=2))

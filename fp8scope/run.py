@@ -10,9 +10,9 @@ import os
 import re
 from collections.abc import Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -20,6 +20,9 @@ from fp8scope.errors import RunError, UsageError
 from fp8scope.store.layout import compacted_path, list_streams, parquet_dir
 from fp8scope.store.manifest import read_manifest
 from fp8scope.store.merge import RunData, single_segment
+
+if TYPE_CHECKING:  # pandas is imported by pyarrow's to_pandas() when a frame is asked for: `info` never pays it
+    import pandas as pd
 
 Steps = range | tuple | list | None
 

@@ -144,3 +144,17 @@ def test_cli_bad_input_is_one_line_and_nonzero(args, needle, small_run, tmp_path
 def test_cli_doctor():
     r = _cli("doctor")
     assert r.returncode == 0 and "torch" in r.stdout and "transformer_engine" in r.stdout
+
+
+def test_cli_info_reads_a_run_without_importing_pandas_or_torch(small_run):
+    """`fp8scope info` beside a training job: no pandas (~0.2 s of CPU per call) and no torch on its
+    path; it prints the summary from Arrow alone."""
+    code = textwrap.dedent(f"""
+        import sys
+        from fp8scope.cli.main import main
+        assert main(["info", {str(small_run)!r}]) == 0
+        print("IMPORTED", sorted(m for m in ("pandas", "torch") if m in sys.modules))
+    """)
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "IMPORTED []" in r.stdout, r.stdout[-500:]

@@ -233,7 +233,8 @@ def test_live_run_gains_steps(page, env):
     root = env["root"]
     # far more steps than the test needs (it is terminated below): a run that finishes while the page
     # loads would read "finished", and 400 steps of this model take ~5 s on a fast core
-    proc = subprocess.Popen([PY, *TRAIN, "--steps", "100000", "--run-dir", str(root / "live")], env=_env(), cwd=ROOT_DIR,
+    proc = subprocess.Popen([PY, *TRAIN, "--steps", "100000", "--run-dir", str(root / "live")], env=_env(),
+                            cwd=ROOT_DIR,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         deadline = time.time() + 90

@@ -46,7 +46,8 @@ def test_cheap_message_falls_back_where_the_template_cannot_say_it():
     other = cheap_tensor_message(3, 0, np.ones((2, len(CHEAP_FIELDS))), [5, 6], [4, 4], KEYS, cache)
     assert other is not None and batch_of_message(other[0], TENSOR_SCHEMA).num_rows == 2
     again = cheap_tensor_message(4, 0, np.full((3, len(CHEAP_FIELDS)), 2.0), [0, 1, 2], [4, 4, 4], KEYS, cache)
-    assert again[0] == cheap_tensor_batch(4, 0, np.full((3, 4), 2.0), [0, 1, 2], [4, 4, 4], KEYS, {}).serialize().to_pybytes()
+    want = cheap_tensor_batch(4, 0, np.full((3, 4), 2.0), [0, 1, 2], [4, 4, 4], KEYS, {})
+    assert again[0] == want.serialize().to_pybytes()
 
 
 def test_scalar_message_is_the_serialized_batch_nan_loss_included():

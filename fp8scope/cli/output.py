@@ -5,12 +5,14 @@ from __future__ import annotations
 import json
 import math
 import sys
-from typing import Any, Iterable
+from typing import TYPE_CHECKING, Any, Iterable
 
-import pandas as pd
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+if TYPE_CHECKING:  # the commands that print no frame (info) do not import pandas (~0.3 s per call)
+    import pandas as pd
 
 
 def console() -> Console:
@@ -27,7 +29,7 @@ def human_size(n: int) -> str:
 
 
 def fmt_value(v: Any) -> str:
-    if v is None or (isinstance(v, float) and math.isnan(v)) or v is pd.NA:
+    if v is None or (isinstance(v, float) and math.isnan(v)) or v is getattr(sys.modules.get("pandas"), "NA", None):
         return "-"
     if isinstance(v, float):
         if v == 0 or math.isinf(v):
@@ -37,6 +39,8 @@ def fmt_value(v: Any) -> str:
 
 
 def print_frame(df: pd.DataFrame, title: str | None = None, columns: Iterable[str] | None = None) -> None:
+    import pandas as pd
+
     cols = list(columns) if columns is not None else list(df.columns)
     table = Table(title=title, show_lines=False)
     for c in cols:

@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import queue
 import threading
-import time
 import warnings
 from typing import Any, Callable, Sequence
 

@@ -65,7 +65,9 @@ class _StreamState:
         t = pa.Table.from_batches(batches)
         if len(batches) > 1 and self.combine:
             t = t.combine_chunks()
-        seg = pa.array(np.full(t.num_rows, self.file.segment, dtype=np.int32))
+        # from_buffers: pa.array() on a numpy array would import pandas (~0.2 s per CLI call) to look at it
+        seg = pa.Array.from_buffers(pa.int32(), t.num_rows,
+                                    [None, pa.py_buffer(np.full(t.num_rows, self.file.segment, dtype=np.int32))])
         self.chunks.append(t.append_column(pa.field(SEGMENT, pa.int32()), seg))
         return True
 

@@ -19,7 +19,7 @@ def test_readers_never_fail_under_8_writers(tmp_path):
     except Exception:
         readers = ("cli", "api")
     res = mod.run_load(writers=8, tensors=2000, phase_s=4.0, rounds=1, step_ms=100.0, readers=readers,
-                       work=str(tmp_path))
+                       work=str(tmp_path), warmup_s=5.0)
     assert res["reader_errors"] == [], res["reader_errors"][:5]
     assert all(res["reads"][k] >= 1 for k in readers), res["reads"]
     assert res["rows_written"]["tensors"] >= 8 * 2000 * 10
