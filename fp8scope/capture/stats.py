@@ -189,10 +189,15 @@ def _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax) -> list[flo
     lib = native.kernel(wait=False)
     if lib is None:
         return None
-    s, i = _f32_buffer(scale), _f32_buffer(scale_inv)
-    if s.device.type != "cpu" or i.device.type != "cpu":
-        return None
-    n_scale, n_inv = _per_row(s, x), _per_row(i, x)
+    if type(scale) is float and type(scale_inv) is float:  # host scaling states: no tensor to make
+        s_buf, i_buf = (ctypes.c_float * 2)(scale, scale_inv), None
+        s_ptr, i_ptr, n_scale, n_inv = ctypes.addressof(s_buf), ctypes.addressof(s_buf) + 4, 1, 1
+    else:
+        s, i = _f32_buffer(scale), _f32_buffer(scale_inv)
+        if s.device.type != "cpu" or i.device.type != "cpu":
+            return None
+        n_scale, n_inv = _per_row(s, x), _per_row(i, x)
+        s_ptr, i_ptr = s.data_ptr(), i.data_ptr()
     if n_scale is None or n_inv is None or (deq is not None and deq.numel() != x.numel()):
         return None
     xc = x.detach()
@@ -206,8 +211,8 @@ def _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax) -> list[flo
     rows = max(n_scale, n_inv)
     n = xc.numel()
     res = (ctypes.c_double * 10)()
-    lib.fp8s_full_stats(xc.data_ptr(), code, rows, n // rows, s.data_ptr(), n_scale,
-                        i.data_ptr(), n_inv, None if d is None else d.data_ptr(), fmt.max,
+    lib.fp8s_full_stats(xc.data_ptr(), code, rows, n // rows, s_ptr, n_scale,
+                        i_ptr, n_inv, None if d is None else d.data_ptr(), fmt.max,
                         saturation_floor(fmt), fmt.underflow_threshold, _emin(fmt), fmt.mantissa_bits,
                         torch.get_num_threads(), res)
     n_nan, n_inf, nonzero, over, sat, above_under, sq_err, sq_sig, min_nz, tensor_max = res

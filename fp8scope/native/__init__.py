@@ -64,12 +64,23 @@ def _compiler() -> str | None:
     return shutil.which(cc) or shutil.which("gcc")
 
 
+def _flags() -> list[str]:
+    """``_FLAGS``, plus 512-bit vectors where the CPU has AVX-512: gcc and clang prefer 256-bit ones
+    by default even there, and the full-stats pass is compute-bound (15 % faster measured on the
+    tiny GPT's tensors, 5.3 -> 4.5 ms a step)."""
+    flags = list(_FLAGS)
+    if platform.machine() in ("x86_64", "AMD64") and " avx512f" in _cpu_signature():
+        flags.insert(2, "-mprefer-vector-width=512")
+    return flags
+
+
 def _build() -> ctypes.CDLL:
     cc = _compiler()
     if cc is None:
         raise RuntimeError("no C compiler found (set CC)")
     src = _SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cc] + _FLAGS).encode() + _cpu_signature().encode()).hexdigest()[:16]
+    flags = _flags()
+    key = hashlib.sha256(src + " ".join([cc] + flags).encode() + _cpu_signature().encode()).hexdigest()[:16]
     out = _cache_dir() / f"fused_stats-{key}.so"
     if not out.exists():
         try:
@@ -81,7 +92,7 @@ def _build() -> ctypes.CDLL:
         fd, tmp = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=where)
         os.close(fd)
         try:
-            r = subprocess.run([cc, *_FLAGS, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
+            r = subprocess.run([cc, *flags, "-o", tmp, str(_SOURCE), "-lm"], capture_output=True, text=True,
                                timeout=120)
             if r.returncode != 0:
                 errors = [ln for ln in (r.stderr or r.stdout).splitlines() if "error" in ln] or ["(no message)"]
