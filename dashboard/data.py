@@ -494,13 +494,14 @@ class Rollup:
         A rank so far behind that recomputing from its bucket would re-read more than
         ``UPDATE_ROWS`` rows is taken for stalled and left out; if it logs again, ``update``'s row
         count check sees rows land in a final bucket and the caller rebuilds, as before."""
-        b = self.a["b"]
+        a = self.a
+        b = a["b"]
         newest = int(b[-1])
         for bucket in sorted({s // self.g for s in self.rank_last.values()}):
             if bucket >= newest:
                 break
             k = int(np.searchsorted(b, bucket))
-            if int(self.a["n"][k:].sum()) <= UPDATE_ROWS:
+            if int(a["n"][k:].sum()) <= UPDATE_ROWS:
                 return bucket
         return newest
 

@@ -190,8 +190,8 @@ def _full_native(x, scale, scale_inv, expected_amax, fmt, deq, amax) -> list[flo
     if lib is None:
         return None
     if type(scale) is float and type(scale_inv) is float:  # host scaling states: no tensor to make
-        s_buf, i_buf = (ctypes.c_float * 2)(scale, scale_inv), None
-        s_ptr, i_ptr, n_scale, n_inv = ctypes.addressof(s_buf), ctypes.addressof(s_buf) + 4, 1, 1
+        buf = (ctypes.c_float * 2)(scale, scale_inv)  # alive until the call below returns
+        s_ptr, i_ptr, n_scale, n_inv = ctypes.addressof(buf), ctypes.addressof(buf) + 4, 1, 1
     else:
         s, i = _f32_buffer(scale), _f32_buffer(scale_inv)
         if s.device.type != "cpu" or i.device.type != "cpu":

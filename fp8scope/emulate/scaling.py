@@ -371,9 +371,7 @@ class ScalingState:
         hook, where the interpreter is cold after the layer's matmul and costs ~10x more."""
         if self._pending:
             self._host_update()
-        self._la = self._ring[self._head] = amax
-        self._last_amax = None
-        self._pending = True
+        self.record_amax(amax)
         return amax, self._s, self._si, self._e
 
     def begin_values(self, x: torch.Tensor, record: bool = True) -> tuple:
