@@ -176,12 +176,11 @@ def cheap_tensor_message(
     builds the batch with :func:`cheap_tensor_batch`."""
     if np.isnan(rows).any():
         return None
-    kids = np.asarray(key_ids, dtype=np.int64)
-    sig = ("cheap-message", rank, kids.tobytes(), np.asarray(numels, dtype=np.float64).tobytes())
+    sig = ("cheap-message", rank, tuple(key_ids), tuple(numels))
     entry = cache.get(sig)
     if entry is None:
         batch = cheap_tensor_batch(step, rank, rows, key_ids, numels, keys, cache)
-        if batch.num_rows != len(kids):  # merged micro-batch captures
+        if batch.num_rows != len(key_ids):  # merged micro-batch captures
             entry = False
         else:
             try:

@@ -73,6 +73,43 @@ def test_whatif_cheap_steps_follow_delayed_scaling_of_the_logged_amaxes(mlp, tmp
     assert (grad.amax > 0).all() and grad.amax.nunique() == 8  # a real gradient each step
 
 
+def test_whatif_output_role_and_no_grad_forwards(mlp, tmp_path):
+    """The ``output`` role and ``capture_no_grad=True`` on plain layers, on a full step (0) and a
+    cheap one (1): the no-grad forward's captures merge into the step's rows (calls 2, the larger
+    amax), and the output rows hold the layer's real output amax."""
+    x = torch.randn(8, 16, generator=torch.Generator().manual_seed(3))
+    with fp8scope.Monitor(mlp, tmp_path / "r", tensors=("activation", "weight", "output", "gradient"),
+                          capture_no_grad=True, every=2, detect=False, full_on_anomaly=0) as mon:
+        for _ in range(2):
+            mlp(x).pow(2).mean().backward()
+            mlp.zero_grad()
+            with torch.no_grad():
+                mlp(x * 2)  # no optimizer step: the same weights, twice the input
+            mon.step()
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert len(df) == 2 * 3 * 4
+    fwd = df[df.tensor != "gradient"]
+    assert set(fwd.calls) == {2} and set(df[df.tensor == "gradient"].calls) == {1}
+    with torch.no_grad():
+        want = float(mlp(x * 2).abs().max())
+    out = df[(df.layer == "head") & (df.tensor == "output")].sort_values("step")
+    assert list(out.full) == [True, False]
+    assert out.amax.tolist() == pytest.approx([want, want], rel=1e-6)
+
+
+def test_deepcopy_of_a_whatif_monitored_model_shares_the_monitor(mlp, tmp_path):
+    """A copy of a monitored model (shadow replicas, EMA copies) keeps the hooks as functions are
+    kept: no copy of the monitor (its locks cannot be copied), and the copy still trains."""
+    import copy
+
+    with fp8scope.Monitor(mlp, tmp_path / "r", detect=False) as mon:
+        train(mlp, mon, steps=1)
+        twin = copy.deepcopy(mlp)
+        train(twin, None, steps=1)
+        train(mlp, mon, steps=1)
+    assert sorted(fp8scope.load_run(tmp_path / "r").tensors().step.unique()) == [0, 1]
+
+
 def test_every_gives_full_stats_only_on_multiples_and_steps_limits_capture(mlp, tmp_path):
     with fp8scope.Monitor(mlp, tmp_path / "r", every=3, steps=(2, 7), full_on_anomaly=0) as mon:
         train(mlp, mon, steps=9)

@@ -16,6 +16,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, field
+from itertools import chain
 from typing import Any
 
 import numpy as np
@@ -24,7 +25,6 @@ import torch
 from fp8scope.capture.stats import CHEAP_FIELDS, cheap_row, cheap_vector, full_row
 from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
-
 
 _graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
 
@@ -85,7 +85,7 @@ class StepCollector:
         self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
         self._caps: list[tuple[Any, int, int]] = []  # (stats row, key id, numel) in execution order
         self._recomputed: list[tuple[torch.Tensor, int, int]] = []  # forwards re-run inside backward
-        self._deferred: list[Any] = []  # scaling states whose update runs at the step's end (defer_update)
+        self._banks: dict[int, Any] = {}  # id(recipe) -> HostDelayedBank: what-if states, updated at the step's end
         self.step = 0
         self.full = True
         self.active = True
@@ -111,7 +111,9 @@ class StepCollector:
             return True
         return torch.is_grad_enabled() if grad_enabled is None else grad_enabled
 
-    def _key(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int:
+    def key_id(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int:
+        """The id of the tensor (layer, role), made on its first capture: an adapter with a fast path
+        of its own keeps it and hands rows over with :meth:`record_rows`."""
         kid = self._key_ids.get((layer, role))
         if kid is None:
             with self._lock:
@@ -145,7 +147,7 @@ class StepCollector:
         derive the scale); cheap steps then cost no pass over the tensor at all. Returns the amax
         that full stats measured on the host (NaN-propagating), else None: a what-if state can
         record it instead of reading the tensor a second time."""
-        kid = self._key(layer, role, source, fmt, tuple(x.shape))
+        kid = self.key_id(layer, role, source, fmt, tuple(x.shape))
         if self.full:
             vec = full_row(x, scale, scale_inv, expected_amax, fmt, deq=deq, amax=amax)
         else:
@@ -161,19 +163,33 @@ class StepCollector:
         the least work: with host floats (CPU states) the tuple itself is the row."""
         kid = self._key_ids.get((layer, role))
         if kid is None:
-            kid = self._key(layer, role, source, fmt, tuple(x.shape))
+            kid = self.key_id(layer, role, source, fmt, tuple(x.shape))
         if type(values[0]) is not float:  # device states: one small stack on the device
             values = cheap_vector(x, values[1], values[2], values[3], amax=values[0])
         self._append(role, values, kid, x.numel())
 
-    def defer_update(self, state: Any) -> None:
-        """Run ``state.update()`` when this step ends (a what-if state that recorded an amax): one
-        warm loop over the step's states instead of an update inside every hook."""
-        self._deferred.append(state)
+    def record_rows(self, rows: list, forward: bool) -> None:
+        """Cheap-step captures an adapter made itself: ``(row, key id, numel)`` each, ``row`` the
+        host-float tuple ``(amax, scale, scale_inv, expected_amax)``; ``forward``: captured in a
+        forward (activation, weight, output), which counts aside when it is a recomputation."""
+        if forward and _in_backward():
+            self._recomputed.extend(rows)
+        else:
+            self._caps.extend(rows)  # one call: atomic, so no lock between hook threads
+
+    def host_bank(self, recipe: Any) -> Any:
+        """The :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank` shared by the what-if
+        tensors under ``recipe``; its pending updates run when each step ends."""
+        bank = self._banks.get(id(recipe))
+        if bank is None:
+            from fp8scope.emulate.scaling_bank import HostDelayedBank
+
+            bank = self._banks[id(recipe)] = HostDelayedBank(recipe)
+        return bank
 
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
         """A row from an amax someone else computed (e.g. TE's amax history), no tensor at hand."""
-        kid = self._key(layer, role, source, fmt, tuple(shape))
+        kid = self.key_id(layer, role, source, fmt, tuple(shape))
         dev = amax.device if isinstance(amax, torch.Tensor) else torch.device("cpu")
         vec = cheap_vector(torch.zeros(0, device=dev), scale, scale_inv, expected_amax, amax=amax)
         if self.full:  # a full step's rows are full-width; the counts stay unknown (NaN)
@@ -186,10 +202,10 @@ class StepCollector:
     def end_step(self, scalars: dict[str, Any]) -> StepPayload:
         """Stack this step's stats and scalar tensors and start the single host transfer."""
         with self._lock:
-            caps, recomputed, deferred = self._caps, self._recomputed, self._deferred
-            self._caps, self._recomputed, self._deferred = [], [], []
-        for state in deferred:
-            state.update()  # a no-op for a state already updated (captured twice this step)
+            caps, recomputed = self._caps, self._recomputed
+            self._caps, self._recomputed = [], []
+        for bank in self._banks.values():
+            bank.update()  # TE's timing: the step's recorded amaxes give the next step's scales
         vecs = [c[0] for c in caps]
         rows = [c[1] for c in caps]
         numels = [c[2] for c in caps]
@@ -227,7 +243,7 @@ class StepCollector:
         if first is None and all(t.is_cpu for t in tensor_scalars):
             # everything already on the host (CPU kernel, host scaling states, CPU scalars): one numpy
             # array, no torch op at all (.item() of a CPU tensor is a memory read, not a sync)
-            flat = np.array(vecs, dtype=np.float64).reshape(-1) if vecs else np.zeros(0)
+            flat = np.fromiter(chain.from_iterable(vecs), dtype=np.float64) if vecs else np.zeros(0)
             if tensor_scalars:
                 flat = np.concatenate([flat, np.array([t.item() for t in tensor_scalars], dtype=np.float64)])
             return torch.from_numpy(flat), None

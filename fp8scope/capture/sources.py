@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from fp8scope.formats import Fp8Format, format_of_dtype, get_format, recipe_format
+from fp8scope.native import amax as native_amax
 
 
 class Sink(Protocol):
@@ -57,9 +58,16 @@ class Sink(Protocol):
     def record_values(self, layer: str, role: str, source: str, fmt: Fp8Format, x: torch.Tensor,
                       values: tuple) -> None: ...
 
-    def defer_update(self, state: Any) -> None: ...
+    def record_rows(self, rows: list, forward: bool) -> None: ...
+
+    def key_id(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int: ...
+
+    def host_bank(self, recipe: Any) -> Any: ...
 
     full: bool  # this step takes full stats
+    active: bool  # this step is captured at all
+    roles: frozenset  # the tensor roles captured
+    capture_no_grad: bool  # forwards under no_grad are captured too
 
 
 Handle = Callable[[], None]  # undoes one attachment
@@ -159,58 +167,140 @@ class WhatIfSource:
 
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
+        handle = module.register_forward_hook(_WhatIfTap(layer, sink, recipe).forward_hook)
+        return handle.remove
+
+
+class _WhatIfTap:
+    """One plain Linear's what-if capture, from a single forward hook: the activation, weight
+    (and output) when the layer has run, then a pre-hook on the output's autograd node for the
+    gradient.
+
+    Delayed scaling of CPU tensors lives in the collector's shared
+    :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank`: a cheap step's capture is one amax
+    pass and one ``bank.record`` call, and the step's updates run together when the step ends.
+    Other recipes and devices keep a :class:`~fp8scope.emulate.ScalingState` per tensor."""
+
+    def __init__(self, layer: str, sink: Sink, recipe: Any):
+        from fp8scope.emulate import DelayedScaling
+
+        self.layer, self.sink, self.recipe = layer, sink, recipe
+        fwd, bwd = recipe_format(recipe.fp8_format, "forward"), recipe_format(recipe.fp8_format, "backward")
+        self.fmts = {"activation": fwd, "weight": fwd, "output": fwd, "gradient": bwd}
+        self.bank = sink.host_bank(recipe) if isinstance(recipe, DelayedScaling) else None
+        self.slots: dict[str, int] = {}  # role -> bank slot (CPU tensors, delayed scaling)
+        self.kids: dict[str, int] = {}  # role -> the collector's key id, for the bank's fast path
+        self.states: dict[str, Any] = {}  # role -> ScalingState (other devices, other recipes)
+        self._grad_hooks: dict[int, Callable] = {}  # output_nr -> the node pre-hook, made once
+
+    def __deepcopy__(self, memo: dict) -> "_WhatIfTap":
+        # A copy of the model (a shadow fork's replica, the user's deepcopy) keeps the hook as it
+        # would keep a function: the same tap, not a copy of the monitor behind it.
+        return self
+
+    def forward_hook(self, mod, args, output) -> None:
+        sink = self.sink
+        if not sink.active:
+            return
+        try:
+            roles = sink.roles
+            if sink.capture_no_grad or torch.is_grad_enabled():
+                rows: list = []
+                x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
+                if x is not None and "activation" in roles:
+                    self.capture("activation", x, rows)
+                if "weight" in roles:
+                    self.capture("weight", mod.weight, rows)
+                if "output" in roles and isinstance(output, torch.Tensor):
+                    self.capture("output", output, rows)
+                if rows:
+                    sink.record_rows(rows, forward=True)
+            if "gradient" in roles:
+                out = output[0] if isinstance(output, (tuple, list)) else output
+                if isinstance(out, torch.Tensor) and out.requires_grad:
+                    self._hook_gradient(out)
+        except Exception as exc:  # a monitor problem must not reach training
+            sink.fail(exc)
+
+    def _hook_gradient(self, out: torch.Tensor) -> None:
+        node = out.grad_fn
+        if node is None:  # a leaf (cannot come out of a layer, but hook it the tensor way if it does)
+            out.register_hook(lambda grad: self._on_grad(grad) and None)
+            return
+        # A pre-hook on the node that made ``out`` sees the gradient of ``out`` as that node's
+        # backward receives it (after any tensor hook of the user's); registering it is cheaper
+        # than ``Tensor.register_hook`` and it runs every forward, so it is made once per output_nr.
+        nr = out.output_nr
+        hook = self._grad_hooks.get(nr)
+        if hook is None:
+            def hook(grads: tuple) -> None:  # returning None leaves the gradients untouched
+                grad = grads[nr]
+                if grad is not None:
+                    self._on_grad(grad)
+
+            self._grad_hooks[nr] = hook
+        node.register_prehook(hook)
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        sink = self.sink
+        if not sink.active:
+            return
+        try:
+            rows: list = []
+            self.capture("gradient", grad, rows)
+            if rows:
+                sink.record_rows(rows, forward=False)
+        except Exception as exc:
+            sink.fail(exc)
+
+    def capture(self, role: str, x: torch.Tensor, rows: list) -> None:
+        """One tensor. A cheap step on a bank slot appends its row to ``rows`` (the caller hands
+        them to the collector together); everything else reports to the collector itself, after
+        the rows gathered so far, so the execution order holds."""
+        slot = self.slots.get(role)
+        if slot is not None and not self.sink.full and x.is_cpu:
+            a = native_amax(x)  # the one pass over the tensor; None where the kernel does not apply
+            if a is not None:
+                rows.append((self.bank.record(slot, a), self.kids[role], x.numel()))
+                return
+        if rows:
+            self.sink.record_rows(list(rows), forward=role != "gradient")
+            rows.clear()
+        self._report(role, x.detach())
+
+    def _report(self, role: str, x: torch.Tensor) -> None:
+        """The general path: first captures, full steps, tensors the amax kernel does not take,
+        devices other than the CPU, recipes other than delayed scaling."""
         from fp8scope.emulate import ScalingState, tensor_amax
-        from fp8scope.native import amax as native_amax
 
-        fwd_fmt = recipe_format(recipe.fp8_format, "forward")
-        bwd_fmt = recipe_format(recipe.fp8_format, "backward")
-        states: dict[str, ScalingState] = {}
-
-        def report(role: str, x: torch.Tensor, fmt: Fp8Format) -> None:
-            state = states.get(role)
-            if state is None:
-                state = states[role] = ScalingState(recipe, fmt, device=x.device)
-            if not sink.full:  # the cheap-step path, every tensor every step: the least work
-                if state.defers_amax and x.is_cpu:
-                    # delayed scaling in host floats: the amax is this hook's only pass over x; the
-                    # state's update waits for the step's end (collector.defer_update)
-                    a = native_amax(x)
-                    if a is None:
-                        a = tensor_amax(x.detach()).item()  # a CPU tensor: a memory read, no sync
-                    sink.record_values(layer, role, "whatif", fmt, x, state.record_now(a))
-                    sink.defer_update(state)
-                    return
-                sink.record_values(layer, role, "whatif", fmt, x, state.begin_values(x, record=True))
-                return
-            x = x.detach()
-            if state.defers_amax:
-                # delayed scaling on the CPU: the scales do not depend on this tensor, so full stats
-                # measure its amax in their single pass and the state records that one
-                scale, scale_inv, expected = state.begin_deferred()
+        sink, layer, fmt = self.sink, self.layer, self.fmts[role]
+        slot = self.slots.get(role)
+        if slot is not None and not x.is_cpu:  # the model moved off the CPU: its own state from here
+            self.states[role] = self.bank.to_state(slot, fmt)
+            del self.slots[role]
+            slot = None
+        elif slot is None and role not in self.states:  # first capture of this tensor
+            if self.bank is not None and x.is_cpu:
+                slot = self.slots[role] = self.bank.add(fmt)
+                self.kids[role] = sink.key_id(layer, role, "whatif", fmt, tuple(x.shape))
+            else:
+                self.states[role] = ScalingState(self.recipe, fmt, device=x.device)
+        if slot is not None:
+            if sink.full:
+                # delayed scaling: the scales do not depend on this tensor, so full stats measure
+                # its amax in their single pass and the bank records that one
+                scale, scale_inv, expected = self.bank.scales(slot)
                 measured = sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
-                state.record_amax(measured if measured is not None else tensor_amax(x).item())
-                return
-            amax, scale, scale_inv, expected = state.begin_values(x, record=True)
-            sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected, amax=amax)
-
-        def pre_hook(mod, args):
-            x = _first_tensor(args)
-            if x is not None and sink.wants("activation"):
-                report("activation", x, fwd_fmt)
-            if sink.wants("weight"):
-                report("weight", mod.weight, fwd_fmt)
-
-        on_grad = guarded(sink, lambda g: report("gradient", g, bwd_fmt))  # made once, hooked every forward
-
-        def post_hook(mod, args, output):
-            if sink.wants("output") and isinstance(output, torch.Tensor):
-                report("output", output, fwd_fmt)
-            if sink.wants("gradient"):
-                _hook_output_gradient(output, on_grad)
-
-        h1 = module.register_forward_pre_hook(guarded(sink, pre_hook))
-        h2 = module.register_forward_hook(guarded(sink, post_hook))
-        return lambda: (h1.remove(), h2.remove())
+                self.bank.record_amax(slot, measured if measured is not None else tensor_amax(x).item())
+            else:  # a CPU tensor the kernel does not take: reading it is no device sync
+                sink.record_values(layer, role, "whatif", fmt, x, self.bank.record(slot, tensor_amax(x).item()))
+            return
+        state = self.states[role]
+        if not sink.full:
+            sink.record_values(layer, role, "whatif", fmt, x, state.begin_values(x, record=True))
+            return
+        amax, scale, scale_inv, expected = state.begin_values(x, record=True)
+        sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected, amax=amax)
 
 
 # ---------------------------------------------------------------------------------------

@@ -115,6 +115,17 @@ class ScalingState:
         self._host = self._device.type == "cpu" and self._host_allowed
         self._init_tensors(self._device)
 
+    @classmethod
+    def from_host(cls, recipe: DelayedScaling, fmt: Fp8Format, history: list[float], scale: float,
+                  scale_inv: float, expected_amax: float, kept: bool, pending: bool, updates: int) -> "ScalingState":
+        """A host-mode state with this history (row 0 first) and these scales (a
+        :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank` slot going on alone)."""
+        state = cls(recipe, fmt, host=True)
+        state._set_host_history(list(history))
+        state._s, state._si, state._e, state._k = scale, scale_inv, expected_amax, kept
+        state._pending, state.updates = pending, updates
+        return state
+
     # ---- state -------------------------------------------------------------------------
     def _init_tensors(self, device: torch.device) -> None:
         n = self.recipe.amax_history_len if self.delayed else 1
@@ -339,40 +350,11 @@ class ScalingState:
             return self._la, self._s, self._si, self._e
         return self._last_amax, self._scale, self._scale_inv, self._expected
 
-    @property
-    def defers_amax(self) -> bool:
-        """True when :meth:`begin_deferred` applies: delayed scaling kept in host floats."""
-        return self._host and self.delayed
-
-    def begin_deferred(self) -> tuple[float, float, float]:
-        """``begin(x, record=True)`` in two halves, for a caller that reads ``x`` anyway: this applies
-        the pending update and returns ``(scale, scale_inv, expected_amax)`` (delayed scaling's scales
-        do not depend on ``x``); :meth:`record_amax` then records ``x``'s amax. Host mode only."""
-        if not self.defers_amax:
-            raise RuntimeError("begin_deferred needs delayed scaling in host mode (see defers_amax)")
-        self.update()
-        return self._s, self._si, self._e
-
     def record_amax(self, amax: float) -> None:
-        """Second half of :meth:`begin_deferred`: ``amax`` (NaN-propagating) of the tensor just scaled."""
+        """Record ``amax`` (NaN-propagating) of the tensor just scaled for the next update."""
         self._la, self._last_amax = float(amax), None
         self._ring[self._head] = float(amax)
         self._pending = True
-
-    def record_now(self, amax: float) -> tuple:
-        """The cheap-step half of :meth:`begin_values` for a caller that measured ``amax`` itself
-        (host-mode delayed scaling only, see :attr:`defers_amax`): applies an update still pending
-        from an earlier capture, records ``amax`` and returns ``(amax, scale, scale_inv,
-        expected_amax)``.
-
-        The update that ``amax`` itself makes pending is left to :meth:`update`, which the monitor
-        calls for all of a step's states at the step's end (TE's own timing): the same scales as
-        the lazy update, but the work runs once per step in a tight loop instead of inside each
-        hook, where the interpreter is cold after the layer's matmul and costs ~10x more."""
-        if self._pending:
-            self._host_update()
-        self.record_amax(amax)
-        return amax, self._s, self._si, self._e
 
     def begin_values(self, x: torch.Tensor, record: bool = True) -> tuple:
         """:meth:`begin` returning ``(amax, scale, scale_inv, expected_amax)``: Python floats in

@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("fused_stats.c")
-ABI_VERSION = 3  # fp8s_abi_version() of the source this module knows how to call
+ABI_VERSION = 4  # fp8s_abi_version() of the source this module knows how to call
 # -ffp-contract=off: no fused multiply-add, so the error of a dequantized value is taken from the
 # float32 value a consumer sees (as torch computes it), not from an exact intermediate
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
@@ -115,6 +115,9 @@ def _build() -> ctypes.CDLL:
     a = lib.amax_keep_gil = ctypes.PyDLL(str(out)).fp8s_amax
     a.argtypes = [p, ctypes.c_int, i64, ctypes.c_int]
     a.restype = ctypes.c_double
+    u = lib.delayed_update_keep_gil = ctypes.PyDLL(str(out)).fp8s_delayed_update  # microseconds too
+    u.argtypes = [i64, i64, ctypes.c_int] + [p] * 11
+    u.restype = None
     q = lib.fp8s_quant_dequant
     q.argtypes = [p, i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, p]
     q.restype = None
@@ -209,6 +212,12 @@ def _amax_fn():
         dtype_code(torch.float32)  # fills _DTYPE_CODES
         fn = _state["amax_fn"] = lib.amax_keep_gil
     return fn
+
+
+def delayed_update_fn():
+    """``fp8s_delayed_update`` of the loaded kernel (HostDelayedBank's update), or None."""
+    lib = kernel(wait=False) if enabled() else None
+    return None if lib is None else lib.delayed_update_keep_gil
 
 
 def build_in_background() -> None:

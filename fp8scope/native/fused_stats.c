@@ -297,4 +297,51 @@ void fp8s_quant_dequant(const float *x, int64_t n, float s, float iv, float fmax
     for (int64_t i = 0; i < n; i++) out[i] = quant_dequant(x[i], s, iv, fmax, emin, mbits);
 }
 
-int fp8s_abi_version(void) { return 3; }
+/* Delayed scaling's update (Transformer Engine's rule, see fp8scope/emulate/scaling.py) for the
+ * pending slots of a HostDelayedBank (fp8scope/emulate/scaling_bank.py), which keeps float32 values
+ * in doubles: slot i has a ring of `len` amaxes at ring[i * len ...] with row 0 at head[i], and the
+ * amax recorded this step in cur[i]. One call per step instead of a numpy pass per field: the
+ * what-if monitor runs it at every step's end, where the interpreter is cold.
+ *   roll when cur != 0 (NaN rolls); amax = max of the window from 0 ignoring NaN ("max", fmaxf) or
+ *   cur ("most_recent"); scale = scaled_max / amax in float32 when amax is finite and > 0 (+inf ->
+ *   FLT_MAX), else kept; scale_inv = 1 / scale in float32. */
+void fp8s_delayed_update(int64_t n, int64_t len, int most_recent, double *ring, int64_t *head, double *cur,
+                         int8_t *pending, const double *scaled_max, double *scale, double *scale_inv,
+                         double *expected, int8_t *kept, int64_t *updates, double *wmax) {
+    for (int64_t i = 0; i < n; i++) {
+        if (!pending[i]) continue;
+        const double last = cur[i];
+        double *r = ring + i * len;
+        float amax = 0.0f;
+        if (!(last == 0.0)) { /* NaN != 0: a NaN amax rolls in like any other */
+            r[head[i]] = last;
+            /* wmax[i]: max of the rows other than row 0, from 0, NaN ignored: with `last` it is
+             * the max of the whole window, in O(1) */
+            const double m = last > wmax[i] ? last : wmax[i];
+            amax = most_recent ? (float)last : (float)m;
+            head[i] = (head[i] + 1) % len; /* roll(h, -1): the oldest row becomes row 0, cleared */
+            const double dropped = r[head[i]];
+            r[head[i]] = 0.0;
+            if (dropped == m) { /* the max left the window: find the new one */
+                double w = 0.0;
+                for (int64_t j = 0; j < len; j++) w = r[j] > w ? r[j] : w;
+                wmax[i] = w;
+            } else {
+                wmax[i] = m;
+            }
+        }
+        const int valid = isfinite(amax) && amax > 0.0f;
+        if (valid) {
+            float sf = (float)scaled_max[i] / amax;
+            scale[i] = isinf(sf) ? FLT_MAX : sf;
+            expected[i] = amax;
+        }
+        scale_inv[i] = 1.0f / (float)scale[i];
+        kept[i] = !valid;
+        cur[i] = 0.0;
+        pending[i] = 0;
+        updates[i] += 1;
+    }
+}
+
+int fp8s_abi_version(void) { return 4; }
