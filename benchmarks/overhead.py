@@ -19,6 +19,7 @@ read pass (``x.abs().amax()``) over the same tensors.
 
     python benchmarks/overhead.py              # ~3-4 minutes on a 2-core CPU
     python benchmarks/overhead.py --quick      # smoke run
+    python benchmarks/overhead.py --models off --only-default --phases   # where what-if time goes
 """
 
 from __future__ import annotations
@@ -160,6 +161,40 @@ def time_interleaved(setups, rounds: int, block: int, warmup: int) -> tuple[dict
     return medians, paired
 
 
+PHASES = ("forward", "backward", "optimizer", "mon.step")
+
+
+def time_phases(setups, rounds: int, block: int, warmup: int) -> dict[str, dict[str, float]]:
+    """Mean ms per phase of a step (train_step's marks), per configuration, interleaved as
+    :func:`time_interleaved`: where a monitor's time goes in situ (the forward and backward
+    carry its hooks, ``mon.step`` its end of step)."""
+    spans: dict[str, list[list[float]]] = {k: [[] for _ in PHASES] for k in setups}
+    step = {k: 10**6 for k in setups}  # past the warm-up of the main timing: no first-step costs
+    order = list(setups)
+    for r in range(rounds + 1):
+        order = order[1:] + order[:1]
+        for k in order:
+            s, m = setups[k]
+            for _ in range(block if r else warmup):
+                marks: list[float] = []
+                train.train_step(s, step[k], m, marks=marks)
+                step[k] += 1
+                if r:  # round 0 warms up
+                    for i in range(len(PHASES)):
+                        spans[k][i].append(marks[i + 1] - marks[i])
+    return {k: {p: statistics.mean(v[i]) * 1e3 for i, p in enumerate(PHASES)} for k, v in spans.items()}
+
+
+def print_phases(phases: dict[str, dict[str, float]]) -> None:
+    print("  in situ, mean ms per phase (and extra over plain):")
+    base = phases["plain"]
+    for k, ph in phases.items():
+        cells = "  ".join(f"{p} {ph[p]:6.2f}" + (f" ({ph[p] - base[p]:+5.2f})" if k != "plain" else " " * 8)
+                          for p in PHASES)
+        total = sum(ph.values())
+        print(f"    {k:8s} {cells}  total {total:6.2f}" + (f" ({total - sum(base.values()):+5.2f})" if k != "plain" else ""))
+
+
 def step_tensors(fp8: str, size: dict):
     """The activations, weights and gradients of one training step, with their formats."""
     setup = train.build(fp8=fp8, quiet=True, **size)
@@ -215,6 +250,8 @@ def main() -> int:
                     help="which models: delayed (emulated FP8), off (plain FP32, what-if); default both")
     ap.add_argument("--only-default", action="store_true",
                     help="time plain and (a) only, and skip the stats-alone table (quicker A/B runs)")
+    ap.add_argument("--phases", action="store_true",
+                    help="also time the phases of a step (forward, backward, optimizer, mon.step) in situ")
     args = ap.parse_args()
     if args.quick:
         args.rounds, args.block, args.warmup = 2, 2, 1
@@ -233,6 +270,7 @@ def main() -> int:
                 configs += ("floor",)
             setups = make_setups(fp8, tmp, size, configs)
             t, pr = time_interleaved(setups, args.rounds, args.block, args.warmup)
+            phases = time_phases(setups, args.rounds, args.block, args.warmup) if args.phases else None
             for _, m in setups.values():
                 if isinstance(m, fp8scope.Monitor):
                     m.close()
@@ -249,6 +287,8 @@ def main() -> int:
             if "floor" in t:
                 print(f"  (a) / floor               {t['default'] / t['floor']:.3f}x   paired "
                       f"{pr['default'] / pr['floor']:.3f}x  (what the monitor adds beyond reading each tensor once)")
+            if phases is not None:
+                print_phases(phases)
         if args.only_default:
             return 0
         tensors = step_tensors("delayed", size)

@@ -93,24 +93,30 @@ def _first_tensor(args: tuple) -> torch.Tensor | None:
     return None
 
 
-def _hook_output_gradient(output: Any, on_grad: Callable[[torch.Tensor], None]) -> None:
-    """Call ``on_grad(grad_output)`` when autograd computes the gradient of ``output``."""
+def _hook_output_gradient(output: Any, on_grad: Callable[[torch.Tensor], None], made: dict | None = None) -> None:
+    """Call ``on_grad(grad_output)`` when autograd computes the gradient of ``output``.
+
+    ``made``: a dict in which the node pre-hook is kept per ``output_nr`` and reused, for a caller
+    that hooks every forward with the same ``on_grad``."""
     out = output[0] if isinstance(output, (tuple, list)) else output
     if isinstance(out, torch.Tensor) and out.requires_grad:
         node, nr = out.grad_fn, out.output_nr
         if node is None:  # a leaf (cannot come out of a layer, but hook it the tensor way if it does)
             out.register_hook(lambda grad: on_grad(grad) and None)
             return
-
         # A pre-hook on the node that made ``out`` sees the gradient of ``out`` as that node's
         # backward receives it (after any tensor hook of the user's). Registering it is cheaper than
         # ``Tensor.register_hook`` (no handle dict, no Python-side checks), and it runs every forward.
-        def _pre(grads: tuple) -> None:  # returning None leaves the gradients untouched
-            grad = grads[nr]
-            if grad is not None:
-                on_grad(grad)
+        pre = made.get(nr) if made is not None else None
+        if pre is None:
+            def pre(grads: tuple) -> None:  # returning None leaves the gradients untouched
+                grad = grads[nr]
+                if grad is not None:
+                    on_grad(grad)
 
-        node.register_prehook(_pre)
+            if made is not None:
+                made[nr] = pre
+        node.register_prehook(pre)
 
 
 # ---------------------------------------------------------------------------------------
@@ -216,30 +222,9 @@ class _WhatIfTap:
                 if rows:
                     sink.record_rows(rows, forward=True)
             if "gradient" in roles:
-                out = output[0] if isinstance(output, (tuple, list)) else output
-                if isinstance(out, torch.Tensor) and out.requires_grad:
-                    self._hook_gradient(out)
+                _hook_output_gradient(output, self._on_grad, self._grad_hooks)
         except Exception as exc:  # a monitor problem must not reach training
             sink.fail(exc)
-
-    def _hook_gradient(self, out: torch.Tensor) -> None:
-        node = out.grad_fn
-        if node is None:  # a leaf (cannot come out of a layer, but hook it the tensor way if it does)
-            out.register_hook(lambda grad: self._on_grad(grad) and None)
-            return
-        # A pre-hook on the node that made ``out`` sees the gradient of ``out`` as that node's
-        # backward receives it (after any tensor hook of the user's); registering it is cheaper
-        # than ``Tensor.register_hook`` and it runs every forward, so it is made once per output_nr.
-        nr = out.output_nr
-        hook = self._grad_hooks.get(nr)
-        if hook is None:
-            def hook(grads: tuple) -> None:  # returning None leaves the gradients untouched
-                grad = grads[nr]
-                if grad is not None:
-                    self._on_grad(grad)
-
-            self._grad_hooks[nr] = hook
-        node.register_prehook(hook)
 
     def _on_grad(self, grad: torch.Tensor) -> None:
         sink = self.sink

@@ -254,11 +254,14 @@ def open_shadow(setup: Setup, monitor: Any):
                   max_grad_norm=a.clip)
 
 
-def train_step(setup: Setup, step: int, monitor: Any = None, shadow: Any = None) -> tuple[torch.Tensor, torch.Tensor, float]:
+def train_step(setup: Setup, step: int, monitor: Any = None, shadow: Any = None,
+               marks: list | None = None) -> tuple[torch.Tensor, torch.Tensor, float]:
     """One optimizer step: forward, loss, backward, clip, AdamW, zero_grad, ``monitor.step``.
 
     With a ``shadow`` (fp8scope.Shadow) its ``after_step`` runs after backward and before
-    the optimizer step (the compare pass needs the weights the FP8 step used).
+    the optimizer step (the compare pass needs the weights the FP8 step used). ``marks``, if
+    given, receives ``time.perf_counter()`` at the start and after the forward (with the loss),
+    the backward, the optimizer and ``monitor.step`` (benchmarks/overhead.py ``--phases``).
 
     Returns (loss, grad_norm, lr); loss and grad_norm are 0-d tensors (no host sync).
     """
@@ -267,22 +270,33 @@ def train_step(setup: Setup, step: int, monitor: Any = None, shadow: Any = None)
     lr = setup.lr_at(step)
     for group in opt.param_groups:
         group["lr"] = lr
+    mark = marks.append if marks is not None else _no_mark
+    mark(time.perf_counter())
     x, y = setup.batches.next()
     if shadow is not None:
         loss = shadow.loss_fn(model, (x, y))
+        mark(time.perf_counter())
         loss.backward()
         shadow.after_step((x, y))
     else:
         with setup.autocast():
             logits = model(x)
         loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
+        mark(time.perf_counter())
         loss.backward()
+    mark(time.perf_counter())
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), setup.args.clip, foreach=True)
     opt.step()
     opt.zero_grad(set_to_none=True)
+    mark(time.perf_counter())
     if monitor is not None:
         monitor.step(loss=loss.detach(), grad_norm=grad_norm, lr=lr)
+    mark(time.perf_counter())
     return loss.detach(), grad_norm, lr
+
+
+def _no_mark(_t: float) -> None:
+    pass
 
 
 @dataclass
