@@ -40,6 +40,36 @@ def test_emulated_fp8_on_cuda_matches_cpu_semantics(tmp_path):
     assert up.loc[1, "scale"] == pytest.approx(448 / up.loc[0, "amax"], rel=1e-5)
 
 
+def test_whatif_scaling_follows_the_model_from_cpu_to_cuda(tmp_path):
+    """Plain layers trained on the CPU (the HostDelayedBank), then moved to CUDA: each tensor's
+    delayed scaling goes on from the same history on the device, so replaying every logged amax
+    through one fresh ScalingState gives every logged scale, before and after the move."""
+    from fp8scope.emulate import ScalingState
+    from fp8scope.formats import get_format
+
+    torch.manual_seed(0)
+    m = MLP()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    recipe = DelayedScaling(amax_history_len=3)
+    with fp8scope.Monitor(m, tmp_path / "r", every=10**9, recipe=recipe, full_on_anomaly=0, detect=False) as mon:
+        for step in range(8):
+            if step == 4:
+                m.cuda()  # the parameters move in place: the optimizer keeps them
+            loss = m(torch.randn(32, 16, device="cuda" if step >= 4 else "cpu")).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss=loss.detach())
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert len(df) == 8 * 9 and set(df.source) == {"whatif"}
+    for (layer, role), rows in df.groupby(["layer", "tensor"]):
+        ref = ScalingState(recipe, get_format("e5m2" if role == "gradient" else "e4m3"), host=True)
+        rows = rows.sort_values("step")
+        for amax, scale, scale_inv in zip(rows.amax, rows.scale, rows.scale_inv):
+            want = ref.begin_values(torch.tensor([amax], dtype=torch.float32))
+            assert (scale, scale_inv) == (want[1], want[2]), (layer, role)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs FP8 tensor cores (sm_89+)")
 def test_torchao_real_fp8_gemms(tmp_path):
