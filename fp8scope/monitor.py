@@ -274,7 +274,8 @@ class Monitor:
 
         ``step=N`` names the global step being ended (otherwise the monitor counts).
         Scalars (``loss=``, ``grad_norm=``, ``lr=``, any name) may be Python numbers or
-        0-d tensors; tensors are not synced, they travel with the step's single transfer.
+        0-d tensors; device tensors are not synced, they travel with the step's single transfer
+        (CPU tensors are read as floats: a memory read, not a sync).
         """
         if self._closed or not self.enabled:
             return

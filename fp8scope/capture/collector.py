@@ -206,9 +206,7 @@ class StepCollector:
             self._caps, self._recomputed = [], []
         for bank in self._banks.values():
             bank.update()  # TE's timing: the step's recorded amaxes give the next step's scales
-        vecs = [c[0] for c in caps]
-        rows = [c[1] for c in caps]
-        numels = [c[2] for c in caps]
+        vecs, rows, numels = (list(column) for column in zip(*caps)) if caps else ([], [], [])
         if recomputed:
             seen = set(rows)
             for vec, kid, numel in recomputed:
@@ -225,8 +223,11 @@ class StepCollector:
             if isinstance(value, torch.Tensor):
                 if value.numel() != 1:
                     raise ValueError(f"scalar {name!r} must be a single number, got shape {tuple(value.shape)}")
-                tensor_scalars.append(value.detach().reshape(1))
-                names.append(name)
+                if value.is_cpu:  # reading it is a memory read, not a device sync: it goes as a float
+                    host_scalars[name] = float(value.item())
+                else:  # travels with the step's single transfer
+                    tensor_scalars.append(value.detach().reshape(1))
+                    names.append(name)
             else:
                 host_scalars[name] = float(value)
         host, ready = self._host_array(vecs, tensor_scalars)
