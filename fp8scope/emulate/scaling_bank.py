@@ -140,30 +140,33 @@ class HostDelayedBank:
         self._update_all()
 
     def _update_one(self, slot: int) -> None:
-        # a second capture before the step's end: only this slot's update, in the same code
-        others = [i for i, p in enumerate(self.pending) if p and i != slot]
-        for i in others:
-            self.pending[i] = 0
-        self._update_all()
-        for i in others:
-            self.pending[i] = 1
+        # a second capture before the step's end (micro-batches): this slot's update alone, in
+        # O(1), since every capture of a gradient-accumulation step comes here
+        self._update_slots(slot, slot + 1)
 
     def _update_all(self) -> None:
+        self._update_slots(0, len(self.scale))
+
+    def _update_slots(self, lo: int, hi: int) -> None:
+        """The pending updates of slots ``lo`` to ``hi - 1``."""
         fn = native.delayed_update_fn()
-        if fn is not None:
-            if self._pointers is None:
-                self._pointers = tuple(a.buffer_info()[0] for a in (
+        if fn is None:
+            self._update_numpy(lo, hi)
+            return
+        if self._pointers is None:
+            self._pointers = tuple(
+                (a.buffer_info()[0], a.itemsize * (self.length if a is self._ring else 1)) for a in (
                     self._ring, self._head, self.cur, self.pending, self._scaled_max, self.scale, self.scale_inv,
                     self.expected, self.kept, self.updates, self._wmax))
-            fn(len(self.scale), self.length, int(self._most_recent), *self._pointers)
-            return
-        self._update_numpy()
+        if lo == 0:
+            fn(hi, self.length, int(self._most_recent), *(p for p, _ in self._pointers))
+        else:
+            fn(hi - lo, self.length, int(self._most_recent), *(p + lo * step for p, step in self._pointers))
 
-    def _update_numpy(self) -> None:
+    def _update_numpy(self, lo: int, hi: int) -> None:
         """The kernel's update as numpy operations on views of the same buffers (no C compiler)."""
         f64, n, length = np.float64, len(self.scale), self.length
-        pending = np.frombuffer(self.pending, dtype=np.int8).astype(bool)
-        idx = np.flatnonzero(pending)
+        idx = lo + np.flatnonzero(np.frombuffer(self.pending, dtype=np.int8)[lo:hi])
         ring = np.frombuffer(self._ring, dtype=f64).reshape(n, length)
         head = np.frombuffer(self._head, dtype=np.int64)
         cur = np.frombuffer(self.cur, dtype=f64)
