@@ -97,6 +97,18 @@ def test_whatif_output_role_and_no_grad_forwards(mlp, tmp_path):
     assert out.amax.tolist() == pytest.approx([want, want], rel=1e-6)
 
 
+def test_whatif_current_scaling_derives_each_scale_from_its_own_amax(mlp, tmp_path):
+    """Plain layers under CurrentScaling (a ScalingState per tensor, not the delayed bank): on full
+    and cheap steps alike, each row's scale is fp8_max / its own amax and the expected amax is it."""
+    with fp8scope.Monitor(mlp, tmp_path / "r", recipe=CurrentScaling(), every=2, detect=False,
+                          full_on_anomaly=0) as mon:
+        train(mlp, mon, steps=3)
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert len(df) == 3 * 9 and set(df.full) == {True, False} and (df.amax > 0).all()
+    assert df.scale.tolist() == pytest.approx((df.fp8_max / df.amax).tolist(), rel=1e-6)
+    assert df.expected_amax.tolist() == pytest.approx(df.amax.tolist(), rel=1e-6)
+
+
 def test_deepcopy_of_a_whatif_monitored_model_shares_the_monitor(mlp, tmp_path):
     """A copy of a monitored model (shadow replicas, EMA copies) keeps the hooks as functions are
     kept: no copy of the monitor (its locks cannot be copied), and the copy still trains."""
