@@ -241,12 +241,10 @@ class StepCollector:
         """The step's rows then its scalar tensors as one flat float64 host tensor, and the CUDA event
         that says the copy has landed (None when it is valid already)."""
         first = next((v for v in vecs if isinstance(v, torch.Tensor)), None)
-        if first is None and all(t.is_cpu for t in tensor_scalars):
-            # everything already on the host (CPU kernel, host scaling states, CPU scalars): one numpy
-            # array, no torch op at all (.item() of a CPU tensor is a memory read, not a sync)
+        if first is None and not tensor_scalars:
+            # everything already on the host (CPU kernel, host scaling states; CPU scalars came as
+            # floats): one numpy array, no torch op at all
             flat = np.fromiter(chain.from_iterable(vecs), dtype=np.float64) if vecs else np.zeros(0)
-            if tensor_scalars:
-                flat = np.concatenate([flat, np.array([t.item() for t in tensor_scalars], dtype=np.float64)])
             return torch.from_numpy(flat), None
         parts = tensor_scalars
         if vecs and first is None:
