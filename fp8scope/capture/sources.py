@@ -249,7 +249,7 @@ class _WhatIfTap:
                 rows.append((self.bank.record(slot, a), self.kids[role], x.numel()))
                 return
         if rows:
-            self.sink.record_rows(list(rows), forward=role != "gradient")
+            self.sink.record_rows(rows, forward=role != "gradient")  # extends: the list can be reused
             rows.clear()
         self._report(role, x.detach())
 

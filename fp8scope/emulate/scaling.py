@@ -62,6 +62,12 @@ def round_f32(v: float) -> float:
         return math.copysign(math.inf, v)
 
 
+def scaled_max(fmt: Fp8Format, margin: float) -> float:
+    """``fp8_max * 2**-margin`` rounded once to float32: TE's ``scaled_max``, the amax a scale of 1
+    corresponds to and the numerator of every delayed-scaling scale."""
+    return round_f32(fmt.max * 2.0 ** (-margin))
+
+
 class Scales(NamedTuple):
     """What one quantization uses. Unpacks as ``scale, scale_inv, expected_amax``."""
 
@@ -104,8 +110,7 @@ class ScalingState:
             raise TypeError(f"recipe must be DelayedScaling or CurrentScaling, got {type(recipe).__name__}")
         self.recipe = recipe
         self.fmt = get_format(fmt) if isinstance(fmt, str) else fmt
-        # fp8_max * 2**-margin, rounded once to float32 as TE's `scaled_max`.
-        self.scaled_max = float(torch.tensor(self.fmt.max * 2.0 ** (-recipe.margin), dtype=torch.float32))
+        self.scaled_max = scaled_max(self.fmt, recipe.margin)
         self.delayed = isinstance(recipe, DelayedScaling)
         self.updates = 0  # how many delayed-scaling updates ran (a host int, not a tensor)
         self._pending = False

@@ -23,23 +23,13 @@ Without the kernel, numpy views onto the same buffers do the update.
 from __future__ import annotations
 
 from array import array
-from typing import TYPE_CHECKING
 
 import numpy as np
 
 from .. import native
 from ..formats import Fp8Format
 from .recipes import DelayedScaling
-
-if TYPE_CHECKING:
-    from .scaling import ScalingState
-
-_FP32_MAX = float(np.finfo(np.float32).max)
-
-
-def _scaled_max(fmt: Fp8Format, margin: float) -> float:
-    """fp8_max * 2**-margin rounded once to float32 (TE's ``scaled_max``; ScalingState's too)."""
-    return float(np.float32(fmt.max * 2.0 ** (-margin)))
+from .scaling import _FP32_MAX, ScalingState, scaled_max
 
 
 class HostDelayedBank:
@@ -73,12 +63,9 @@ class HostDelayedBank:
         self._any_pending = False
         self._pointers: tuple | None = None  # the buffers' addresses for the kernel (until add() moves them)
 
-    def __len__(self) -> int:
-        return len(self.scale)
-
     def add(self, fmt: Fp8Format) -> int:
         """A new tensor's slot, in the initial state."""
-        sm = _scaled_max(fmt, self.recipe.margin)
+        sm = scaled_max(fmt, self.recipe.margin)
         self._ring.extend([0.0] * self.length)
         self._head.append(0)
         self._scaled_max.append(sm)
@@ -123,8 +110,6 @@ class HostDelayedBank:
     def to_state(self, slot: int, fmt: Fp8Format) -> ScalingState:
         """``slot``'s state as a :class:`ScalingState` of its own (a tensor that left the CPU goes
         on there, on its device, from the same history and scales)."""
-        from .scaling import ScalingState
-
         return ScalingState.from_host(self.recipe, fmt, self.history(slot), self.scale[slot], self.scale_inv[slot],
                                       self.expected[slot], bool(self.kept[slot]), bool(self.pending[slot]),
                                       self.updates[slot])
@@ -189,7 +174,7 @@ class HostDelayedBank:
             np.frombuffer(self._wmax, dtype=f64)[r] = np.fmax(np.fmax.reduce(ring[r], axis=1), 0.0)
         with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
             valid = np.isfinite(amax) & (amax > 0)
-            sf = (self._scaled_max_array()[idx] / np.where(valid, amax, 1.0)).astype(np.float32).astype(f64)
+            sf = (np.frombuffer(self._scaled_max, dtype=f64)[idx] / np.where(valid, amax, 1.0)).astype(np.float32).astype(f64)
             sf[np.isinf(sf)] = _FP32_MAX
             scale[idx] = np.where(valid, sf, scale[idx])
             scale_inv[idx] = (1.0 / scale[idx]).astype(np.float32)
@@ -198,6 +183,3 @@ class HostDelayedBank:
         cur[idx] = 0.0
         np.frombuffer(self.pending, dtype=np.int8)[idx] = 0
         np.frombuffer(self.updates, dtype=np.int64)[idx] += 1
-
-    def _scaled_max_array(self) -> np.ndarray:
-        return np.frombuffer(self._scaled_max, dtype=np.float64)
