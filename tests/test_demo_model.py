@@ -300,3 +300,12 @@ def test_monitored_cli_run_records_planted_outlier(tmp_path):
     amax = df[(df.layer == "blocks.1.mlp.down") & (df.tensor == "activation")].set_index("step")["amax"]
     assert sorted(amax.index) == list(range(6))
     assert amax[4] > 50 * amax[3] and amax[5] < 5 * amax[3]
+
+
+def test_train_step_marks_the_phases_of_a_step():
+    """``marks`` (benchmarks/overhead.py --phases) gets five timestamps, in order: start, after the
+    forward with the loss, the backward, the optimizer and the monitor's step."""
+    setup = demo_train.build(fp8="off", quiet=True, steps=2, **SMALL)
+    marks: list[float] = []
+    loss, _, _ = demo_train.train_step(setup, 0, None, marks=marks)
+    assert len(marks) == 5 and marks == sorted(marks) and math.isfinite(float(loss))
