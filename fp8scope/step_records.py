@@ -13,6 +13,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
+from fp8scope import native
+
 from fp8scope.capture.collector import TensorKey, widen_cheap_rows
 from fp8scope.capture.stats import CHEAP_FIELDS
 from fp8scope.schema import FIELD_INDEX, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
@@ -164,7 +166,7 @@ def cheap_tensor_batch(
 
 def cheap_tensor_message(
     step: int, rank: int, rows: np.ndarray, key_ids: Sequence[int], numels: Sequence[int],
-    keys: Sequence[TensorKey], cache: dict,
+    keys: Sequence[TensorKey], cache: dict, for_log: bool = False,
 ) -> "tuple[bytes, np.ndarray] | None":
     """The serialized IPC message of :func:`cheap_tensor_batch` for these rows, and each row's
     fp8_max, made by rewriting the step and the four float columns of the row list's last message
@@ -173,7 +175,10 @@ def cheap_tensor_message(
 
     None when the template does not apply: a NaN in the rows (stored as null, which changes the
     message's validity bitmaps) or several captures of one tensor (merged rows). The caller then
-    builds the batch with :func:`cheap_tensor_batch`."""
+    builds the batch with :func:`cheap_tensor_batch`.
+
+    ``for_log``: the rows came from the what-if row log; the template is kept for
+    :func:`cheap_log_message`, which fills it from the next steps' logs directly."""
     if np.isnan(rows).any():
         return None
     sig = ("cheap-message", rank, tuple(key_ids), tuple(numels))
@@ -197,7 +202,46 @@ def cheap_tensor_message(
     values: dict = {"step": step}
     for j, name in enumerate(CHEAP_FIELDS):
         values[name] = cols_major[j]
-    return template.fill(values), fp8_max
+    message = template.fill(values)
+    if for_log:
+        cache[("log-message", rank)] = _LogTemplate(template, key_ids, numels, fp8_max)
+    return message, fp8_max
+
+
+class _LogTemplate:
+    """A cheap message template kept for the row log, with what the kernel's fill needs: the rows'
+    key ids and numels to check the log against, each row's fp8_max, the columns' addresses."""
+
+    __slots__ = ("template", "n", "kid_numel", "fp8_max", "addresses")
+
+    def __init__(self, template, key_ids: Sequence[int], numels: Sequence[int], fp8_max: np.ndarray):
+        self.template, self.n = template, len(key_ids)
+        self.kid_numel = np.ascontiguousarray(np.column_stack([key_ids, numels]), dtype=np.float64).reshape(-1)
+        self.fp8_max = np.ascontiguousarray(fp8_max, dtype=np.float64)
+        self.addresses = (self.kid_numel.ctypes.data, self.fp8_max.ctypes.data,
+                          *(template.address(c) for c in ("step", *CHEAP_FIELDS)))
+
+
+def cheap_log_message(step: int, rank: int, logged, n_rows: int, cache: dict) -> "tuple[bytes, bool] | None":
+    """The serialized message of a cheap step whose rows are all the what-if row log's (``logged``:
+    an ``array`` of doubles, ``row_log.WIDTH`` per row), and whether the step is suspicious (the
+    writer's rule), by one kernel call that checks the rows against the template that
+    :func:`cheap_tensor_message` kept (``for_log``) and writes them into it. No numpy, pyarrow or
+    per-row Python: this runs in ``Monitor.step`` right after the optimizer, where the first call
+    of each library function costs 10-20 us.
+
+    None when it does not apply (no template kept yet, other rows, a NaN, no kernel): the caller
+    takes the general path, which keeps a template for the next step."""
+    entry = cache.get(("log-message", rank))
+    if entry is None or entry.n != n_rows:
+        return None
+    fill = native.fill_cheap_message_fn()
+    if fill is None:
+        return None
+    got = fill(logged.buffer_info()[0], n_rows, *entry.addresses[:2], step, *entry.addresses[2:])
+    if got < 0:
+        return None
+    return entry.template.message(), got == 1
 
 
 def scalar_message(
@@ -207,14 +251,13 @@ def scalar_message(
     with these names (a NaN loss is a value, not a null, so every step fits the template)."""
     key = ("message", tuple(names))
     template = cache.get(key)
-    vals = np.asarray(values, dtype=np.float64)
     if template is None:
-        template = MessageTemplate(scalar_batch(step, rank, names, vals, wall_time, cache),
-                                   ("step", "value", "time"))
+        template = MessageTemplate(scalar_batch(step, rank, names, np.asarray(values, dtype=np.float64), wall_time,
+                                                cache), ("step", "value", "time"))
         if len(cache) >= 32:
             cache.clear()
         cache[key] = template
-    return template.fill({"step": step, "value": vals, "time": wall_time})
+    return template.fill_numbers({"step": int(step), "value": values, "time": float(wall_time)})
 
 
 def scalar_batch(

@@ -32,7 +32,7 @@ import pyarrow as pa
 
 from fp8scope.capture.collector import StepPayload, TensorKey, cheap_rows, stats_matrix
 from fp8scope.schema import SCALAR_SCHEMA, TENSOR_SCHEMA
-from fp8scope.step_records import cheap_tensor_batch, cheap_tensor_message, scalar_batch, scalar_message, tensor_batch
+from fp8scope.step_records import cheap_log_message, cheap_tensor_batch, cheap_tensor_message, scalar_batch, scalar_message, tensor_batch
 from fp8scope.store.message_template import batch_of_message
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
@@ -243,11 +243,17 @@ class BackgroundWriter:
             if payload.n_rows:
                 tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, True,
                                        cache=self._identity_cache)
+        elif payload.logged is not None and (
+                got := cheap_log_message(payload.step, self.rank, payload.logged, payload.n_rows, self._identity_cache)):
+            # a what-if step on the CPU, rows straight from the row log into the last message
+            tensors, tail = got[0], ()
+            if got[1]:
+                self.suspicious_step = payload.step
         else:  # cheap step: the last message with this row list, rewritten; else the cached columns
             rows, tail = cheap_rows(payload)
             if payload.n_rows:
                 got = cheap_tensor_message(payload.step, self.rank, rows, payload.key_ids, payload.numels,
-                                           self._keys, self._identity_cache)
+                                           self._keys, self._identity_cache, for_log=payload.logged is not None)
                 if got is not None:
                     tensors, fp8_max = got
                     amax, scale_inv = rows[:, 0], rows[:, 2]

@@ -67,3 +67,49 @@ def test_template_refuses_columns_it_cannot_rewrite():
     t = MessageTemplate(b, ["i"])
     got = pa.ipc.read_record_batch(pa.ipc.read_message(pa.py_buffer(t.fill({"i": np.array([7, 9])}))), b.schema)
     assert got.column("i").to_pylist() == [7, 9] and got.column("s").to_pylist() == ["x", "y"]
+
+
+def test_log_message_is_the_serialized_batch_and_flags_suspicious_steps():
+    """The kernel's fill from the what-if row log (step_records.cheap_log_message): after the general
+    path kept the template, the same bytes as the batch built the ordinary way, the writer's
+    suspicious rule, and None (the general path) for a NaN, other rows or no template."""
+    from array import array
+
+    from fp8scope import native
+    from fp8scope.capture.row_log import WIDTH
+    from fp8scope.step_records import cheap_log_message
+    from fp8scope.writer_thread import BackgroundWriter
+
+    if native.fill_cheap_message_fn() is None and native.kernel() is None:
+        pytest.skip("no C compiler: the kernel fill does not exist")
+    rng = np.random.default_rng(1)
+    kids, numels = [4, 0, 1, 2, 3, 5, 6, 7, 8], [16, 16, 16, 16, 16, 16, 16, 16, 32]
+    fp8_max = np.array([KEYS[k].fp8_max for k in kids])
+
+    def logged(rows, kids=kids, numels=numels):
+        full = np.column_stack([rows, kids, numels, np.zeros(len(kids))])
+        assert full.shape[1] == WIDTH
+        return array("d", full.reshape(-1).tolist())
+
+    cache: dict = {}
+    rows = np.abs(rng.standard_normal((len(kids), 4)))
+    assert cheap_log_message(0, 2, logged(rows), len(kids), cache) is None  # no template kept yet
+    assert cheap_tensor_message(0, 2, rows, kids, numels, KEYS, cache, for_log=True) is not None
+    for step in range(1, 8):
+        rows = np.abs(rng.standard_normal((len(kids), 4))) * 10.0 ** rng.integers(-20, 20)
+        if step == 3:
+            rows[2, 0] = np.inf
+        if step == 5:
+            rows[4, 0] = 9 * rows[4, 2] * fp8_max[4]  # an amax 9x what the scale can represent
+        got = cheap_log_message(step * 1000 + 7, 2, logged(rows), len(kids), cache)
+        want = cheap_tensor_batch(step * 1000 + 7, 2, rows, kids, numels, KEYS, {})
+        assert got is not None and got[0] == want.serialize().to_pybytes(), step
+        assert got[1] == BackgroundWriter._suspicious(rows[:, 0], rows[:, 2], fp8_max) == (step in (3, 5))
+    nan = rows.copy()
+    nan[1, 3] = np.nan
+    assert cheap_log_message(9, 2, logged(nan), len(kids), cache) is None
+    swapped = kids[:2][::-1] + kids[2:]
+    assert cheap_log_message(9, 2, logged(rows, kids=swapped), len(kids), cache) is None
+    assert cheap_log_message(9, 2, logged(rows, numels=[16] * len(kids)), len(kids), cache) is None
+    assert cheap_log_message(9, 2, logged(rows[:3], kids[:3], numels[:3]), 3, cache) is None
+    assert cheap_log_message(9, 3, logged(rows), len(kids), cache) is None  # another rank's writer

@@ -7,6 +7,7 @@ import shutil
 import time
 import warnings
 
+import pandas as pd
 import pytest
 import torch
 
@@ -42,6 +43,48 @@ def test_emulated_and_whatif_layers_are_captured_in_execution_order(mlp, tmp_pat
     scal = fp8scope.load_run(tmp_path / "r").scalars()
     assert set(scal.name) == {"loss", "lr"} and len(scal) == 6
 
+
+def test_mixed_layers_keep_execution_order_on_cheap_steps(mlp, tmp_path):
+    """Cheap steps, where the plain layer's captures go through the kernel's row log and the
+    emulated layers' through the collector's list: merged back, the rows are in execution order."""
+    convert_to_fp8(mlp, recipe=DelayedScaling(amax_history_len=4), skip=["down"])
+    with fp8scope.Monitor(mlp, tmp_path / "r", every=10**9, detect=False, full_on_anomaly=0) as mon:
+        train(mlp, mon, steps=3)
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    want = [("up", "activation"), ("up", "weight"), ("down", "activation"), ("down", "weight"),
+            ("head", "activation"), ("head", "weight"),
+            ("head", "gradient"), ("down", "gradient"), ("up", "gradient")]
+    for step in (1, 2):
+        rows = df[df.step == step].sort_values("order")
+        assert list(zip(rows.layer, rows.tensor)) == want and not rows.full.any()
+        assert set(rows[rows.layer == "down"].source) == {"whatif"} and (rows.amax > 0).all()
+
+
+@pytest.mark.parametrize("model,micro", [("plain", 1), ("plain", 2), ("mixed", 1), ("mixed", 2)])
+def test_whatif_rows_are_the_same_with_and_without_the_kernel(tmp_path, model, micro):
+    """The kernel's capture (amax, record, row log; for a plain model and one capture per tensor
+    also the kernel's message fill) and the Python path (torch amax, bank.record, the collector's
+    list, the message template) log the same rows: the same amaxes, scales and order, step by step."""
+    from fp8scope import native
+
+    frames = []
+    for on in (True, False):
+        old = native.set_enabled(on)
+        try:
+            torch.manual_seed(0)
+            net = MLP()
+            if model == "mixed":
+                convert_to_fp8(net, recipe=DelayedScaling(amax_history_len=4), skip=["head"])
+            with fp8scope.Monitor(net, tmp_path / f"r{on}", every=4, detect=False, full_on_anomaly=0,
+                                  recipe=DelayedScaling(amax_history_len=3)) as mon:
+                train(net, mon, steps=6, micro=micro)
+            frames.append(fp8scope.load_run(tmp_path / f"r{on}").tensors().sort_values(["step", "order"]))
+        finally:
+            native.set_enabled(old)
+    cols = ["step", "layer", "tensor", "calls", "amax", "scale", "scale_inv", "expected_amax", "numel"]
+    a, b = (f[cols].reset_index(drop=True) for f in frames)
+    assert len(a) == 6 * 9
+    pd.testing.assert_frame_equal(a, b, check_exact=False, rtol=1e-6)
 
 
 @pytest.mark.parametrize("micro", [1, 3])
@@ -265,14 +308,24 @@ def test_disabled_monitor_is_a_no_op(mlp, tmp_path):
     assert not (tmp_path / "r").exists()
 
 
-def test_a_clipped_cheap_step_triggers_full_stats_on_the_next_steps(mlp, tmp_path):
-    convert_to_fp8(mlp, recipe=DelayedScaling(amax_history_len=4))
+@pytest.mark.parametrize("layers,kernel", [("emulated", True), ("whatif", True), ("whatif", False)])
+def test_a_clipped_cheap_step_triggers_full_stats_on_the_next_steps(mlp, tmp_path, layers, kernel):
+    """Emulated layers, and plain ones by the kernel's row-log path and by the Python path."""
+    from fp8scope import native
+
+    if layers == "emulated":
+        convert_to_fp8(mlp, recipe=DelayedScaling(amax_history_len=4))
 
     def spike(step, x):
         return x * 1000 if step == 5 else x  # an outlier the delayed scale cannot represent
 
-    with fp8scope.Monitor(mlp, tmp_path / "r", every=100, full_on_anomaly=2) as mon:
-        train(mlp, mon, steps=9, poison=spike)
+    old = native.set_enabled(kernel)
+    try:
+        with fp8scope.Monitor(mlp, tmp_path / "r", every=100, full_on_anomaly=2,
+                              recipe=DelayedScaling(amax_history_len=4)) as mon:
+            train(mlp, mon, steps=9, poison=spike)
+    finally:
+        native.set_enabled(old)
     df = fp8scope.load_run(tmp_path / "r").tensors()
     assert sorted(df[df.full].step.unique()) == [0, 6, 7]  # step 0 by `every`, 6-7 after the spike at 5
     up = df[(df.layer == "up") & (df.tensor == "activation")].set_index("step")

@@ -153,3 +153,68 @@ def test_bank_slot_goes_on_as_a_scaling_state():
 def test_bank_needs_delayed_scaling():
     with pytest.raises(TypeError):
         HostDelayedBank(CurrentScaling())
+
+
+def _tensor_with_amax(v: float, dtype=torch.float32) -> torch.Tensor:
+    """A small tensor whose max |x| is ``v`` (NaN, Inf and 0 included)."""
+    return torch.tensor([0.25 * v if math.isfinite(v) else 0.0, -v, 0.0], dtype=torch.float32).to(dtype)
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=steps_strategy, hist=st.integers(1, 6), algo=st.sampled_from(["max", "most_recent"]),
+       capacity=st.integers(1, 8))
+def test_kernel_capture_is_record_plus_a_logged_row(steps, hist, algo, capacity):
+    """fp8s_bank_capture (the what-if cheap capture) against bank.record on a twin bank: the same
+    row, the key id, numel and ``after`` it was given, the same state after each update; a full log
+    refuses the capture (nothing recorded, the caller records it the Python way) and grows."""
+    from fp8scope.capture.row_log import RowLog
+
+    fn = native.bank_capture_fn()
+    if fn is None:
+        pytest.skip("no C compiler: the kernel capture does not exist")
+    recipe = DelayedScaling(amax_history_len=hist, amax_compute_algo=algo)
+    bank, twin, log = HostDelayedBank(recipe), HostDelayedBank(recipe), RowLog(capacity)
+    bank.attach_log(log)
+    slots = [(bank.add(f), twin.add(f)) for f in (E4M3, E4M3, E5M2)]
+    refused = 0
+    for step in steps:
+        want, python_rows = [], 0
+        for k in range(2):
+            for i, ((s, t), amaxes) in enumerate(zip(slots, step)):
+                if k < len(amaxes):
+                    x = _tensor_with_amax(amaxes[k])
+                    row = list(twin.record(t, amaxes[k]))
+                    if fn(bank.ctx_address, x.data_ptr(), 0, x.numel(), s, 10 + i, python_rows) < 0:
+                        bank.record(s, float(x.abs().max()))  # what the tap does then
+                        python_rows += 1
+                        refused += 1
+                    else:
+                        want.append(row + [10 + i, 3, python_rows])
+        got = log.take()
+        assert same(list(got) if got is not None else [], [v for r in want for v in r])
+        bank.update(captured=True)
+        twin.update()
+        for s, t in slots:
+            assert same(bank.history(s), twin.history(t))
+            assert (bank.scale[s], bank.scale_inv[s], bank.kept[s]) == (twin.scale[t], twin.scale_inv[t], twin.kept[t])
+    assert (log.meta[1] > capacity) == (refused > 0)
+
+
+def test_kernel_capture_reads_half_precision_and_large_tensors():
+    """bf16 / fp16 tensors and one large enough to be split over threads: the amax is the tensor's."""
+    from fp8scope.capture.row_log import RowLog
+
+    fn = native.bank_capture_fn()
+    if fn is None:
+        pytest.skip("no C compiler: the kernel capture does not exist")
+    bank, log = HostDelayedBank(DelayedScaling()), RowLog()
+    bank.attach_log(log)
+    log.set_threads(2)
+    s = bank.add(E4M3)
+    big = torch.randn(1 << 18)
+    big[123_457] = -40.0
+    for x in (_tensor_with_amax(3.5, torch.bfloat16), _tensor_with_amax(-0.75, torch.float16), big):
+        assert fn(bank.ctx_address, x.data_ptr(), native.dtype_code(x.dtype), x.numel(), s, 0, 0) > 0
+    got = list(log.take())
+    assert got[0::7] == [3.5, 0.75, 40.0] and got[5::7] == [3, 3, 1 << 18]
+    assert log.take() is None

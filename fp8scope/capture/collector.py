@@ -22,20 +22,13 @@ from typing import Any
 import numpy as np
 import torch
 
+from fp8scope import native
+from fp8scope.capture.autograd_phase import in_backward
+from fp8scope.capture.row_log import KEY, NUMEL, RowLog
+from fp8scope.capture.row_log import WIDTH as ROW_WIDTH
 from fp8scope.capture.stats import CHEAP_FIELDS, cheap_row, cheap_vector, full_row
 from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
-
-_graph_task_id = getattr(torch._C, "_current_graph_task_id", None)
-
-
-def _in_backward() -> bool:
-    """True while autograd runs a backward pass on this thread (e.g. checkpoint recomputation)."""
-    try:
-        return _graph_task_id is not None and _graph_task_id() != -1
-    except Exception:
-        return False
-
 
 _AMAX = FIELD_INDEX["amax"]
 
@@ -66,10 +59,23 @@ class StepPayload:
     scalar_names: list[str]  # names of the scalar tensors at the tail of ``host``
     host_scalars: dict[str, float] = field(default_factory=dict)  # scalars given as Python numbers
     numels: list[int] = field(default_factory=list)  # per stats row (cheap rows carry no numel on device)
+    # A cheap step whose rows are all the kernel's captures: the row log's rows (array of doubles,
+    # row_log.WIDTH per row), from which expand() makes key_ids, numels and host when a reader
+    # needs them; the writer's own fast path (step_records.cheap_log_message) reads them as they are.
+    logged: Any = None
 
     def wait(self) -> None:
         if self.ready is not None:
             self.ready.synchronize()
+
+    def expand(self) -> None:
+        """Fill ``key_ids``, ``numels`` and ``host`` from ``logged`` (once; a no-op otherwise)."""
+        if self.logged is None or self.host is not None:
+            return
+        rows = np.frombuffer(self.logged, dtype=np.float64).reshape(self.n_rows, ROW_WIDTH)
+        self.key_ids = rows[:, KEY].astype(np.int64).tolist()
+        self.numels = rows[:, NUMEL].astype(np.int64).tolist()
+        self.host = torch.from_numpy(np.ascontiguousarray(rows[:, :len(CHEAP_FIELDS)]).reshape(-1))
 
 
 class StepCollector:
@@ -83,9 +89,13 @@ class StepCollector:
         self.keys: list[TensorKey] = []
         self._key_ids: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
-        self._caps: list[tuple[Any, int, int]] = []  # (stats row, key id, numel) in execution order
+        # (stats row, key id, numel) in execution order; the what-if kernel captures, which go to
+        # ``row_log``, note its length to keep their place
+        self.caps: list[tuple[Any, int, int]] = []
         self._recomputed: list[tuple[torch.Tensor, int, int]] = []  # forwards re-run inside backward
         self._banks: dict[int, Any] = {}  # id(recipe) -> HostDelayedBank: what-if states, updated at the step's end
+        self.row_log: RowLog | None = None  # rows of the banks' kernel captures (made with the first bank)
+        self.bank_capture: Any = None  # the kernel's capture function while there is a bank (see host_bank)
         self.step = 0
         self.full = True
         self.active = True
@@ -99,6 +109,8 @@ class StepCollector:
         self.full = step % self.every == 0 or self.force_full > 0
         if self.force_full > 0:
             self.force_full -= 1
+        if self.row_log is not None:  # looked up per step: the kernel may finish building, or be switched off
+            self.bank_capture = native.bank_capture_fn()
         lo, hi = self.steps if self.steps is not None else (None, None)
         self.active = self.enabled and (lo is None or step >= lo) and (hi is None or step < hi)
 
@@ -113,7 +125,7 @@ class StepCollector:
 
     def key_id(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int:
         """The id of the tensor (layer, role), made on its first capture: an adapter with a fast path
-        of its own keeps it and hands rows over with :meth:`record_rows`."""
+        of its own keeps it (the what-if tap's kernel captures write it into their rows)."""
         kid = self._key_ids.get((layer, role))
         if kid is None:
             with self._lock:
@@ -129,10 +141,10 @@ class StepCollector:
         # Activation checkpointing re-runs forwards during backward. Those captures go aside and
         # only count for tensors the step has no ordinary capture of (use_reentrant=True runs the
         # first forward under no_grad, where nothing was captured): no double counting either way.
-        if role != "gradient" and _in_backward():
+        if role != "gradient" and in_backward():
             self._recomputed.append((vec, kid, numel))
         else:
-            self._caps.append((vec, kid, numel))  # one append: atomic, so no lock between hook threads
+            self.caps.append((vec, kid, numel))  # one append: atomic, so no lock between hook threads
 
     def fail(self, exc: BaseException) -> None:
         """Replaced by the Monitor (warn once, stop capturing); the default just stops."""
@@ -168,23 +180,20 @@ class StepCollector:
             values = cheap_vector(x, values[1], values[2], values[3], amax=values[0])
         self._append(role, values, kid, x.numel())
 
-    def record_rows(self, rows: list, forward: bool) -> None:
-        """Cheap-step captures an adapter made itself: ``(row, key id, numel)`` each, ``row`` the
-        host-float tuple ``(amax, scale, scale_inv, expected_amax)``; ``forward``: captured in a
-        forward (activation, weight, output), which counts aside when it is a recomputation."""
-        if forward and _in_backward():
-            self._recomputed.extend(rows)
-        else:
-            self._caps.extend(rows)  # one call: atomic, so no lock between hook threads
-
     def host_bank(self, recipe: Any) -> Any:
         """The :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank` shared by the what-if
-        tensors under ``recipe``; its pending updates run when each step ends."""
+        tensors under ``recipe``; its pending updates run when each step ends, and its kernel
+        captures append to :attr:`row_log`."""
         bank = self._banks.get(id(recipe))
         if bank is None:
             from fp8scope.emulate.scaling_bank import HostDelayedBank
 
+            if self.row_log is None:
+                self.row_log = RowLog()
+                self.row_log.set_threads(torch.get_num_threads())
             bank = self._banks[id(recipe)] = HostDelayedBank(recipe)
+            bank.attach_log(self.row_log)
+            self.bank_capture = native.bank_capture_fn()
         return bank
 
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
@@ -202,10 +211,25 @@ class StepCollector:
     def end_step(self, scalars: dict[str, Any]) -> StepPayload:
         """Stack this step's stats and scalar tensors and start the single host transfer."""
         with self._lock:
-            caps, recomputed = self._caps, self._recomputed
-            self._caps, self._recomputed = [], []
+            caps, recomputed = self.caps, self._recomputed
+            self.caps, self._recomputed = [], []
+        logged = None
+        if self.row_log is not None:
+            logged = self.row_log.take()
+            self.row_log.set_threads(torch.get_num_threads())
         for bank in self._banks.values():
-            bank.update()  # TE's timing: the step's recorded amaxes give the next step's scales
+            # TE's timing: the step's recorded amaxes give the next step's scales
+            bank.update(captured=logged is not None)
+        tensor_scalars, names, host_scalars = self._scalars(scalars)
+        if logged is not None and not caps and not recomputed and not tensor_scalars:
+            # only the kernel's captures (a what-if model on the CPU): the log is the step's rows,
+            # handed over as they are (no numpy here: see RowLog.take)
+            return StepPayload(
+                step=self.step, full=self.full, wall_time=time.time(), key_ids=None, n_rows=len(logged) // ROW_WIDTH,
+                host=None, ready=None, scalar_names=names, host_scalars=host_scalars, numels=None, logged=logged,
+            )
+        if logged is not None:
+            caps = _merge_logged(caps, np.frombuffer(logged, dtype=np.float64).reshape(-1, ROW_WIDTH))
         vecs, rows, numels = (list(column) for column in zip(*caps)) if caps else ([], [], [])
         if recomputed:
             seen = set(rows)
@@ -214,6 +238,16 @@ class StepCollector:
                     vecs.append(vec)
                     rows.append(kid)
                     numels.append(numel)
+        host, ready = self._host_array(vecs, tensor_scalars)
+        return StepPayload(
+            step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows), host=host,
+            ready=ready, scalar_names=names, host_scalars=host_scalars, numels=numels,
+        )
+
+    @staticmethod
+    def _scalars(scalars: dict[str, Any]) -> tuple[list[torch.Tensor], list[str], dict[str, float]]:
+        """The step's scalars split into device tensors (they travel with the step's transfer) and
+        their names, and host numbers."""
         tensor_scalars: list[torch.Tensor] = []
         names: list[str] = []
         host_scalars: dict[str, float] = {}
@@ -225,16 +259,12 @@ class StepCollector:
                     raise ValueError(f"scalar {name!r} must be a single number, got shape {tuple(value.shape)}")
                 if value.is_cpu:  # reading it is a memory read, not a device sync: it goes as a float
                     host_scalars[name] = float(value.item())
-                else:  # travels with the step's single transfer
+                else:
                     tensor_scalars.append(value.detach().reshape(1))
                     names.append(name)
             else:
                 host_scalars[name] = float(value)
-        host, ready = self._host_array(vecs, tensor_scalars)
-        return StepPayload(
-            step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows), host=host,
-            ready=ready, scalar_names=names, host_scalars=host_scalars, numels=numels,
-        )
+        return tensor_scalars, names, host_scalars
 
     @staticmethod
     def _host_array(vecs: list, tensor_scalars: list[torch.Tensor]):
@@ -272,8 +302,24 @@ class StepCollector:
         return host, ready
 
 
+def _merge_logged(caps: list, logged: np.ndarray) -> list:
+    """``caps`` with the row log's captures put back in their places (a row's ``after``: how many
+    of ``caps`` came before it), as ``(row tuple, key id, numel)`` entries like theirs."""
+    merged: list = []
+    taken = 0
+    for amax, scale, scale_inv, expected, kid, numel, after in logged.tolist():
+        after = int(after)
+        if after > taken:
+            merged.extend(caps[taken:after])
+            taken = after
+        merged.append(((amax, scale, scale_inv, expected), int(kid), int(numel)))
+    merged.extend(caps[taken:])
+    return merged
+
+
 def cheap_rows(payload: StepPayload) -> tuple["Any", "Any"]:
     """A cheap step's (n_rows, len(CHEAP_FIELDS)) rows, as captured, and the scalar values."""
+    payload.expand()
     arr = payload.host.numpy()
     n = payload.n_rows * len(CHEAP_FIELDS)
     return arr[:n].reshape(payload.n_rows, len(CHEAP_FIELDS)), arr[n:]
@@ -284,6 +330,7 @@ def stats_matrix(payload: StepPayload) -> tuple["Any", "Any"]:
 
     Full steps carry full-width rows; cheap steps carry only ``CHEAP_FIELDS`` per row on the
     device, widened here (numel comes from the host-side shapes, the counts stay NaN)."""
+    payload.expand()
     if not payload.full:
         rows, tail = cheap_rows(payload)
         return widen_cheap_rows(rows, payload.numels), tail

@@ -12,12 +12,14 @@ that claims it:
 - ``TransformerEngineSource``: TE ``Linear`` / ``LayerNormLinear`` / ``LayerNormMLP``;
   delayed scaling is read from ``fp8_meta`` (../shared/fp8-reference.md §3), other
   recipes are derived from the tensor as TE's current scaling does. Imported lazily.
-- ``WhatIfSource``: any other ``nn.Linear`` in BF16/FP32. A private
-  :class:`~fp8scope.emulate.ScalingState` per tensor simulates the chosen recipe, so the
-  stats say what FP8 *would* do to this tensor.
+- ``WhatIfSource``: any other ``nn.Linear`` in BF16/FP32. The chosen recipe is simulated on
+  the real tensors (delayed scaling of CPU tensors in the collector's shared
+  :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank`, else a
+  :class:`~fp8scope.emulate.ScalingState` per tensor), so the stats say what FP8 *would* do.
 
-Every adapter reports through ``sink.record(...)`` (the step collector) and never
-computes anything when the sink is inactive. Gradients (grad_output) are caught with a
+Every adapter reports through ``sink.record(...)`` (the step collector), or for what-if
+cheap captures through the kernel's row log, and never computes anything when the sink is
+inactive. Gradients (grad_output) are caught with a
 hook on the module's output tensor, which fires with exactly the gradient the layer's
 backward receives.
 """
@@ -30,8 +32,11 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
+from fp8scope.capture.autograd_phase import in_backward
 from fp8scope.formats import Fp8Format, format_of_dtype, get_format, recipe_format
-from fp8scope.native import amax as native_amax
+from fp8scope.native import dtype_codes
+
+_DTYPE_CODES = dtype_codes()  # torch dtype -> the kernel's element type
 
 
 class Sink(Protocol):
@@ -58,12 +63,13 @@ class Sink(Protocol):
     def record_values(self, layer: str, role: str, source: str, fmt: Fp8Format, x: torch.Tensor,
                       values: tuple) -> None: ...
 
-    def record_rows(self, rows: list, forward: bool) -> None: ...
 
     def key_id(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int: ...
 
     def host_bank(self, recipe: Any) -> Any: ...
 
+    caps: list  # the step's captures so far (the kernel's captures note how many came first)
+    bank_capture: Any  # HostDelayedBank.capture_fn() for this step, or None
     full: bool  # this step takes full stats
     active: bool  # this step is captured at all
     roles: frozenset  # the tensor roles captured
@@ -183,9 +189,10 @@ class _WhatIfTap:
     gradient.
 
     Delayed scaling of CPU tensors lives in the collector's shared
-    :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank`: a cheap step's capture is one amax
-    pass and one ``bank.record`` call, and the step's updates run together when the step ends.
-    Other recipes and devices keep a :class:`~fp8scope.emulate.ScalingState` per tensor."""
+    :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank`: with the kernel built, a cheap step's
+    capture is a single kernel call (``HostDelayedBank.capture_fn``: amax, record, row into the
+    collector's row log), and the step's updates run together when the step ends. Other recipes
+    and devices keep a :class:`~fp8scope.emulate.ScalingState` per tensor."""
 
     def __init__(self, layer: str, sink: Sink, recipe: Any):
         from fp8scope.emulate import DelayedScaling
@@ -194,8 +201,7 @@ class _WhatIfTap:
         fwd, bwd = recipe_format(recipe.fp8_format, "forward"), recipe_format(recipe.fp8_format, "backward")
         self.fmts = {"activation": fwd, "weight": fwd, "output": fwd, "gradient": bwd}
         self.bank = sink.host_bank(recipe) if isinstance(recipe, DelayedScaling) else None
-        self.slots: dict[str, int] = {}  # role -> bank slot (CPU tensors, delayed scaling)
-        self.kids: dict[str, int] = {}  # role -> the collector's key id, for the bank's fast path
+        self.slots: dict[str, tuple[int, int]] = {}  # role -> (bank slot, key id): CPU tensors, delayed scaling
         self.states: dict[str, Any] = {}  # role -> ScalingState (other devices, other recipes)
         self._grad_hooks: dict[int, Callable] = {}  # output_nr -> the node pre-hook, made once
 
@@ -211,16 +217,16 @@ class _WhatIfTap:
         try:
             roles = sink.roles
             if sink.capture_no_grad or torch.is_grad_enabled():
-                rows: list = []
+                # the kernel's capture on cheap steps; a forward re-run inside backward (activation
+                # checkpointing) goes the collector's way, which counts it aside
+                fast = None if sink.full or in_backward() else sink.bank_capture
                 x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
                 if x is not None and "activation" in roles:
-                    self.capture("activation", x, rows)
+                    self.capture("activation", x, fast)
                 if "weight" in roles:
-                    self.capture("weight", mod.weight, rows)
+                    self.capture("weight", mod.weight, fast)
                 if "output" in roles and isinstance(output, torch.Tensor):
-                    self.capture("output", output, rows)
-                if rows:
-                    sink.record_rows(rows, forward=True)
+                    self.capture("output", output, fast)
             if "gradient" in roles:
                 _hook_output_gradient(output, self._on_grad, self._grad_hooks)
         except Exception as exc:  # a monitor problem must not reach training
@@ -231,26 +237,20 @@ class _WhatIfTap:
         if not sink.active:
             return
         try:
-            rows: list = []
-            self.capture("gradient", grad, rows)
-            if rows:
-                sink.record_rows(rows, forward=False)
+            self.capture("gradient", grad, None if sink.full else sink.bank_capture)
         except Exception as exc:
             sink.fail(exc)
 
-    def capture(self, role: str, x: torch.Tensor, rows: list) -> None:
-        """One tensor. A cheap step on a bank slot appends its row to ``rows`` (the caller hands
-        them to the collector together); everything else reports to the collector itself, after
-        the rows gathered so far, so the execution order holds."""
-        slot = self.slots.get(role)
-        if slot is not None and not self.sink.full and x.is_cpu:
-            a = native_amax(x)  # the one pass over the tensor; None where the kernel does not apply
-            if a is not None:
-                rows.append((self.bank.record(slot, a), self.kids[role], x.numel()))
-                return
-        if rows:
-            self.sink.record_rows(rows, forward=role != "gradient")  # extends: the list can be reused
-            rows.clear()
+    def capture(self, role: str, x: torch.Tensor, fast: Callable | None) -> None:
+        """One tensor: by the kernel's capture ``fast`` when it takes it (a cheap step, a bank slot,
+        a contiguous CPU tensor of a dtype it reads), else by :meth:`_report`."""
+        if fast:
+            slot = self.slots.get(role)
+            if slot is not None and x.is_cpu and x.is_contiguous():
+                code = _DTYPE_CODES.get(x.dtype)
+                if code is not None and fast(self.bank.ctx_address, x.data_ptr(), code, x.numel(), *slot,
+                                             len(self.sink.caps)) >= 0:
+                    return
         self._report(role, x.detach())
 
     def _report(self, role: str, x: torch.Tensor) -> None:
@@ -261,16 +261,16 @@ class _WhatIfTap:
         sink, layer, fmt = self.sink, self.layer, self.fmts[role]
         slot = self.slots.get(role)
         if slot is not None and not x.is_cpu:  # the model moved off the CPU: its own state from here
-            self.states[role] = self.bank.to_state(slot, fmt)
+            self.states[role] = self.bank.to_state(slot[0], fmt)
             del self.slots[role]
             slot = None
         elif slot is None and role not in self.states:  # first capture of this tensor
             if self.bank is not None and x.is_cpu:
-                slot = self.slots[role] = self.bank.add(fmt)
-                self.kids[role] = sink.key_id(layer, role, "whatif", fmt, tuple(x.shape))
+                slot = self.slots[role] = (self.bank.add(fmt), sink.key_id(layer, role, "whatif", fmt, tuple(x.shape)))
             else:
                 self.states[role] = ScalingState(self.recipe, fmt, device=x.device)
         if slot is not None:
+            slot = slot[0]
             if sink.full:
                 # delayed scaling: the scales do not depend on this tensor, so full stats measure
                 # its amax in their single pass and the bank records that one

@@ -61,7 +61,13 @@ class HostDelayedBank:
         self.updates = array("q")  # updates applied
         self._wmax = array("d")  # max of each ring without its row 0 (from 0, NaN ignored): the window max in O(1)
         self._any_pending = False
-        self._pointers: tuple | None = None  # the buffers' addresses for the kernel (until add() moves them)
+        self._pointers: tuple = ()  # (address, bytes per slot) of each buffer, for the kernel
+        # the same addresses, then len, most_recent and the row log's address: the kernel's view of
+        # the bank (fp8s_bank_capture's bank_t); the array never changes size, so its address holds
+        self._ctx = array("q", [0] * 14)
+        self._ctx[11], self._ctx[12] = self.length, int(self._most_recent)
+        self.ctx_address = self._ctx.buffer_info()[0]
+        self._log = None
 
     def add(self, fmt: Fp8Format) -> int:
         """A new tensor's slot, in the initial state."""
@@ -77,8 +83,18 @@ class HostDelayedBank:
         self.pending.append(0)
         self.updates.append(0)
         self._wmax.append(0.0)
-        self._pointers = None
+        self._pointers = tuple(  # the buffers may have moved
+            (a.buffer_info()[0], a.itemsize * (self.length if a is self._ring else 1)) for a in (
+                self._ring, self._head, self.cur, self.pending, self._scaled_max, self.scale, self.scale_inv,
+                self.expected, self.kept, self.updates, self._wmax))
+        self._ctx[:11] = array("q", (p for p, _ in self._pointers))
         return len(self.scale) - 1
+
+    def attach_log(self, log) -> None:
+        """Where the kernel's captures of this bank's slots append their rows (a
+        :class:`~fp8scope.capture.row_log.RowLog`; see ``native.bank_capture_fn``)."""
+        self._log = log
+        self._ctx[13] = log.address
 
     # ---- captures ------------------------------------------------------------------------
     def record(self, slot: int, amax: float) -> tuple[float, float, float, float]:
@@ -120,9 +136,10 @@ class HostDelayedBank:
         return [self.cur[slot]] + [self._ring[base + (head + i) % n] for i in range(1, n)]
 
     # ---- the update ----------------------------------------------------------------------
-    def update(self) -> None:
-        """Apply every pending update: one kernel call (or one numpy pass) over all slots."""
-        if not self._any_pending:
+    def update(self, captured: bool = False) -> None:
+        """Apply every pending update: one kernel call (or one numpy pass) over all slots.
+        ``captured``: the kernel's captures (which Python does not see) recorded some this step."""
+        if not (self._any_pending or captured):
             return
         self._any_pending = False
         self._update_all()
@@ -137,15 +154,12 @@ class HostDelayedBank:
 
     def _update_slots(self, lo: int, hi: int) -> None:
         """The pending updates of slots ``lo`` to ``hi - 1``."""
+        if hi <= lo:
+            return
         fn = native.delayed_update_fn()
         if fn is None:
             self._update_numpy(lo, hi)
             return
-        if self._pointers is None:
-            self._pointers = tuple(
-                (a.buffer_info()[0], a.itemsize * (self.length if a is self._ring else 1)) for a in (
-                    self._ring, self._head, self.cur, self.pending, self._scaled_max, self.scale, self.scale_inv,
-                    self.expected, self.kept, self.updates, self._wmax))
         if lo == 0:
             fn(hi, self.length, int(self._most_recent), *(p for p, _ in self._pointers))
         else:

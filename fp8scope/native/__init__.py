@@ -33,7 +33,7 @@ import warnings
 from pathlib import Path
 
 _SOURCE = Path(__file__).with_name("fused_stats.c")
-ABI_VERSION = 4  # fp8s_abi_version() of the source this module knows how to call
+ABI_VERSION = 6  # fp8s_abi_version() of the source this module knows how to call
 # -ffp-contract=off: no fused multiply-add, so the error of a dequantized value is taken from the
 # float32 value a consumer sees (as torch computes it), not from an exact intermediate
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-ffp-contract=off", "-fPIC", "-shared"]
@@ -118,6 +118,12 @@ def _build() -> ctypes.CDLL:
     u = lib.delayed_update_keep_gil = ctypes.PyDLL(str(out)).fp8s_delayed_update  # microseconds too
     u.argtypes = [i64, i64, ctypes.c_int] + [p] * 11
     u.restype = None
+    c = lib.bank_capture_keep_gil = ctypes.PyDLL(str(out)).fp8s_bank_capture  # every what-if cheap capture
+    c.argtypes = [p, p, ctypes.c_int, i64, i64, i64, i64]
+    c.restype = i64
+    m = lib.fill_cheap_message_keep_gil = ctypes.PyDLL(str(out)).fp8s_fill_cheap_message  # every such step
+    m.argtypes = [p, i64, p, p, i64, p, p, p, p, p]
+    m.restype = ctypes.c_int
     q = lib.fp8s_quant_dequant
     q.argtypes = [p, i64, ctypes.c_float, ctypes.c_float, ctypes.c_float, ctypes.c_int, ctypes.c_int, p]
     q.restype = None
@@ -168,6 +174,12 @@ def kernel(wait: bool = True) -> ctypes.CDLL | None:
 _DTYPE_CODES: dict = {}  # torch dtype -> the kernel's element type (F32, BF16, F16 in fused_stats.c)
 
 
+def dtype_codes() -> dict:
+    """The whole table of :func:`dtype_code` (torch dtype -> code), for a caller on a hot path."""
+    dtype_code(None)
+    return _DTYPE_CODES
+
+
 def dtype_code(dtype) -> int | None:
     """The kernel's code for a torch dtype, None for a dtype it does not read
     (torch is imported here, not at module import: readers never need it)."""
@@ -182,8 +194,9 @@ def amax(x) -> float | None:
     """max |x| of a CPU tensor as a Python float (NaN if it holds a NaN) by one kernel pass; None
     where the kernel does not apply (not CPU, another dtype, not contiguous, kernel not built).
 
-    Called once per tensor and step by the what-if monitor, so it does the least Python it can:
-    the kernel function and the dtype table are looked up once (``_amax_fn``)."""
+    Called per capture by host scaling states (``ScalingState``), so it does the least Python it
+    can: the kernel function and the dtype table are looked up once (``_amax_fn``). (The what-if
+    monitor's cheap captures take the whole way in C: ``bank_capture_fn``.)"""
     fn = _amax_fn()
     if fn is None or not x.is_cpu or not x.is_contiguous():
         return None
@@ -212,6 +225,23 @@ def _amax_fn():
         dtype_code(torch.float32)  # fills _DTYPE_CODES
         fn = _state["amax_fn"] = lib.amax_keep_gil
     return fn
+
+
+def bank_capture_fn():
+    """``fp8s_bank_capture`` of the loaded kernel, or None: the what-if monitor's whole cheap capture,
+    ``fn(bank.ctx_address, data_ptr, dtype code, numel, slot, key id, after)``. It takes the amax of a
+    contiguous CPU tensor, records it in the HostDelayedBank's ``slot`` (as ``bank.record``) and
+    appends the row to the bank's row log; it returns the log's row count, or -1 when the log is
+    full (nothing recorded)."""
+    lib = kernel(wait=False) if enabled() else None
+    return None if lib is None else lib.bank_capture_keep_gil
+
+
+def fill_cheap_message_fn():
+    """``fp8s_fill_cheap_message`` of the loaded kernel (a cheap what-if step's message from its row
+    log, see ``step_records.cheap_log_message``), or None."""
+    lib = kernel(wait=False) if enabled() else None
+    return None if lib is None else lib.fill_cheap_message_keep_gil
 
 
 def delayed_update_fn():

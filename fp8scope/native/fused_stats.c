@@ -344,4 +344,85 @@ void fp8s_delayed_update(int64_t n, int64_t len, int most_recent, double *ring, 
     }
 }
 
-int fp8s_abi_version(void) { return 4; }
+/* A what-if cheap capture of a CPU tensor, whole: its amax (fp8s_amax), recorded into its
+ * HostDelayedBank slot (the slot's own pending update applied first: a micro-batch's second
+ * capture), and its row appended to the step's row log. One call from the layer's hook instead of
+ * a chain of Python calls, list appends and tuples; the step's end reads the log as one array.
+ *   bank: HostDelayedBank's buffers (fp8scope/emulate/scaling_bank.py, `_ctx`, int64 slots);
+ *   log:  int64 [rows, capacity, row buffer address, overflowed captures, threads] (RowLog).
+ * A row: amax, scale, scale_inv, expected amax (the scales in use before this record), key id,
+ * numel, and `after`: how many of the collector's other captures came first (execution order).
+ * Returns the log's row count, or -1 when it is full (nothing recorded: the caller records the
+ * tensor its own way, and the log grows at the step's end). */
+typedef struct {
+    double *ring;
+    int64_t *head;
+    double *cur;
+    int8_t *pending;
+    const double *scaled_max;
+    double *scale, *scale_inv, *expected;
+    int8_t *kept;
+    int64_t *updates;
+    double *wmax;
+    int64_t len, most_recent;
+    int64_t *log;
+} bank_t;
+
+enum { ROW_WIDTH = 7 };
+
+int64_t fp8s_bank_capture(bank_t *b, const void *x, int dtype, int64_t n, int64_t slot, int64_t kid, int64_t after) {
+    int64_t *log = b->log;
+    if (log[0] >= log[1]) {
+        log[3] += 1;
+        return -1;
+    }
+    const double amax = fp8s_amax(x, dtype, n, (int)log[4]);
+    if (b->pending[slot]) {
+        const int64_t L = b->len;
+        fp8s_delayed_update(1, L, (int)b->most_recent, b->ring + slot * L, b->head + slot, b->cur + slot,
+                            b->pending + slot, b->scaled_max + slot, b->scale + slot, b->scale_inv + slot,
+                            b->expected + slot, b->kept + slot, b->updates + slot, b->wmax + slot);
+    }
+    b->cur[slot] = amax;
+    b->pending[slot] = 1;
+    double *row = (double *)(intptr_t)log[2] + log[0] * ROW_WIDTH;
+    row[0] = amax;
+    row[1] = b->scale[slot];
+    row[2] = b->scale_inv[slot];
+    row[3] = b->expected[slot];
+    row[4] = (double)kid;
+    row[5] = (double)n;
+    row[6] = (double)after;
+    return ++log[0];
+}
+
+/* A cheap what-if step's tensor message with no Python in between (step_records.cheap_log_message):
+ * the row log's amax, scale, scale_inv and expected amax written into the columns of the last
+ * serialized message with the same rows (a MessageTemplate's buffers: float64 columns, int64
+ * step), and the step number. `kid_numel`: the template's key id and numel per row.
+ * Returns -1, writing nothing, when the rows are not the template's (another tensor or numel at a
+ * row) or hold a NaN (stored as null: the template cannot take it); else 1 when the step is
+ * suspicious by the writer's rule (an amax that is not finite, or above 8x what its scale can
+ * represent: BackgroundWriter._suspicious, same operations in the same order), 0 otherwise. */
+int fp8s_fill_cheap_message(const double *rows, int64_t n, const double *kid_numel, const double *fp8_max,
+                            int64_t step, int64_t *step_col, double *amax_col, double *scale_col,
+                            double *scale_inv_col, double *expected_col) {
+    for (int64_t i = 0; i < n; i++) {
+        const double *r = rows + i * ROW_WIDTH;
+        if (r[4] != kid_numel[2 * i] || r[5] != kid_numel[2 * i + 1]) return -1;
+        if (r[0] != r[0] || r[1] != r[1] || r[2] != r[2] || r[3] != r[3]) return -1;
+    }
+    int suspicious = 0;
+    for (int64_t i = 0; i < n; i++) {
+        const double *r = rows + i * ROW_WIDTH;
+        step_col[i] = step;
+        amax_col[i] = r[0];
+        scale_col[i] = r[1];
+        scale_inv_col[i] = r[2];
+        expected_col[i] = r[3];
+        if (!isfinite(r[0]) || r[0] > 8.0 * r[2] * fp8_max[i]) suspicious = 1;
+    }
+    return suspicious;
+}
+
+int fp8s_abi_version(void) { return 6; }

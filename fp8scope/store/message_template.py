@@ -31,7 +31,7 @@ class TemplateError(ValueError):
 class MessageTemplate:
     """The IPC message of ``batch``, with ``columns`` (fixed-width, no nulls) rewritable."""
 
-    __slots__ = ("_bytes", "views", "num_rows", "schema")
+    __slots__ = ("_bytes", "views", "_memory", "num_rows", "schema")
 
     def __init__(self, batch: pa.RecordBatch, columns: Sequence[str]):
         self._bytes = bytearray(batch.serialize().to_pybytes())
@@ -40,6 +40,7 @@ class MessageTemplate:
         buf = pa.py_buffer(self._bytes)
         back = pa.ipc.read_record_batch(pa.ipc.read_message(buf), batch.schema)
         self.views: dict[str, np.ndarray] = {}
+        self._memory: dict[str, memoryview] = {}  # the same bytes, for fill_numbers
         for name in columns:
             col = back.column(name)
             if col.null_count or not pa.types.is_primitive(col.type) or pa.types.is_boolean(col.type):
@@ -53,6 +54,7 @@ class MessageTemplate:
             if not np.array_equal(view, batch.column(name).to_numpy(), equal_nan=dtype.kind == "f"):
                 raise TemplateError(f"column {name!r}: the view does not hold the batch's values")
             self.views[name] = view
+            self._memory[name] = memoryview(self._bytes)[offset:offset + view.nbytes].cast(dtype.char)
 
     def fill(self, values: dict[str, "np.ndarray | int | float"]) -> bytes:
         """The message of the template's batch with ``values`` in its rewritable columns (arrays of
@@ -61,6 +63,29 @@ class MessageTemplate:
         for name, v in values.items():
             self.views[name][:] = v
         return bytes(self._bytes)
+
+    def fill_numbers(self, values: dict[str, "Sequence[float] | int | float"]) -> bytes:
+        """:meth:`fill` for a few Python numbers (a step's scalars): plain memoryview stores, no
+        numpy, whose first call in ``Monitor.step`` after the optimizer costs more than the copy
+        (integer columns take ints, float columns any real number)."""
+        for name, v in values.items():
+            memory = self._memory[name]
+            if isinstance(v, (int, float)):
+                for i in range(len(memory)):
+                    memory[i] = v
+            else:
+                for i, x in enumerate(v):
+                    memory[i] = x
+        return bytes(self._bytes)
+
+    def message(self) -> bytes:
+        """The message as its columns hold it now (after a fill, or after the kernel wrote into
+        :meth:`address` directly)."""
+        return bytes(self._bytes)
+
+    def address(self, name: str) -> int:
+        """Where a rewritable column's values lie (for the kernel: ``step_records.cheap_log_message``)."""
+        return self.views[name].ctypes.data
 
 
 def batch_of_message(message: "bytes | pa.RecordBatch | None", schema: pa.Schema) -> "pa.RecordBatch | None":
