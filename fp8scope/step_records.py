@@ -14,7 +14,6 @@ import numpy as np
 import pyarrow as pa
 
 from fp8scope import native
-
 from fp8scope.capture.collector import TensorKey, widen_cheap_rows
 from fp8scope.capture.stats import CHEAP_FIELDS
 from fp8scope.schema import FIELD_INDEX, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA

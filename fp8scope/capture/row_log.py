@@ -20,8 +20,6 @@ from __future__ import annotations
 
 from array import array
 
-import numpy as np
-
 WIDTH = 7
 AMAX, SCALE, SCALE_INV, EXPECTED, KEY, NUMEL, AFTER = range(WIDTH)
 _ROWS, _CAPACITY, _BUFFER, _OVERFLOW, _THREADS = range(5)
