@@ -32,7 +32,9 @@ import pyarrow as pa
 
 from fp8scope.capture.collector import StepPayload, TensorKey, cheap_rows, stats_matrix
 from fp8scope.schema import SCALAR_SCHEMA, TENSOR_SCHEMA
-from fp8scope.step_records import cheap_log_message, cheap_tensor_batch, cheap_tensor_message, scalar_batch, scalar_message, tensor_batch
+from fp8scope.step_records import (
+    cheap_log_message, cheap_tensor_batch, cheap_tensor_message, scalar_batch, scalar_message, tensor_batch,
+)
 from fp8scope.store.message_template import batch_of_message
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
