@@ -70,6 +70,41 @@ def test_whatif_scaling_follows_the_model_from_cpu_to_cuda(tmp_path):
             assert (scale, scale_inv) == (want[1], want[2]), (layer, role)
 
 
+@pytest.mark.parametrize("micro", [1, 2])
+def test_whatif_on_cuda_uses_the_device_bank(tmp_path, micro):
+    """Plain layers on CUDA from the start: cheap steps go through the DeviceDelayedBank (one amax
+    pass per capture, rows resolved at the step's end); replaying the logged amaxes gives the
+    logged scales, and the rows keep the execution order."""
+    from fp8scope.emulate import ScalingState
+    from fp8scope.emulate.device_bank import DeviceDelayedBank
+    from fp8scope.formats import get_format
+
+    torch.manual_seed(0)
+    m = MLP().cuda()
+    opt = torch.optim.SGD(m.parameters(), lr=0.05)
+    recipe = DelayedScaling(amax_history_len=3)
+    with fp8scope.Monitor(m, tmp_path / "r", every=4, recipe=recipe, full_on_anomaly=0, detect=False) as mon:
+        for _ in range(7):
+            for _ in range(micro):
+                (m(torch.randn(32, 16, device="cuda")).pow(2).mean() / micro).backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+        banks = list(mon.collector._device_banks.values())
+        assert len(banks) == 1 and isinstance(banks[0], DeviceDelayedBank) and len(banks[0]) == 9
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert len(df) == 7 * 9 and set(df.calls) == {micro} and set(df[df.full].step) == {0, 4}
+    step1 = df[df.step == 1].sort_values("order")
+    assert list(zip(step1.layer, step1.tensor))[:2] == [("up", "activation"), ("up", "weight")]
+    if micro == 1:
+        for (layer, role), rows in df.groupby(["layer", "tensor"]):
+            ref = ScalingState(recipe, get_format("e5m2" if role == "gradient" else "e4m3"), host=True)
+            rows = rows.sort_values("step")
+            for amax, scale, scale_inv in zip(rows.amax, rows.scale, rows.scale_inv):
+                want = ref.begin_values(torch.tensor([amax], dtype=torch.float32))
+                assert (scale, scale_inv) == (want[1], want[2]), (layer, role)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs FP8 tensor cores (sm_89+)")
 def test_torchao_real_fp8_gemms(tmp_path):

@@ -27,6 +27,7 @@ from fp8scope.capture.autograd_phase import in_backward
 from fp8scope.capture.row_log import KEY, NUMEL, RowLog
 from fp8scope.capture.row_log import WIDTH as ROW_WIDTH
 from fp8scope.capture.stats import CHEAP_FIELDS, cheap_row, cheap_vector, full_row
+from fp8scope.emulate.device_bank import DeferredRow, DeviceDelayedBank
 from fp8scope.formats import Fp8Format
 from fp8scope.schema import FIELD_INDEX, N_FIELDS
 
@@ -96,6 +97,7 @@ class StepCollector:
         self._banks: dict[int, Any] = {}  # id(recipe) -> HostDelayedBank: what-if states, updated at the step's end
         self.row_log: RowLog | None = None  # rows of the banks' kernel captures (made with the first bank)
         self.bank_capture: Any = None  # the kernel's capture function while there is a bank (see host_bank)
+        self._device_banks: dict[tuple, DeviceDelayedBank] = {}  # (id(recipe), device) -> what-if states off the CPU
         self.step = 0
         self.full = True
         self.active = True
@@ -196,6 +198,20 @@ class StepCollector:
             self.bank_capture = native.bank_capture_fn()
         return bank
 
+    def device_bank(self, recipe: Any, device: torch.device) -> DeviceDelayedBank:
+        """The :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` shared by the what-if tensors
+        under ``recipe`` on ``device``; its rows and updates are resolved when each step ends."""
+        key = (id(recipe), str(device))
+        bank = self._device_banks.get(key)
+        if bank is None:
+            bank = self._device_banks[key] = DeviceDelayedBank(recipe, device)
+        return bank
+
+    def record_deferred(self, role: str, row: DeferredRow, kid: int, numel: int) -> None:
+        """A cheap capture whose row a device bank fills when the step ends (its place in the step's
+        order is taken now); ``kid`` from :meth:`key_id`."""
+        self._append(role, row, kid, numel)
+
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
         """A row from an amax someone else computed (e.g. TE's amax history), no tensor at hand."""
         kid = self.key_id(layer, role, source, fmt, tuple(shape))
@@ -220,6 +236,8 @@ class StepCollector:
         for bank in self._banks.values():
             # TE's timing: the step's recorded amaxes give the next step's scales
             bank.update(captured=logged is not None)
+        for device_bank in self._device_banks.values():
+            device_bank.resolve()  # the deferred rows get their values, the updates run
         tensor_scalars, names, host_scalars = self._scalars(scalars)
         if logged is not None and not caps and not recomputed and not tensor_scalars:
             # only the kernel's captures (a what-if model on the CPU): the log is the step's rows,
@@ -238,6 +256,8 @@ class StepCollector:
                     vecs.append(vec)
                     rows.append(kid)
                     numels.append(numel)
+        if self._device_banks:
+            vecs = [v.value if type(v) is DeferredRow else v for v in vecs]
         host, ready = self._host_array(vecs, tensor_scalars)
         return StepPayload(
             step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows), host=host,

@@ -35,6 +35,7 @@ from torch import nn
 from fp8scope.capture.autograd_phase import in_backward
 from fp8scope.formats import Fp8Format, format_of_dtype, get_format, recipe_format
 from fp8scope.native import dtype_codes
+from fp8scope.native import enabled as native_enabled
 
 _DTYPE_CODES = dtype_codes()  # torch dtype -> the kernel's element type
 
@@ -67,6 +68,10 @@ class Sink(Protocol):
     def key_id(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int: ...
 
     def host_bank(self, recipe: Any) -> Any: ...
+
+    def device_bank(self, recipe: Any, device: torch.device) -> Any: ...
+
+    def record_deferred(self, role: str, row: Any, kid: int, numel: int) -> None: ...
 
     caps: list  # the step's captures so far (the kernel's captures note how many came first)
     bank_capture: Any  # HostDelayedBank.capture_fn() for this step, or None
@@ -202,6 +207,9 @@ class _WhatIfTap:
         self.fmts = {"activation": fwd, "weight": fwd, "output": fwd, "gradient": bwd}
         self.bank = sink.host_bank(recipe) if isinstance(recipe, DelayedScaling) else None
         self.slots: dict[str, tuple[int, int]] = {}  # role -> (bank slot, key id): CPU tensors, delayed scaling
+        # role -> (DeviceDelayedBank, slot, key id): delayed scaling on other devices (and on the
+        # CPU when the kernel is switched off)
+        self.device_slots: dict[str, tuple[Any, int, int]] = {}
         self.states: dict[str, Any] = {}  # role -> ScalingState (other devices, other recipes)
         self._grad_hooks: dict[int, Callable] = {}  # output_nr -> the node pre-hook, made once
 
@@ -251,6 +259,11 @@ class _WhatIfTap:
                 if code is not None and fast(self.bank.ctx_address, x.data_ptr(), code, x.numel(), *slot,
                                              len(self.sink.caps)) >= 0:
                     return
+        dslot = self.device_slots.get(role)
+        if dslot is not None and not self.sink.full and x.device == dslot[0].device:
+            # a cheap step on a device bank: one amax kernel now, the row when the step ends
+            self.sink.record_deferred(role, dslot[0].capture(dslot[1], x), dslot[2], x.numel())
+            return
         self._report(role, x.detach())
 
     def _report(self, role: str, x: torch.Tensor) -> None:
@@ -259,16 +272,33 @@ class _WhatIfTap:
         from fp8scope.emulate import ScalingState, tensor_amax
 
         sink, layer, fmt = self.sink, self.layer, self.fmts[role]
-        slot = self.slots.get(role)
+        slot, dslot = self.slots.get(role), self.device_slots.get(role)
         if slot is not None and not x.is_cpu:  # the model moved off the CPU: its own state from here
             self.states[role] = self.bank.to_state(slot[0], fmt)
             del self.slots[role]
             slot = None
-        elif slot is None and role not in self.states:  # first capture of this tensor
-            if self.bank is not None and x.is_cpu:
-                slot = self.slots[role] = (self.bank.add(fmt), sink.key_id(layer, role, "whatif", fmt, tuple(x.shape)))
-            else:
+        elif dslot is not None and x.device != dslot[0].device:  # moved to another device: the same
+            self.states[role] = dslot[0].to_state(dslot[1], fmt)
+            del self.device_slots[role]
+            dslot = None
+        elif slot is None and dslot is None and role not in self.states:  # first capture of this tensor
+            kid = sink.key_id(layer, role, "whatif", fmt, tuple(x.shape))
+            if self.bank is None:  # not delayed scaling
                 self.states[role] = ScalingState(self.recipe, fmt, device=x.device)
+            elif x.is_cpu and native_enabled():
+                slot = self.slots[role] = (self.bank.add(fmt), kid)
+            else:
+                bank = sink.device_bank(self.recipe, x.device)
+                dslot = self.device_slots[role] = (bank, bank.add(fmt), kid)
+        if dslot is not None:
+            bank, s, kid = dslot
+            if sink.full:
+                scale, scale_inv, expected = bank.scales(s)
+                measured = sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
+                bank.record_amax(s, measured if measured is not None else tensor_amax(x))
+            else:
+                sink.record_deferred(role, bank.capture(s, x), kid, x.numel())
+            return
         if slot is not None:
             slot = slot[0]
             if sink.full:

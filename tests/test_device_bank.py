@@ -1,0 +1,135 @@
+"""DeviceDelayedBank (the what-if monitor's delayed scaling off the CPU, batched per step) against
+ScalingState's tensor code, which test_emulate.py pins to hand-computed TE sequences: capture by
+capture the same rows, after each step the same history, scales, expected amax and kept flag.
+Runs on the CPU (the bank's code is device-independent torch); test_gpu.py runs the monitor on CUDA."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from fp8scope.emulate import DelayedScaling, ScalingState
+from fp8scope.emulate.device_bank import DeviceDelayedBank
+from fp8scope.emulate.recipes import CurrentScaling
+from fp8scope.formats import get_format
+
+E4M3, E5M2 = get_format("e4m3"), get_format("e5m2")
+NAN, INF = float("nan"), float("inf")
+
+amax_values = st.one_of(
+    st.sampled_from([0.0, NAN, INF, 1e-45, 1e-40, 3.0e38, torch.finfo(torch.float32).max, 448.0, 57344.0, 1.0]),
+    st.floats(1e-30, 1e30),
+).map(lambda v: float(torch.tensor(v, dtype=torch.float32)))
+
+# one step: for each of 3 tensors, 0, 1 or 2 captures (2 = micro-batches)
+steps_strategy = st.lists(st.lists(st.lists(amax_values, min_size=0, max_size=2), min_size=3, max_size=3),
+                          min_size=1, max_size=20)
+
+
+def same(a, b) -> bool:
+    return len(a) == len(b) and all((math.isnan(x) and math.isnan(y)) or x == y for x, y in zip(a, b))
+
+
+def tensor_with_amax(v: float) -> torch.Tensor:
+    return torch.tensor([0.25 * v if math.isfinite(v) else 0.0, -v, 0.0], dtype=torch.float32)
+
+
+def state_row(state: ScalingState, x: torch.Tensor) -> list[float]:
+    return [float(v) for v in state.begin_values(x, record=True)]
+
+
+def assert_same_state(bank: DeviceDelayedBank, slot: int, state: ScalingState) -> None:
+    assert same(bank.history[slot].tolist(), state.amax_history.tolist())
+    assert same([float(bank.scale[slot]), float(bank.scale_inv[slot]), float(bank.expected[slot])],
+                [float(state.scale), float(state.scale_inv), float(state.latest()[3])])
+    assert bool(bank.kept[slot]) == bool(state.scale_kept)
+    assert bank.updates[slot] == state.updates
+
+
+@settings(max_examples=60, deadline=None)
+@given(steps=steps_strategy, hist=st.integers(1, 6), algo=st.sampled_from(["max", "most_recent"]),
+       margin=st.sampled_from([0, 2]), order=st.permutations([0, 1, 2]))
+def test_device_bank_matches_scaling_state_capture_by_capture(steps, hist, algo, margin, order):
+    recipe = DelayedScaling(amax_history_len=hist, amax_compute_algo=algo, margin=margin)
+    fmts = (E4M3, E4M3, E5M2)
+    bank = DeviceDelayedBank(recipe, "cpu")
+    slots = [bank.add(f) for f in fmts]
+    states = [ScalingState(recipe, f, host=False) for f in fmts]
+    for step in steps:
+        rows, want = [], []
+        for k in range(2):  # captures interleave across tensors (and micro-batches), in a shuffled layer order
+            for i in order:
+                if k < len(step[i]):
+                    x = tensor_with_amax(step[i][k])
+                    want.append(state_row(states[i], x))
+                    rows.append(bank.capture(slots[i], x))
+        assert all(r.value is None for r in rows)
+        bank.resolve()
+        for row, w in zip(rows, want):
+            assert same(row.value.tolist(), w), (row.value.tolist(), w)
+        for slot, state in zip(slots, states):
+            state.update()
+            assert_same_state(bank, slot, state)
+
+
+@settings(max_examples=40, deadline=None)
+@given(amaxes=st.lists(amax_values, min_size=1, max_size=25), hist=st.integers(1, 6),
+       algo=st.sampled_from(["max", "most_recent"]))
+def test_device_bank_full_steps_and_micro_batches(amaxes, hist, algo):
+    """scales() then record_amax() (full steps: full stats measure the amax), two captures of the
+    slot per step, against ScalingState.begin_values."""
+    recipe = DelayedScaling(amax_history_len=hist, amax_compute_algo=algo)
+    bank = DeviceDelayedBank(recipe, "cpu")
+    other = bank.add(E5M2)  # a second slot that is never captured: its state must not move
+    slot = bank.add(E4M3)
+    state = ScalingState(recipe, E4M3, host=False)
+    for i, v in enumerate(amaxes):
+        x = tensor_with_amax(v)
+        want = state_row(state, x)
+        got = bank.scales(slot)
+        assert same([float(t) for t in got], want[1:])
+        bank.record_amax(slot, torch.tensor(v))
+        if i % 3 == 2:  # some steps end here, others take a second (micro-batch) capture first
+            bank.resolve()
+            state.update()
+            assert_same_state(bank, slot, state)
+    assert bank.updates[other] == 0 and float(bank.scale[other]) == 1.0
+
+
+def test_device_bank_empty_tensor_half_precision_and_hand_sequence():
+    """An empty tensor records amax 0 (the scale is kept); bf16 is read in float32; TE's rule by hand."""
+    bank = DeviceDelayedBank(DelayedScaling(amax_history_len=3, amax_compute_algo="max"), "cpu")
+    s = bank.add(E4M3)
+    used = []
+    for amax in (2.0, 8.0, 1.0, 0.0, NAN, 1.0, 1.0):
+        row = bank.capture(s, tensor_with_amax(amax).to(torch.bfloat16))
+        bank.resolve()
+        used.append(row.value[1].item())
+    assert used == [1.0, 224.0, 56.0, 56.0, 56.0, 56.0, 448.0]
+    row = bank.capture(s, torch.zeros(0, 4))
+    bank.resolve()
+    assert row.value.tolist() == [0.0, 448.0, float(torch.tensor(1 / 448.0)), 1.0] and bool(bank.kept[s])
+
+
+def test_device_bank_slot_goes_on_as_a_scaling_state():
+    recipe = DelayedScaling(amax_history_len=4)
+    bank, ref = DeviceDelayedBank(recipe, "cpu"), ScalingState(recipe, E5M2, host=False)
+    s = bank.add(E5M2)
+    seq = [3.0, 0.5, NAN, 0.0, 7.0, 2.0, 1.0, 0.25]
+    for v in seq[:5]:
+        bank.capture(s, tensor_with_amax(v))
+        bank.resolve()
+        state_row(ref, tensor_with_amax(v))
+        ref.update()
+    state = bank.to_state(s, E5M2)
+    for v in seq[5:]:
+        assert same(state_row(state, tensor_with_amax(v)), state_row(ref, tensor_with_amax(v)))
+
+
+def test_device_bank_needs_delayed_scaling():
+    with pytest.raises(TypeError):
+        DeviceDelayedBank(CurrentScaling(), "cpu")
