@@ -76,8 +76,8 @@ class DeviceDelayedBank:
         return len(self.updates)
 
     def add(self, fmt: Fp8Format) -> int:
-        """A new tensor's slot, in the initial state."""
-        self.resolve()  # the buffers are replaced: nothing may be pending on the old ones
+        """A new tensor's slot, in the initial state (captures already made this step stay valid:
+        they refer to slots by number)."""
         sm = scaled_max(fmt, self.recipe.margin)
         f32 = dict(dtype=torch.float32, device=self.device)
         self.history = torch.cat([self.history, torch.zeros((1, self.length), **f32)])
@@ -115,9 +115,9 @@ class DeviceDelayedBank:
         if self._captured:
             captured, rows = self._captured, self._rows
             self._captured, self._rows = [], []
-            values = torch.empty((len(captured), 4), dtype=torch.float32, device=self.device)
+            values = None
             for slots, positions in self._plan(tuple(captured)):
-                if positions is None:
+                if positions is None:  # one round: every capture, in order
                     amax = self._amax[: len(captured)]
                 else:
                     amax = self._amax.index_select(0, positions)
@@ -125,6 +125,8 @@ class DeviceDelayedBank:
                 if positions is None:
                     values = got
                 else:
+                    if values is None:
+                        values = torch.empty((len(captured), 4), dtype=torch.float32, device=self.device)
                     values.index_copy_(0, positions, got)
                 self._update(slots, amax)
             for row, value in zip(rows, values.unbind(0)):
