@@ -60,12 +60,18 @@ def test_mixed_layers_keep_execution_order_on_cheap_steps(mlp, tmp_path):
         assert set(rows[rows.layer == "down"].source) == {"whatif"} and (rows.amax > 0).all()
 
 
-@pytest.mark.parametrize("model,micro", [("plain", 1), ("plain", 2), ("mixed", 1), ("mixed", 2)])
-def test_whatif_rows_are_the_same_with_and_without_the_kernel(tmp_path, model, micro):
+@pytest.mark.parametrize("model,micro,log_rows", [("plain", 1, 1024), ("plain", 2, 1024), ("mixed", 1, 1024),
+                                                   ("mixed", 2, 1024), ("plain", 1, 4)])
+def test_whatif_rows_are_the_same_with_and_without_the_kernel(tmp_path, monkeypatch, model, micro, log_rows):
     """The kernel's capture (amax, record, row log; for a plain model and one capture per tensor
-    also the kernel's message fill) and the Python path (torch amax, bank.record, the collector's
-    list, the message template) log the same rows: the same amaxes, scales and order, step by step."""
+    also the kernel's message fill) and the path without the kernel (a DeviceDelayedBank on the
+    CPU, the collector's list, the message template) log the same rows: the same amaxes, scales
+    and order, step by step. ``log_rows`` 4: the row log is too small for a step's 9 captures, the
+    rest go the Python way and merge back in order, then the log grows."""
     from fp8scope import native
+    from fp8scope.capture.collector import StepCollector
+
+    monkeypatch.setattr(StepCollector, "row_log_capacity", log_rows)
 
     frames = []
     for on in (True, False):

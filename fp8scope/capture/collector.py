@@ -82,6 +82,8 @@ class StepPayload:
 class StepCollector:
     """Per-step buffer of on-device stats vectors. One instance per Monitor."""
 
+    row_log_capacity = 1024  # rows the what-if row log starts with (it grows when a step needs more)
+
     def __init__(self, roles: tuple[str, ...], every: int, steps: tuple[int, int] | None, capture_no_grad: bool):
         self.roles = frozenset(roles)
         self.every = max(1, int(every))
@@ -191,7 +193,7 @@ class StepCollector:
             from fp8scope.emulate.scaling_bank import HostDelayedBank
 
             if self.row_log is None:
-                self.row_log = RowLog()
+                self.row_log = RowLog(self.row_log_capacity)
                 self.row_log.set_threads(torch.get_num_threads())
             bank = self._banks[id(recipe)] = HostDelayedBank(recipe)
             bank.attach_log(self.row_log)
