@@ -195,9 +195,12 @@ class _WhatIfTap:
 
     Delayed scaling of CPU tensors lives in the collector's shared
     :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank`: with the kernel built, a cheap step's
-    capture is a single kernel call (``HostDelayedBank.capture_fn``: amax, record, row into the
-    collector's row log), and the step's updates run together when the step ends. Other recipes
-    and devices keep a :class:`~fp8scope.emulate.ScalingState` per tensor."""
+    capture is a single kernel call (``native.bank_capture_fn``: amax, record, row into the
+    collector's row log), and the step's updates run together when the step ends. On other
+    devices (and on the CPU with the kernel switched off) a
+    :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` does the same with tensors: one amax
+    pass per capture, the rows and updates resolved at the step's end. Other recipes keep a
+    :class:`~fp8scope.emulate.ScalingState` per tensor."""
 
     def __init__(self, layer: str, sink: Sink, recipe: Any):
         from fp8scope.emulate import DelayedScaling
@@ -210,7 +213,7 @@ class _WhatIfTap:
         # role -> (DeviceDelayedBank, slot, key id): delayed scaling on other devices (and on the
         # CPU when the kernel is switched off)
         self.device_slots: dict[str, tuple[Any, int, int]] = {}
-        self.states: dict[str, Any] = {}  # role -> ScalingState (other devices, other recipes)
+        self.states: dict[str, Any] = {}  # role -> ScalingState (other recipes, tensors that changed device)
         self._grad_hooks: dict[int, Callable] = {}  # output_nr -> the node pre-hook, made once
 
     def __deepcopy__(self, memo: dict) -> "_WhatIfTap":
@@ -261,7 +264,7 @@ class _WhatIfTap:
                     return
         dslot = self.device_slots.get(role)
         if dslot is not None and not self.sink.full and x.device == dslot[0].device:
-            # a cheap step on a device bank: one amax kernel now, the row when the step ends
+            # a cheap step on a device bank: the amax pass now, the row when the step ends
             self.sink.record_deferred(role, dslot[0].capture(dslot[1], x), dslot[2], x.numel())
             return
         self._report(role, x.detach())
