@@ -9,10 +9,9 @@ a returned :class:`DeferredRow`; when the step ends, :meth:`DeviceDelayedBank.re
 updates of all slots together (~30 launches) and gives each row its values, in the order the
 collector keeps.
 
-The numbers are :class:`ScalingState`'s device code, operation for operation (float32 tensors,
-the roll, NaN rolling in, ``fmaxf``-style max from 0, the kept scale on a zero / NaN / Inf amax,
-a true division, ``1.0 / scale``), on a batch of slots instead of one: ``tests/test_device_bank.py``
-checks them capture by capture against ``ScalingState``.
+The numbers are :class:`ScalingState`'s: both run :func:`~fp8scope.emulate.scaling.delayed_update`
+(TE's rule on float32 tensors), the bank on a batch of slots, a state on one;
+``tests/test_device_bank.py`` checks the bank capture by capture against ``ScalingState``.
 
 Micro-batches (a slot captured twice before the step ends): each capture must see the scales
 left by the update of the one before, as ``ScalingState`` does. :meth:`resolve` therefore works
@@ -22,13 +21,12 @@ then updates those slots, so a slot's captures are applied in order and slots st
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 
 from ..formats import Fp8Format
 from .recipes import DelayedScaling
-from .scaling import _FP32_MAX, ScalingState, scaled_max
+from .scaling import ScalingState, delayed_update, scaled_max
+
 
 class DeferredRow:
     """One capture's cheap row ``(amax, scale, scale_inv, expected_amax)``: ``value`` is a float32
@@ -194,26 +192,12 @@ class DeviceDelayedBank:
 
     # ---- the update ----------------------------------------------------------------------
     def _update(self, slots: tuple[list[int], torch.Tensor | None], last: torch.Tensor) -> None:
-        """ScalingState.update for ``slots`` (see :meth:`_index`) whose recorded amaxes are
-        ``last``: history row 0 takes them, rolls where they are not 0, and the scales follow."""
+        """:func:`~fp8scope.emulate.scaling.delayed_update` for ``slots`` (see :meth:`_index`) whose
+        recorded amaxes are ``last``."""
         index = slots[1]
         h = self.history.clone() if index is None else self.history.index_select(0, index)
         h[:, 0] = last
-        roll = last != 0  # NaN != 0 is true: a NaN amax rolls in like any other
-        rolled = torch.roll(h, -1, 1)
-        rolled[:, 0] = 0.0
-        if self._most_recent:
-            amax = last.clone()
-        else:  # fmaxf semantics: NaN rows are ignored, the reduction starts from 0
-            amax = torch.where(torch.isnan(h), 0.0, h).amax(1)
-            amax = torch.where(roll, amax, 0.0)
-        new_h = torch.where(roll[:, None], rolled, h)
-        sm, fallback, expected = self._gather(slots, self._scaled_max, self.scale, self.expected)
-        valid = torch.isfinite(amax) & (amax > 0)
-        sf = torch.div(sm, torch.where(valid, amax, 1.0))  # a true division, as TE's max_fp8 / amax
-        sf = torch.where(valid, sf, fallback)
-        sf = torch.where(torch.isinf(sf), _FP32_MAX, sf)
-        new = (new_h, sf, 1.0 / sf, torch.where(valid, amax, expected), ~valid)
+        new = delayed_update(h, *self._gather(slots, self._scaled_max, self.scale, self.expected), self._most_recent)
         for target, value in zip((self.history, self.scale, self.scale_inv, self.expected, self.kept), new):
             if index is None:
                 target.copy_(value)

@@ -88,6 +88,44 @@ def tensor_amax(x: torch.Tensor) -> torch.Tensor:
     return torch.maximum(hi, lo.neg()).to(torch.float32)
 
 
+def scale_from_amax(amax: torch.Tensor, scaled_max: torch.Tensor,
+                    fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """TE's ``compute_scale_from_amax`` on tensors: ``scaled_max / amax`` where the amax is finite
+    and > 0, else ``fallback``; +inf becomes FLT_MAX. Returns the scales and where they are new."""
+    valid = torch.isfinite(amax) & (amax > 0)
+    # Divide only where valid; elsewhere divide by 1 so no inf/NaN is produced. A true
+    # division (TE's `max_fp8 / amax`), not `float / tensor` (= reciprocal * float).
+    sf = torch.div(scaled_max, torch.where(valid, amax, 1.0))
+    sf = torch.where(valid, sf, fallback)
+    sf = torch.where(torch.isinf(sf), _FP32_MAX, sf)
+    return sf, valid
+
+
+def delayed_update(history: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor, expected: torch.Tensor,
+                   most_recent: bool) -> tuple[torch.Tensor, ...]:
+    """TE's delayed-scaling update for ``k`` tensors at once, as tensors: ``history`` is ``[k, len]``
+    with row 0 of each (``history[:, 0]``) the amax recorded since the last update; ``scaled_max``,
+    ``scale`` and ``expected`` are ``[k]``. Returns the new ``(history, scale, scale_inv,
+    expected_amax, kept)``, ``kept`` where the old scale stays (amax 0, NaN or Inf).
+
+    Roll (``roll(h, -1)``, the new row 0 cleared) only where the recorded amax is not 0 (NaN rolls);
+    the amax is the window's max from 0 ignoring NaN ("max", ``fmaxf``) or the recorded one
+    ("most_recent"). One :class:`ScalingState` is ``k = 1``; the what-if monitor's
+    :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` runs all its tensors in one call."""
+    last = history[:, 0]
+    roll = last != 0  # NaN != 0 is true: a NaN amax rolls in like any other
+    rolled = torch.roll(history, -1, 1)
+    rolled[:, 0] = 0.0
+    if most_recent:
+        amax = last.clone()
+    else:  # fmaxf semantics: NaN rows are ignored, the reduction starts from 0
+        amax = torch.where(torch.isnan(history), 0.0, history).amax(1)
+        amax = torch.where(roll, amax, 0.0)
+    new_scale, valid = scale_from_amax(amax, scaled_max, scale)
+    return (torch.where(roll[:, None], rolled, history), new_scale, 1.0 / new_scale,
+            torch.where(valid, amax, expected), ~valid)
+
+
 class ScalingState:
     """Scaling state for one tensor under one recipe and element format.
 
@@ -227,13 +265,7 @@ class ScalingState:
 
     # ---- the update ------------------------------------------------------------------
     def _scale_from_amax(self, amax: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        valid = torch.isfinite(amax) & (amax > 0)
-        # Divide only where valid; elsewhere divide by 1 so no inf/NaN is produced. A true
-        # division (TE's `max_fp8 / amax`), not `float / tensor` (= reciprocal * float).
-        sf = torch.div(torch.full_like(amax, self.scaled_max), torch.where(valid, amax, torch.ones_like(amax)))
-        sf = torch.where(valid, sf, fallback)
-        sf = torch.where(torch.isinf(sf), torch.full_like(sf, _FP32_MAX), sf)
-        return sf, valid
+        return scale_from_amax(amax, torch.full_like(amax, self.scaled_max), fallback)
 
     def update(self) -> None:
         """Apply the pending delayed-scaling update now (no-op if none is pending).
@@ -245,23 +277,12 @@ class ScalingState:
         if self._host:
             self._host_update()
             return
-        h = self._history
-        last = h[0]
-        roll = last != 0  # NaN != 0 is true: a NaN amax rolls in like any other
-        rolled = torch.roll(h, -1, 0)
-        rolled[0] = 0.0
-        if self.recipe.amax_compute_algo == "max":
-            # fmaxf semantics: NaN rows are ignored, the reduction starts from 0.
-            amax = torch.where(torch.isnan(h), torch.zeros_like(h), h).amax()
-            amax = torch.where(roll, amax, torch.zeros_like(amax))
-        else:
-            amax = last.clone()
-        self._history = torch.where(roll, rolled, h)
-        scale, valid = self._scale_from_amax(amax, self._scale)
-        self._scale = scale
-        self._scale_inv = 1.0 / scale
-        self._expected = torch.where(valid, amax, self._expected)
-        self._kept = ~valid
+        one = dict(dtype=torch.float32, device=self._history.device)
+        history, scale, scale_inv, expected, kept = delayed_update(
+            self._history[None], torch.full((1,), self.scaled_max, **one), self._scale.reshape(1),
+            self._expected.reshape(1), self.recipe.amax_compute_algo != "max")
+        self._history, self._scale, self._scale_inv = history[0], scale[0], scale_inv[0]
+        self._expected, self._kept = expected[0], kept[0]
         self._pending = False
         self.updates += 1
 
