@@ -2,8 +2,8 @@
 DeviceDelayedBank, on one training step's real tensors of the tiny GPT (63: every Linear's
 activation, weight and gradient).
 
-For each way, per step: the aten operations dispatched (on a GPU each is about one kernel
-launch, each launch microseconds of the training thread) and the time of the captures plus the
+For each way, per step: the aten operations dispatched, and those that are not views (on a GPU
+each of these is about one kernel launch, each launch microseconds of the training thread) and the time of the captures plus the
 step's end (stacking the rows for the one transfer), measured in one run, interleaved.
 
     python benchmarks/whatif_device_bank.py                 # CUDA if available, else CPU
@@ -31,14 +31,18 @@ from fp8scope.formats import get_format  # noqa: E402
 
 
 class CountOps(TorchDispatchMode):
-    """Counts the aten operations dispatched inside it."""
+    """Counts the aten operations dispatched inside it, and those that compute (not views: on a
+    GPU each of these is about one kernel launch)."""
 
     def __init__(self):
         super().__init__()
         self.n = 0
+        self.kernels = 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.n += 1
+        if not func.is_view and func.overloadpacket not in (torch.ops.aten.detach, torch.ops.aten.alias):
+            self.kernels += 1
         return func(*args, **(kwargs or {}))
 
 
@@ -100,7 +104,7 @@ def main() -> int:
         step()  # first step: allocations, index plans
         with CountOps() as c:
             step()
-        ops[name] = c.n
+        ops[name] = (c.n, c.kernels)
     for _ in range(args.rounds):  # interleaved blocks
         for name, step in ways.items():
             sync()
@@ -113,7 +117,8 @@ def main() -> int:
     base = statistics.median(times["one ScalingState per tensor"])
     for name in ways:
         t = statistics.median(times[name])
-        print(f"  {name:28s} {ops[name]:6d} aten ops/step   {t * 1e3:7.3f} ms/step   {t / base:.3f}x")
+        print(f"  {name:28s} {ops[name][0]:6d} aten ops/step ({ops[name][1]:5d} not views)   {t * 1e3:7.3f} ms/step"
+              f"   {t / base:.3f}x")
     return 0
 
 

@@ -103,26 +103,27 @@ def scale_from_amax(amax: torch.Tensor, scaled_max: torch.Tensor,
 
 def delayed_update(history: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor, expected: torch.Tensor,
                    most_recent: bool) -> tuple[torch.Tensor, ...]:
-    """TE's delayed-scaling update for ``k`` tensors at once, as tensors: ``history`` is ``[k, len]``
-    with row 0 of each (``history[:, 0]``) the amax recorded since the last update; ``scaled_max``,
-    ``scale`` and ``expected`` are ``[k]``. Returns the new ``(history, scale, scale_inv,
-    expected_amax, kept)``, ``kept`` where the old scale stays (amax 0, NaN or Inf).
+    """TE's delayed-scaling update as tensors, for one tensor (``history`` of shape ``[len]``, the
+    others 0-d) or ``k`` at once (``[k, len]`` and ``[k]``). Row 0 of a history
+    (``history[..., 0]``) is the amax recorded since the last update. Returns the new
+    ``(history, scale, scale_inv, expected_amax, kept)``, ``kept`` where the old scale stays
+    (amax 0, NaN or Inf).
 
     Roll (``roll(h, -1)``, the new row 0 cleared) only where the recorded amax is not 0 (NaN rolls);
     the amax is the window's max from 0 ignoring NaN ("max", ``fmaxf``) or the recorded one
-    ("most_recent"). One :class:`ScalingState` is ``k = 1``; the what-if monitor's
-    :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` runs all its tensors in one call."""
-    last = history[:, 0]
+    ("most_recent"). :class:`ScalingState` runs it for its tensor, the what-if monitor's
+    :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` for all its tensors in one call."""
+    last = history[..., 0]
     roll = last != 0  # NaN != 0 is true: a NaN amax rolls in like any other
-    rolled = torch.roll(history, -1, 1)
-    rolled[:, 0] = 0.0
+    rolled = torch.roll(history, -1, -1)
+    rolled[..., 0] = 0.0
     if most_recent:
         amax = last.clone()
     else:  # fmaxf semantics: NaN rows are ignored, the reduction starts from 0
-        amax = torch.where(torch.isnan(history), 0.0, history).amax(1)
+        amax = torch.where(torch.isnan(history), 0.0, history).amax(-1)
         amax = torch.where(roll, amax, 0.0)
     new_scale, valid = scale_from_amax(amax, scaled_max, scale)
-    return (torch.where(roll[:, None], rolled, history), new_scale, 1.0 / new_scale,
+    return (torch.where(roll[..., None], rolled, history), new_scale, 1.0 / new_scale,
             torch.where(valid, amax, expected), ~valid)
 
 
@@ -151,6 +152,7 @@ class ScalingState:
         self.scaled_max = scaled_max(self.fmt, recipe.margin)
         self.delayed = isinstance(recipe, DelayedScaling)
         self.updates = 0  # how many delayed-scaling updates ran (a host int, not a tensor)
+        self._scaled_max_t: torch.Tensor | None = None  # scaled_max as a 0-d tensor on the state's device
         self._pending = False
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         # host=None: Python floats on the CPU, tensors elsewhere; True/False force a mode on the CPU
@@ -277,12 +279,10 @@ class ScalingState:
         if self._host:
             self._host_update()
             return
-        one = dict(dtype=torch.float32, device=self._history.device)
-        history, scale, scale_inv, expected, kept = delayed_update(
-            self._history[None], torch.full((1,), self.scaled_max, **one), self._scale.reshape(1),
-            self._expected.reshape(1), self.recipe.amax_compute_algo != "max")
-        self._history, self._scale, self._scale_inv = history[0], scale[0], scale_inv[0]
-        self._expected, self._kept = expected[0], kept[0]
+        if self._scaled_max_t is None or self._scaled_max_t.device != self._history.device:
+            self._scaled_max_t = torch.tensor(self.scaled_max, dtype=torch.float32, device=self._history.device)
+        self._history, self._scale, self._scale_inv, self._expected, self._kept = delayed_update(
+            self._history, self._scaled_max_t, self._scale, self._expected, self.recipe.amax_compute_algo != "max")
         self._pending = False
         self.updates += 1
 
