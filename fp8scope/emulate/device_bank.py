@@ -2,12 +2,12 @@
 states off the CPU (and on the CPU when the compiled kernel is switched off).
 
 Why a bank: with one :class:`~fp8scope.emulate.ScalingState` per tensor, a cheap what-if capture
-on a GPU launched ~25 small kernels (the amax, the lazy delayed-scaling update, the row's stack):
-about 1,600 launches per step for the tiny GPT's 63 tensors, each costing the training thread
-microseconds. Here a capture is the amax pass (three kernels, written into this step's amax buffer) and
-a returned :class:`DeferredRow`; when the step ends, :meth:`DeviceDelayedBank.resolve` runs the
-updates of all slots together (~30 launches) and gives each row its values, in the order the
-collector keeps.
+on a GPU launched ~30 small kernels (the amax, the lazy delayed-scaling update, the row's stack):
+about 2,000 launches per step for the tiny GPT's 63 tensors, each costing the training thread
+microseconds (``benchmarks/whatif_device_bank.py``). Here a capture is the amax pass (three
+kernels, written into this step's amax buffer) and a returned :class:`DeferredRow`; when the step
+ends, :meth:`DeviceDelayedBank.resolve` runs the updates of all slots together (~30 launches) and
+gives each row its values, in the order the collector keeps.
 
 The numbers are :class:`ScalingState`'s: both run :func:`~fp8scope.emulate.scaling.delayed_update`
 (TE's rule on float32 tensors), the bank on a batch of slots, a state on one;
