@@ -27,6 +27,19 @@ def _train(model, mon, steps, d=16):
         mon.step(loss=loss.detach())
 
 
+def assert_logged_scales_replay(df, recipe) -> None:
+    """Replaying each tensor's logged amaxes through one fresh ScalingState gives its logged scales."""
+    from fp8scope.emulate import ScalingState
+    from fp8scope.formats import get_format
+
+    for (layer, role), rows in df.groupby(["layer", "tensor"]):
+        ref = ScalingState(recipe, get_format("e5m2" if role == "gradient" else "e4m3"), host=True)
+        rows = rows.sort_values("step")
+        for amax, scale, scale_inv in zip(rows.amax, rows.scale, rows.scale_inv):
+            want = ref.begin_values(torch.tensor([amax], dtype=torch.float32))
+            assert (scale, scale_inv) == (want[1], want[2]), (layer, role)
+
+
 def test_emulated_fp8_on_cuda_matches_cpu_semantics(tmp_path):
     torch.manual_seed(0)
     m = convert_to_fp8(MLP().cuda(), recipe=DelayedScaling(amax_history_len=4))
@@ -44,8 +57,6 @@ def test_whatif_scaling_follows_the_model_from_cpu_to_cuda(tmp_path):
     """Plain layers trained on the CPU (the HostDelayedBank), then moved to CUDA: each tensor's
     delayed scaling goes on from the same history on the device, so replaying every logged amax
     through one fresh ScalingState gives every logged scale, before and after the move."""
-    from fp8scope.emulate import ScalingState
-    from fp8scope.formats import get_format
 
     torch.manual_seed(0)
     m = MLP()
@@ -62,12 +73,7 @@ def test_whatif_scaling_follows_the_model_from_cpu_to_cuda(tmp_path):
             mon.step(loss=loss.detach())
     df = fp8scope.load_run(tmp_path / "r").tensors()
     assert len(df) == 8 * 9 and set(df.source) == {"whatif"}
-    for (layer, role), rows in df.groupby(["layer", "tensor"]):
-        ref = ScalingState(recipe, get_format("e5m2" if role == "gradient" else "e4m3"), host=True)
-        rows = rows.sort_values("step")
-        for amax, scale, scale_inv in zip(rows.amax, rows.scale, rows.scale_inv):
-            want = ref.begin_values(torch.tensor([amax], dtype=torch.float32))
-            assert (scale, scale_inv) == (want[1], want[2]), (layer, role)
+    assert_logged_scales_replay(df, recipe)
 
 
 @pytest.mark.parametrize("micro", [1, 2])
@@ -75,9 +81,7 @@ def test_whatif_on_cuda_uses_the_device_bank(tmp_path, micro):
     """Plain layers on CUDA from the start: cheap steps go through the DeviceDelayedBank (one amax
     pass per capture, rows resolved at the step's end); replaying the logged amaxes gives the
     logged scales, and the rows keep the execution order."""
-    from fp8scope.emulate import ScalingState
     from fp8scope.emulate.device_bank import DeviceDelayedBank
-    from fp8scope.formats import get_format
 
     torch.manual_seed(0)
     m = MLP().cuda()
@@ -97,12 +101,7 @@ def test_whatif_on_cuda_uses_the_device_bank(tmp_path, micro):
     step1 = df[df.step == 1].sort_values("order")
     assert list(zip(step1.layer, step1.tensor))[:2] == [("up", "activation"), ("up", "weight")]
     if micro == 1:
-        for (layer, role), rows in df.groupby(["layer", "tensor"]):
-            ref = ScalingState(recipe, get_format("e5m2" if role == "gradient" else "e4m3"), host=True)
-            rows = rows.sort_values("step")
-            for amax, scale, scale_inv in zip(rows.amax, rows.scale, rows.scale_inv):
-                want = ref.begin_values(torch.tensor([amax], dtype=torch.float32))
-                assert (scale, scale_inv) == (want[1], want[2]), (layer, role)
+        assert_logged_scales_replay(df, recipe)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
