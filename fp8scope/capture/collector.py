@@ -249,7 +249,7 @@ class StepCollector:
                 host=None, ready=None, scalar_names=names, host_scalars=host_scalars, numels=None, logged=logged,
             )
         if logged is not None:
-            caps = _merge_logged(caps, np.frombuffer(logged, dtype=np.float64).reshape(-1, ROW_WIDTH))
+            caps = _merge_logged(caps, logged)
         vecs, rows, numels = (list(column) for column in zip(*caps)) if caps else ([], [], [])
         if recomputed:
             seen = set(rows)
@@ -324,12 +324,13 @@ class StepCollector:
         return host, ready
 
 
-def _merge_logged(caps: list, logged: np.ndarray) -> list:
-    """``caps`` with the row log's captures put back in their places (a row's ``after``: how many
-    of ``caps`` came before it), as ``(row tuple, key id, numel)`` entries like theirs."""
+def _merge_logged(caps: list, logged) -> list:
+    """``caps`` with the row log's captures (``logged``: ``RowLog.take()``'s flat rows) put back in
+    their places (a row's ``after``: how many of ``caps`` came before it), as ``(row tuple, key id,
+    numel)`` entries like theirs."""
     merged: list = []
     taken = 0
-    for amax, scale, scale_inv, expected, kid, numel, after in logged.tolist():
+    for amax, scale, scale_inv, expected, kid, numel, after in zip(*[iter(logged)] * ROW_WIDTH):
         after = int(after)
         if after > taken:
             merged.extend(caps[taken:after])

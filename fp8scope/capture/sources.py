@@ -13,8 +13,9 @@ that claims it:
   delayed scaling is read from ``fp8_meta`` (../shared/fp8-reference.md §3), other
   recipes are derived from the tensor as TE's current scaling does. Imported lazily.
 - ``WhatIfSource``: any other ``nn.Linear`` in BF16/FP32. The chosen recipe is simulated on
-  the real tensors (delayed scaling of CPU tensors in the collector's shared
-  :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank`, else a
+  the real tensors (delayed scaling in the collector's shared banks:
+  :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank` on the CPU,
+  :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` elsewhere; other recipes in a
   :class:`~fp8scope.emulate.ScalingState` per tensor), so the stats say what FP8 *would* do.
 
 Every adapter reports through ``sink.record(...)`` (the step collector), or for what-if
@@ -64,7 +65,6 @@ class Sink(Protocol):
     def record_values(self, layer: str, role: str, source: str, fmt: Fp8Format, x: torch.Tensor,
                       values: tuple) -> None: ...
 
-
     def key_id(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int: ...
 
     def host_bank(self, recipe: Any) -> Any: ...
@@ -74,7 +74,7 @@ class Sink(Protocol):
     def record_deferred(self, role: str, row: Any, kid: int, numel: int) -> None: ...
 
     caps: list  # the step's captures so far (the kernel's captures note how many came first)
-    bank_capture: Any  # HostDelayedBank.capture_fn() for this step, or None
+    bank_capture: Any  # native.bank_capture_fn() for this step, or None
     full: bool  # this step takes full stats
     active: bool  # this step is captured at all
     roles: frozenset  # the tensor roles captured

@@ -152,7 +152,6 @@ class ScalingState:
         self.scaled_max = scaled_max(self.fmt, recipe.margin)
         self.delayed = isinstance(recipe, DelayedScaling)
         self.updates = 0  # how many delayed-scaling updates ran (a host int, not a tensor)
-        self._scaled_max_t: torch.Tensor | None = None  # scaled_max as a 0-d tensor on the state's device
         self._pending = False
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         # host=None: Python floats on the CPU, tensors elsewhere; True/False force a mode on the CPU
@@ -188,6 +187,7 @@ class ScalingState:
         self._expected = torch.full((), self.scaled_max, **f32)
         self._kept = torch.zeros((), dtype=torch.bool, device=device)
         self._last_amax = torch.zeros((), **f32)
+        self._scaled_max_t = torch.tensor(self.scaled_max, **f32)  # the numerator of every scale, made once
 
     def reset(self) -> None:
         """Back to the initial state (history zeros, scale 1)."""
@@ -204,7 +204,7 @@ class ScalingState:
             self._sync_floats(self._history.to("cpu"))
             self._host = True
         self._device = device
-        for name in ("_history", "_scale", "_scale_inv", "_expected", "_kept", "_last_amax"):
+        for name in ("_history", "_scale", "_scale_inv", "_expected", "_kept", "_last_amax", "_scaled_max_t"):
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
 
     def _sync_tensors(self) -> None:
@@ -267,7 +267,7 @@ class ScalingState:
 
     # ---- the update ------------------------------------------------------------------
     def _scale_from_amax(self, amax: torch.Tensor, fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        return scale_from_amax(amax, torch.full_like(amax, self.scaled_max), fallback)
+        return scale_from_amax(amax, self._scaled_max_t, fallback)
 
     def update(self) -> None:
         """Apply the pending delayed-scaling update now (no-op if none is pending).
@@ -279,8 +279,6 @@ class ScalingState:
         if self._host:
             self._host_update()
             return
-        if self._scaled_max_t is None or self._scaled_max_t.device != self._history.device:
-            self._scaled_max_t = torch.tensor(self.scaled_max, dtype=torch.float32, device=self._history.device)
         self._history, self._scale, self._scale_inv, self._expected, self._kept = delayed_update(
             self._history, self._scaled_max_t, self._scale, self._expected, self.recipe.amax_compute_algo != "max")
         self._pending = False

@@ -61,13 +61,16 @@ class HostDelayedBank:
         self.updates = array("q")  # updates applied
         self._wmax = array("d")  # max of each ring without its row 0 (from 0, NaN ignored): the window max in O(1)
         self._any_pending = False
-        self._pointers: tuple = ()  # (address, bytes per slot) of each buffer, for the kernel
-        # the same addresses, then len, most_recent and the row log's address: the kernel's view of
-        # the bank (fp8s_bank_capture's bank_t); the array never changes size, so its address holds
+        self._buffers = (self._ring, self._head, self.cur, self.pending, self._scaled_max, self.scale,
+                         self.scale_inv, self.expected, self.kept, self.updates, self._wmax)  # the kernel's order
+        self._strides = tuple(a.itemsize * (self.length if a is self._ring else 1) for a in self._buffers)
+        # the kernel's view of the bank (fp8s_bank_capture's bank_t): the buffers' addresses (set by
+        # add(), which may move them), then len, most_recent and the row log's address; this array
+        # never changes size, so its own address holds
         self._ctx = array("q", [0] * 14)
         self._ctx[11], self._ctx[12] = self.length, int(self._most_recent)
         self.ctx_address = self._ctx.buffer_info()[0]
-        self._log = None
+        self._log = None  # kept alive here: the kernel writes to it through a raw address
 
     def add(self, fmt: Fp8Format) -> int:
         """A new tensor's slot, in the initial state."""
@@ -83,11 +86,7 @@ class HostDelayedBank:
         self.pending.append(0)
         self.updates.append(0)
         self._wmax.append(0.0)
-        self._pointers = tuple(  # the buffers may have moved
-            (a.buffer_info()[0], a.itemsize * (self.length if a is self._ring else 1)) for a in (
-                self._ring, self._head, self.cur, self.pending, self._scaled_max, self.scale, self.scale_inv,
-                self.expected, self.kept, self.updates, self._wmax))
-        self._ctx[:11] = array("q", (p for p, _ in self._pointers))
+        self._ctx[:11] = array("q", (a.buffer_info()[0] for a in self._buffers))  # the buffers may have moved
         return len(self.scale) - 1
 
     def attach_log(self, log) -> None:
@@ -160,10 +159,8 @@ class HostDelayedBank:
         if fn is None:
             self._update_numpy(lo, hi)
             return
-        if lo == 0:
-            fn(hi, self.length, int(self._most_recent), *(p for p, _ in self._pointers))
-        else:
-            fn(hi - lo, self.length, int(self._most_recent), *(p + lo * step for p, step in self._pointers))
+        fn(hi - lo, self.length, int(self._most_recent),
+           *(p + lo * stride for p, stride in zip(self._ctx[:11], self._strides)))
 
     def _update_numpy(self, lo: int, hi: int) -> None:
         """The kernel's update as numpy operations on views of the same buffers (no C compiler)."""
