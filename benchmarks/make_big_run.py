@@ -26,7 +26,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from fp8scope.capture.collector import TensorKey  # noqa: E402
+from fp8scope.step_payload import TensorKey  # noqa: E402
 from fp8scope.schema import FIELD_INDEX, N_FIELDS  # noqa: E402
 from fp8scope.step_records import scalar_batch, tensor_batch  # noqa: E402
 from fp8scope.store.manifest import new_manifest, write_manifest  # noqa: E402

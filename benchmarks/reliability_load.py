@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT))
 def writer(rank: int, run: str, duration: float, step_ms: float, n_tensors: int, out: str) -> None:
     import numpy as np
 
-    from fp8scope.capture.collector import TensorKey
+    from fp8scope.step_payload import TensorKey
     from fp8scope.schema import N_FIELDS
     from fp8scope.step_records import scalar_batch, tensor_batch
     from fp8scope.store import RunWriter

@@ -9,10 +9,10 @@ Guarantees to the training loop:
 
 - No host sync per tensor: stats stay on the device until ``step()``, which makes one
   transfer for the whole step (non-blocking on CUDA).
-- Durability: on CPU, when ``step()`` returns the step is on disk (survives SIGKILL).
-  On CUDA the copy is asynchronous, so step ``t`` is on disk once the GPU has finished
-  it and at the latest when ``step(t + 1)`` returns (waiting for it sooner would be a
-  host sync every step).
+- Durability, the same on every device: step ``t`` is on disk (survives SIGKILL) at the
+  latest when ``step(t + 1)`` or ``close()`` returns. The step's copy to the host and its
+  append overlap with the next step's compute (waiting sooner would be a host sync every
+  step on a GPU).
 - Fail open: any error inside the monitor warns once and switches capture or logging
   off; the user's training continues.
 """
@@ -27,7 +27,6 @@ from typing import Any, Iterable
 
 from torch import nn
 
-from fp8scope import native
 from fp8scope.capture.collector import StepCollector, TensorKey
 from fp8scope.capture.sources import adapter_for
 from fp8scope.errors import UsageError
@@ -78,9 +77,10 @@ class Monitor:
         every: full stats every ``every`` steps, cheap stats (amax and the scales in use, no
             pass over the tensor where the recipe already computed the amax) on the others.
             ``every=1`` is full stats every step.
-        full_on_anomaly: after a cheap step whose amax is non-finite or 8x beyond what the scale
-            could represent, take full stats on this many following steps (counts, underflow,
-            quantization error of the aftermath); 0 turns it off.
+        full_on_anomaly: after a cheap step that ``fp8scope.detect.triage`` flags (a non-finite
+            amax, or an amax far beyond what the scale could represent), take full stats on this
+            many following steps (counts, underflow, quantization error of the aftermath); 0 turns
+            it off.
         steps: ``(first, stop)`` global steps to capture; others log only scalars.
         step: global step number of the first step this monitor ends (for restarts from a
             checkpoint); default 0.
@@ -165,11 +165,11 @@ class Monitor:
         self._writer: BackgroundWriter | None = None
         self.detector: Any = None  # fp8scope.detect.OnlineDetector when detect is on
         self._store_failed: str | None = None
+        self._detect = detect
         if not enabled:
             self.collector.enabled = False
             return
         self._attach(_name_filter(layers), _name_filter(skip))
-        native.build_in_background()  # the one-pass CPU stats kernel; the torch path serves until it is built
         try:
             self._open_store(explicit_step=step is not _UNSET, meta=meta)
         except OSError as exc:  # read-only, full or vanished storage: fail open, like the writer thread
@@ -239,7 +239,20 @@ class Monitor:
         self._writer = make_writer(
             run_writer, self.rank, self.collector.keys, self._manifest_tensors if self.rank == 0 else None,
             reduce=self.reduce, check=self.cross_rank_check, world_size=self.world_size, warn=self._warn,
+            suspicious=self._suspicious_rule(),
         )
+
+    def _suspicious_rule(self):
+        """detect's rule for cheap steps worth full stats next, with this monitor's thresholds."""
+        if not self.full_on_anomaly:
+            return None
+        from functools import partial
+
+        from fp8scope.detect.config import DetectConfig
+        from fp8scope.detect.triage import suspicious_cheap_step
+
+        cfg = self._detect if isinstance(self._detect, DetectConfig) else DetectConfig()
+        return partial(suspicious_cheap_step, cfg)
 
     def _manifest_tensors(self, keys: list[TensorKey]) -> None:
         """Writer thread: record the monitored tensors in run.json (merged with earlier segments)."""
@@ -285,10 +298,8 @@ class Monitor:
             self.collector.step = self._step
             payload = self.collector.end_step(scalars)
             if self._writer is not None and self._writer.failed is None:
-                if payload.ready is None:  # CPU: written before returning, so a returned step() is durable
-                    self._writer.write_now(payload)
-                else:  # CUDA: wait only for the previous step, to keep the GPU copy asynchronous
-                    self._writer.wait(self._writer.submit(payload) - 1, timeout=60)
+                # wait only for the previous step: this one's copy and append overlap the next step
+                self._writer.wait(self._writer.submit(payload) - 1, timeout=60)
                 if self._writer.suspicious_step is not None:  # clipping or NaN seen: look closer
                     self._writer.suspicious_step = None
                     self.collector.force_full = max(self.collector.force_full, self.full_on_anomaly)

@@ -13,11 +13,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from fp8scope import native
-from fp8scope.capture.collector import TensorKey, widen_cheap_rows
-from fp8scope.capture.stats import CHEAP_FIELDS
 from fp8scope.schema import FIELD_INDEX, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
-from fp8scope.store.message_template import MessageTemplate, TemplateError
+from fp8scope.step_payload import CHEAP_FIELDS, TensorKey, nonfinite_flags, widen_cheap_rows
 
 _COUNT_FIELDS = ("numel", "zeros", "nonfinite", "overflow", "underflow", "saturated")
 
@@ -122,7 +119,7 @@ def tensor_batch(
 
 
 # cheap-step columns that only depend on the row list: built once per row list (see cheap_tensor_batch)
-_CHEAP_NULLS = ("min_nonzero", "zeros", "nonfinite", "overflow", "underflow", "saturated", "qerr_mse", "sqnr_db")
+_CHEAP_NULLS = ("min_nonzero", "zeros", "overflow", "underflow", "saturated", "qerr_mse", "sqnr_db")
 
 
 def cheap_tensor_batch(
@@ -130,7 +127,8 @@ def cheap_tensor_batch(
     keys: Sequence[TensorKey], cache: dict,
 ) -> pa.RecordBatch:
     """:func:`tensor_batch` for a cheap step, from its narrow rows (one per capture, columns
-    ``CHEAP_FIELDS``: amax, scale, scale_inv, expected_amax).
+    ``CHEAP_FIELDS``: amax, scale, scale_inv, expected_amax; ``nonfinite`` is the flag the amax
+    implies).
 
     A cheap step changes four float columns and the step number; everything else (identity,
     order, numel, the null count columns) is the same as the last step with this row list, so
@@ -160,103 +158,8 @@ def cheap_tensor_batch(
     cols = {**static, "step": pa.array(np.full(len(kids), step, dtype=np.int64))}
     for j, name in enumerate(CHEAP_FIELDS):
         cols[name] = _float_col(cols_major[j])
+    cols["nonfinite"] = _int_col(nonfinite_flags(cols_major[0]))
     return pa.RecordBatch.from_arrays([cols[name] for name in TENSOR_SCHEMA.names], schema=TENSOR_SCHEMA)
-
-
-def cheap_tensor_message(
-    step: int, rank: int, rows: np.ndarray, key_ids: Sequence[int], numels: Sequence[int],
-    keys: Sequence[TensorKey], cache: dict, for_log: bool = False,
-) -> "tuple[bytes, np.ndarray] | None":
-    """The serialized IPC message of :func:`cheap_tensor_batch` for these rows, and each row's
-    fp8_max, made by rewriting the step and the four float columns of the row list's last message
-    in place (``store.message_template``): what ``Monitor.step`` waits for on CPU, ~10x cheaper
-    than building and serializing the batch.
-
-    None when the template does not apply: a NaN in the rows (stored as null, which changes the
-    message's validity bitmaps) or several captures of one tensor (merged rows). The caller then
-    builds the batch with :func:`cheap_tensor_batch`.
-
-    ``for_log``: the rows came from the what-if row log; the template is kept for
-    :func:`cheap_log_message`, which fills it from the next steps' logs directly."""
-    if np.isnan(rows).any():
-        return None
-    sig = ("cheap-message", rank, tuple(key_ids), tuple(numels))
-    entry = cache.get(sig)
-    if entry is None:
-        batch = cheap_tensor_batch(step, rank, rows, key_ids, numels, keys, cache)
-        if batch.num_rows != len(key_ids):  # merged micro-batch captures
-            entry = False
-        else:
-            try:
-                entry = (MessageTemplate(batch, ("step", *CHEAP_FIELDS)), batch.column("fp8_max").to_numpy())
-            except TemplateError:
-                entry = False
-        if len(cache) >= 32:
-            cache.clear()
-        cache[sig] = entry
-    if entry is False:
-        return None
-    template, fp8_max = entry
-    cols_major = rows.T
-    values: dict = {"step": step}
-    for j, name in enumerate(CHEAP_FIELDS):
-        values[name] = cols_major[j]
-    message = template.fill(values)
-    if for_log:
-        cache[("log-message", rank)] = _LogTemplate(template, key_ids, numels, fp8_max)
-    return message, fp8_max
-
-
-class _LogTemplate:
-    """A cheap message template kept for the row log, with what the kernel's fill needs: the rows'
-    key ids and numels to check the log against, each row's fp8_max, the columns' addresses."""
-
-    __slots__ = ("template", "n", "kid_numel", "fp8_max", "addresses")
-
-    def __init__(self, template, key_ids: Sequence[int], numels: Sequence[int], fp8_max: np.ndarray):
-        self.template, self.n = template, len(key_ids)
-        self.kid_numel = np.ascontiguousarray(np.column_stack([key_ids, numels]), dtype=np.float64).reshape(-1)
-        self.fp8_max = np.ascontiguousarray(fp8_max, dtype=np.float64)
-        self.addresses = (self.kid_numel.ctypes.data, self.fp8_max.ctypes.data,
-                          *(template.address(c) for c in ("step", *CHEAP_FIELDS)))
-
-
-def cheap_log_message(step: int, rank: int, logged, n_rows: int, cache: dict) -> "tuple[bytes, bool] | None":
-    """The serialized message of a cheap step whose rows are all the what-if row log's (``logged``:
-    an ``array`` of doubles, ``row_log.WIDTH`` per row), and whether the step is suspicious (the
-    writer's rule), by one kernel call that checks the rows against the template that
-    :func:`cheap_tensor_message` kept (``for_log``) and writes them into it. No numpy, pyarrow or
-    per-row Python: this runs in ``Monitor.step`` right after the optimizer, where the first call
-    of each library function costs 10-20 us.
-
-    None when it does not apply (no template kept yet, other rows, a NaN, no kernel): the caller
-    takes the general path, which keeps a template for the next step."""
-    entry = cache.get(("log-message", rank))
-    if entry is None or entry.n != n_rows:
-        return None
-    fill = native.fill_cheap_message_fn()
-    if fill is None:
-        return None
-    got = fill(logged.buffer_info()[0], n_rows, *entry.addresses[:2], step, *entry.addresses[2:])
-    if got < 0:
-        return None
-    return entry.template.message(), got == 1
-
-
-def scalar_message(
-    step: int, rank: int, names: Sequence[str], values: Sequence[float], wall_time: float, cache: dict,
-) -> bytes:
-    """The serialized IPC message of :func:`scalar_batch`, rewritten in place from the last message
-    with these names (a NaN loss is a value, not a null, so every step fits the template)."""
-    key = ("message", tuple(names))
-    template = cache.get(key)
-    if template is None:
-        template = MessageTemplate(scalar_batch(step, rank, names, np.asarray(values, dtype=np.float64), wall_time,
-                                                cache), ("step", "value", "time"))
-        if len(cache) >= 32:
-            cache.clear()
-        cache[key] = template
-    return template.fill_numbers({"step": int(step), "value": values, "time": float(wall_time)})
 
 
 def scalar_batch(

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from dashboard import data as D
-from fp8scope.capture.collector import TensorKey
+from fp8scope.step_payload import TensorKey
 from fp8scope.schema import N_FIELDS
 from fp8scope.step_records import tensor_batch
 from fp8scope.store import RunWriter, new_manifest, write_manifest

@@ -16,7 +16,7 @@ import pyarrow as pa
 import pytest
 
 import fp8scope.detect.engine as engine
-from fp8scope.capture.collector import TensorKey
+from fp8scope.step_payload import TensorKey
 from fp8scope.detect import DetectConfig, detect
 from fp8scope.detect.features import WindowCarry, _sliding_max, window_features_numpy
 from fp8scope.run import Run, _distinct_rows

@@ -1,7 +1,9 @@
-"""DeviceDelayedBank (the what-if monitor's delayed scaling off the CPU, batched per step) against
-ScalingState's tensor code, which test_emulate.py pins to hand-computed TE sequences: capture by
-capture the same rows, after each step the same history, scales, expected amax and kept flag.
-Runs on the CPU (the bank's code is device-independent torch); test_gpu.py runs the monitor on CUDA."""
+"""DeviceDelayedBank (the what-if monitor's delayed scaling, batched per step) against ScalingState,
+which test_emulate.py pins to hand-computed TE sequences: capture by capture the same rows, after
+each step the same history, scales, expected amax and kept flag. The bank's amax pass is compiled
+here (``FP8SCOPE_COMPILE=sync``), where it is exactly TE's; its one-op eager stand-in differs only
+on a tensor holding a NaN (tested below). Runs on the CPU (the bank's code is device-independent
+torch); test_gpu.py runs the monitor on CUDA."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from fp8scope.emulate import DelayedScaling, ScalingState
+from fp8scope.emulate.amax import amax_pair
 from fp8scope.emulate.device_bank import DeviceDelayedBank
 from fp8scope.emulate.recipes import CurrentScaling
 from fp8scope.formats import get_format
@@ -39,7 +42,13 @@ def tensor_with_amax(v: float) -> torch.Tensor:
 
 
 def state_row(state: ScalingState, x: torch.Tensor) -> list[float]:
-    return [float(v) for v in state.begin_values(x, record=True)]
+    state.begin(x, record=True)
+    return [float(v) for v in state.latest()]
+
+
+@pytest.fixture(autouse=True)
+def compiled_amax(monkeypatch):
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
 
 
 def assert_same_state(bank: DeviceDelayedBank, slot: int, state: ScalingState) -> None:
@@ -58,7 +67,7 @@ def test_device_bank_matches_scaling_state_capture_by_capture(steps, hist, algo,
     fmts = (E4M3, E4M3, E5M2)
     bank = DeviceDelayedBank(recipe, "cpu")
     slots = [bank.add(f) for f in fmts]
-    states = [ScalingState(recipe, f, host=False) for f in fmts]
+    states = [ScalingState(recipe, f) for f in fmts]
     for step in steps:
         rows, want = [], []
         for k in range(2):  # captures interleave across tensors (and micro-batches), in a shuffled layer order
@@ -67,10 +76,9 @@ def test_device_bank_matches_scaling_state_capture_by_capture(steps, hist, algo,
                     x = tensor_with_amax(step[i][k])
                     want.append(state_row(states[i], x))
                     rows.append(bank.capture(slots[i], x))
-        assert all(r.value is None for r in rows)
-        bank.resolve()
+        values = bank.take_rows()
         for row, w in zip(rows, want):
-            assert same(row.value.tolist(), w), (row.value.tolist(), w)
+            assert same(values[row.index].tolist(), w), (values[row.index].tolist(), w)
         for slot, state in zip(slots, states):
             state.update()
             assert_same_state(bank, slot, state)
@@ -81,18 +89,18 @@ def test_device_bank_matches_scaling_state_capture_by_capture(steps, hist, algo,
        algo=st.sampled_from(["max", "most_recent"]))
 def test_device_bank_full_steps_and_micro_batches(amaxes, hist, algo):
     """scales() then record_amax() (full steps: full stats measure the amax), two captures of the
-    slot per step, against ScalingState.begin_values."""
+    slot per step, against ScalingState.begin."""
     recipe = DelayedScaling(amax_history_len=hist, amax_compute_algo=algo)
     bank = DeviceDelayedBank(recipe, "cpu")
     other = bank.add(E5M2)  # a second slot that is never captured: its state must not move
     slot = bank.add(E4M3)
-    state = ScalingState(recipe, E4M3, host=False)
+    state = ScalingState(recipe, E4M3)
     for i, v in enumerate(amaxes):
         x = tensor_with_amax(v)
         want = state_row(state, x)
         got = bank.scales(slot)
         assert same([float(t) for t in got], want[1:])
-        bank.record_amax(slot, torch.tensor(v))
+        bank.record_amax(slot, amax_pair(x)[1])  # what the stats pass hands over: TE's amax
         if i % 3 == 2:  # some steps end here, others take a second (micro-batch) capture first
             bank.resolve()
             state.update()
@@ -107,27 +115,55 @@ def test_device_bank_empty_tensor_half_precision_and_hand_sequence():
     used = []
     for amax in (2.0, 8.0, 1.0, 0.0, NAN, 1.0, 1.0):
         row = bank.capture(s, tensor_with_amax(amax).to(torch.bfloat16))
-        bank.resolve()
-        used.append(row.value[1].item())
-    assert used == [1.0, 224.0, 56.0, 56.0, 56.0, 56.0, 448.0]
+        used.append(bank.take_rows()[row.index, 1].item())
+    # the NaN tensor's TE amax is 0 (fmaxf ignores the NaN): no roll, so the 8 stays one step longer
+    assert used == [1.0, 224.0, 56.0, 56.0, 56.0, 56.0, 56.0]
     row = bank.capture(s, torch.zeros(0, 4))
-    bank.resolve()
-    assert row.value.tolist() == [0.0, 448.0, float(torch.tensor(1 / 448.0)), 1.0] and bool(bank.kept[s])
+    assert bank.take_rows()[row.index].tolist() == [0.0, 448.0, float(torch.tensor(1 / 448.0)), 1.0]
+    assert bool(bank.kept[s])
 
 
-def test_device_bank_slot_goes_on_as_a_scaling_state():
+def test_eager_amax_stand_in_differs_only_on_nan(monkeypatch):
+    """Before its compile is ready (here: compilation off), the bank's amax is one eager op that
+    propagates NaN: the row logs the NaN as the compiled pass does, but the history cannot know TE's
+    fmaxf amax of the other elements and rolls in 0 (never a NaN)."""
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "0")
+    from fp8scope.emulate import amax as amax_mod
+
+    monkeypatch.setattr(amax_mod, "AMAX_FAST", amax_mod.CompiledFn("amax_fast_eager", amax_mod._make_pair,
+                                                                    amax_mod._examples, fallback=amax_mod._make_norm))
+    bank = DeviceDelayedBank(DelayedScaling(amax_history_len=3), "cpu")
+    s = bank.add(E4M3)
+    for v in (2.0, 4.0):
+        bank.capture(s, tensor_with_amax(v))
+        bank.take_rows()
+    row = bank.capture(s, torch.tensor([NAN, 3.0]))
+    assert math.isnan(bank.take_rows()[row.index, 0].item())
+    bank.capture(s, tensor_with_amax(1.0))
+    bank.take_rows()
+    # the NaN step rolled (as 0), so the 4 has left the 3-row window; TE's amax 3 would have stayed
+    assert bank.history[s].tolist() == [0.0, 0.0, 1.0] and not torch.isnan(bank.history).any()
+
+
+def test_device_bank_slot_moves_to_another_bank():
+    """A tensor that moves (model.to(device)) takes its slot's state to the new device's bank."""
     recipe = DelayedScaling(amax_history_len=4)
-    bank, ref = DeviceDelayedBank(recipe, "cpu"), ScalingState(recipe, E5M2, host=False)
+    bank, ref = DeviceDelayedBank(recipe, "cpu"), ScalingState(recipe, E5M2)
     s = bank.add(E5M2)
     seq = [3.0, 0.5, NAN, 0.0, 7.0, 2.0, 1.0, 0.25]
     for v in seq[:5]:
         bank.capture(s, tensor_with_amax(v))
-        bank.resolve()
+        bank.take_rows()
         state_row(ref, tensor_with_amax(v))
         ref.update()
-    state = bank.to_state(s, E5M2)
+    other = DeviceDelayedBank(recipe, "cpu")
+    other.add(E4M3)
+    t = other.add(E5M2, like=(bank, s))
     for v in seq[5:]:
-        assert same(state_row(state, tensor_with_amax(v)), state_row(ref, tensor_with_amax(v)))
+        row = other.capture(t, tensor_with_amax(v))
+        assert same(other.take_rows()[row.index].tolist(), state_row(ref, tensor_with_amax(v)))
+        ref.update()
+    assert_same_state(other, t, ref)
 
 
 def test_device_bank_needs_delayed_scaling():

@@ -35,19 +35,6 @@ NAN, INF = float("nan"), float("inf")
 FP32_MAX = torch.finfo(torch.float32).max
 
 
-@pytest.fixture(params=["host", "tensor"], autouse=True)
-def scaling_mode(request, monkeypatch):
-    """Every test here runs with the scaling state in Python floats (the CPU default) and in
-    tensors (the GPU code path, forced on the CPU): both must give the same numbers."""
-    init = ScalingState.__init__
-
-    def forced(self, recipe, fmt, device=None, host=None):
-        init(self, recipe, fmt, device, host=(request.param == "host") if host is None else host)
-
-    monkeypatch.setattr(ScalingState, "__init__", forced)
-    return request.param
-
-
 def run_sequence(state: ScalingState, amaxes):
     """Feed one-element tensors with the given amaxes; return (scales used, histories after)."""
     scales, histories = [], []
@@ -126,8 +113,19 @@ def test_delayed_max_hand_sequence(margin, expected):
     assert same(hist[3], [1, 8, 1])
     assert same(hist[4], [1, 1, 1])  # the 8 has left the window -> scale 448 at step 5
     assert same(hist[5], [0, 1, 1])
-    assert same(hist[6], [NAN, 1, 1])  # zero amax: no roll before recording the NaN
-    assert same(hist[7], [1, 1, NAN])  # the NaN rolled; "max" ignores it (fmaxf)
+    # a tensor of one NaN: TE's amax (fmaxf from 0) ignores it, so 0 is recorded and nothing rolls
+    assert same(hist[6], [0, 1, 1])
+    assert same(hist[7], [1, 1, 1])
+
+
+def test_nan_elements_are_ignored_by_the_recorded_amax():
+    """TE reduces the amax with fmaxf: with x = [NaN, 3] the recorded amax is 3 and the next scale
+    448 / 3, while the state's logged amax keeps the NaN (the monitor's row marks it)."""
+    st = ScalingState(DelayedScaling(amax_history_len=4), E4M3)
+    st.begin(torch.tensor([NAN, 3.0]))
+    assert math.isnan(st.last_amax.item()) and st.amax_history.tolist() == [3.0, 0.0, 0.0, 0.0]
+    assert st.begin(torch.tensor([1.0])).scale.item() == pytest.approx(448 / 3, rel=1e-7)
+    assert not torch.isnan(st.amax_history).any()
 
 
 @pytest.mark.parametrize(
@@ -464,32 +462,13 @@ amax_values = st.one_of(
 )
 
 
-@settings(max_examples=150, deadline=None)
-@given(amaxes=st.lists(amax_values, min_size=1, max_size=80), hist=st.integers(1, 40),
-       margin=st.sampled_from([0, 1, 3, 0.5]), algo=st.sampled_from(["max", "most_recent"]),
-       current=st.booleans(), fmt=st.sampled_from([E4M3, E5M2]), record=st.lists(st.booleans(), min_size=80,
-                                                                                   max_size=80))
-def test_host_and_tensor_modes_agree_bit_for_bit(amaxes, hist, margin, algo, current, fmt, record):
-    recipe = CurrentScaling(margin=margin) if current else DelayedScaling(amax_history_len=hist, margin=margin,
-                                                                            amax_compute_algo=algo)
-    host, tens = ScalingState(recipe, fmt, host=True), ScalingState(recipe, fmt, host=False)
-    for a, rec in zip(amaxes, record):
-        x = torch.tensor([a], dtype=torch.float32)
-        got = [t.item() for t in host.begin(x, rec)]
-        want = [t.item() for t in tens.begin(x, rec)]
-        assert same(got, want), (got, want)
-        assert same(host.amax_history.tolist(), tens.amax_history.tolist())
-        assert bool(host.scale_kept) == bool(tens.scale_kept) and host.pending == tens.pending
-
-
 def test_scale_is_a_true_float32_division():
     """TE computes max_fp8 / amax with one rounding; torch's `float / tensor` (reciprocal, then
     a multiply) is off by an ulp for about a quarter of amaxes."""
     import numpy as np
 
     amaxes = torch.rand(2000, generator=torch.Generator().manual_seed(0)) * 1000 + 1e-3
-    for host in (True, False):
-        st_ = ScalingState(CurrentScaling(), E4M3, host=host)
-        got = torch.tensor([st_.begin(a.reshape(1)).scale.item() for a in amaxes])
-        want = torch.from_numpy(np.float32(448.0) / amaxes.numpy())
-        assert bool((got == want).all()), (host, int((got != want).sum()))
+    st_ = ScalingState(CurrentScaling(), E4M3)
+    got = torch.tensor([st_.begin(a.reshape(1)).scale.item() for a in amaxes])
+    want = torch.from_numpy(np.float32(448.0) / amaxes.numpy())
+    assert bool((got == want).all()), int((got != want).sum())

@@ -5,11 +5,12 @@ import math
 import pytest
 import torch
 
-from fp8scope.capture.stats import cheap_stats, full_stats, saturation_floor
+from fp8scope.capture.stats import full_stats, saturation_floor, stats_call
+from fp8scope.emulate.amax import amax_pair
 from fp8scope.formats import get_format, recipe_format
 from fp8scope.schema import FIELD_INDEX, STAT_FIELDS
 
-# every test here runs on both stats paths (one-pass CPU kernel, torch ops)
+# every test here runs on both stats paths (compiled, eager)
 pytestmark = pytest.mark.usefixtures("stats_path")
 
 E4M3 = get_format("e4m3")
@@ -102,12 +103,20 @@ def test_empty_and_all_zero_tensors():
     assert s["zeros"] == 10 and s["underflow"] == 0 and s["min_nonzero"] == math.inf
 
 
-def test_cheap_stats_fill_only_amax_and_scales():
-    x = torch.tensor([1.0, -7.0, 3.0])
-    s = as_dict(cheap_stats(x, 2.0, 0.5, 7.0))
-    assert s["amax"] == 7.0 and s["scale"] == 2.0 and s["scale_inv"] == 0.5 and s["numel"] == 3
-    assert math.isnan(s["overflow"]) and math.isnan(s["zeros"])
-    assert math.isnan(float(cheap_stats(torch.tensor([1.0, math.nan]), 1.0, 1.0, 1.0)[FIELD_INDEX["amax"]]))
+def test_amax_pair_logs_nan_and_records_te_amax():
+    """The logged amax propagates NaN (the row marks where a NaN is); the recorded one is TE's fmaxf
+    amax, NaN elements ignored, Inf kept."""
+    logged, recorded = amax_pair(torch.tensor([math.nan, 3.0, -2.0]))
+    assert math.isnan(float(logged)) and float(recorded) == 3.0
+    logged, recorded = amax_pair(torch.tensor([1.0, -math.inf]))
+    assert float(logged) == math.inf and float(recorded) == math.inf
+    assert [float(v) for v in amax_pair(torch.zeros(0))] == [0.0, 0.0]
+    assert [float(v) for v in amax_pair(torch.tensor([1.0, -7.0, 3.0], dtype=torch.bfloat16))] == [7.0, 7.0]
+
+
+def test_full_stats_return_te_amax_for_a_whatif_state():
+    vec, recorded = stats_call(torch.tensor([math.nan, 3.0, -5.0]), 1.0, 1.0, 1.0, E4M3)
+    assert math.isnan(float(vec[FIELD_INDEX["amax"]])) and float(recorded) == 5.0
 
 
 def test_derived_limits_match_torch_finfo():

@@ -1,82 +1,34 @@
 """Collects one training step's stats on the device and hands them over as one batch.
 
-Adapters call :meth:`StepCollector.record` from forward and backward hooks; each call
-appends one stats vector (still on the device) and the id of the tensor it describes.
-:meth:`StepCollector.end_step` stacks the vectors together with the step's scalar
-tensors into a single device tensor and starts one copy to the host (non-blocking into
-pinned memory on CUDA). Nothing here waits for the device.
+Adapters call :meth:`StepCollector.record` (and its narrower siblings) from forward and
+backward hooks; each call keeps one row (still on the device) and the id of the tensor it
+describes. :meth:`StepCollector.end_step` gathers the step's rows with a constant number of ops
+(one stack of the narrow rows' values, the what-if banks' blocks, one cat with the scalar
+tensors) and starts one copy to the host (non-blocking into pinned memory on CUDA). Nothing here
+waits for the device.
 
-Sampling: every captured step gets cheap stats (amax and the scales in use, one pass);
-steps where ``step % every == 0`` get full stats. Steps outside ``steps=(lo, hi)`` are
-not captured at all (the hooks return at once).
+Sampling: every captured step gets cheap stats (the amax and the scales in use: no pass over
+the tensor where the recipe already computed its amax, one fused pass for what-if tensors);
+steps where ``step % every == 0`` get full stats. Steps outside ``steps=(lo, hi)`` are not
+captured at all (the hooks return at once).
 """
 
 from __future__ import annotations
 
 import threading
 import time
-from dataclasses import dataclass, field
-from itertools import chain
 from typing import Any
 
-import numpy as np
 import torch
 
-from fp8scope import native
 from fp8scope.capture.autograd_phase import in_backward
-from fp8scope.capture.row_log import KEY, NUMEL, RowLog
-from fp8scope.capture.row_log import WIDTH as ROW_WIDTH
-from fp8scope.capture.stats import CHEAP_FIELDS, cheap_row, cheap_vector, full_row
+from fp8scope.capture.stats import stats_call
+from fp8scope.emulate.amax import amax_pair_fast
 from fp8scope.emulate.device_bank import DeferredRow, DeviceDelayedBank
 from fp8scope.formats import Fp8Format
-from fp8scope.schema import FIELD_INDEX, N_FIELDS
+from fp8scope.step_payload import StepPayload, TensorKey
 
-_AMAX = FIELD_INDEX["amax"]
-
-
-@dataclass(frozen=True)
-class TensorKey:
-    """Identity of one monitored tensor; its row in the store carries these strings."""
-
-    layer: str
-    role: str
-    source: str
-    fmt: str
-    fp8_max: float
-    shape: tuple[int, ...]
-
-
-@dataclass
-class StepPayload:
-    """Everything the writer thread needs to turn one step into record batches."""
-
-    step: int
-    full: bool
-    wall_time: float
-    key_ids: list[int]  # one per stats row, in execution order
-    n_rows: int
-    host: torch.Tensor  # flat float64: n_rows * N_FIELDS stats, then the scalar tensors
-    ready: Any  # a CUDA event to wait on, or None when ``host`` is already valid
-    scalar_names: list[str]  # names of the scalar tensors at the tail of ``host``
-    host_scalars: dict[str, float] = field(default_factory=dict)  # scalars given as Python numbers
-    numels: list[int] = field(default_factory=list)  # per stats row (cheap rows carry no numel on device)
-    # A cheap step whose rows are all the kernel's captures: the row log's rows (array of doubles,
-    # row_log.WIDTH per row), from which expand() makes key_ids, numels and host when a reader
-    # needs them; the writer's own fast path (step_records.cheap_log_message) reads them as they are.
-    logged: Any = None
-
-    def wait(self) -> None:
-        if self.ready is not None:
-            self.ready.synchronize()
-
-    def expand(self) -> None:
-        """Fill ``key_ids``, ``numels`` and ``host`` from ``logged`` (once; a no-op otherwise)."""
-        if self.logged is None or self.host is not None:
-            return
-        rows = np.frombuffer(self.logged, dtype=np.float64).reshape(self.n_rows, ROW_WIDTH)
-        self.key_ids = rows[:, KEY].astype(np.int64).tolist()
-        self.numels = rows[:, NUMEL].astype(np.int64).tolist()
-        self.host = torch.from_numpy(np.ascontiguousarray(rows[:, :len(CHEAP_FIELDS)]).reshape(-1))
+__all__ = ["StepCollector", "StepPayload", "TensorKey"]
 
 
 class StepCollector:
@@ -92,14 +44,12 @@ class StepCollector:
         self.keys: list[TensorKey] = []
         self._key_ids: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
-        # (stats row, key id, numel) in execution order; the what-if kernel captures, which go to
-        # ``row_log``, note its length to keep their place
+        # (row, key id, numel) in execution order. A row is a full-stats vector (N_FIELDS, float64),
+        # a narrow tuple of 0-d float32 tensors (CHEAP_FIELDS), or a DeferredRow of a what-if bank.
         self.caps: list[tuple[Any, int, int]] = []
-        self._recomputed: list[tuple[torch.Tensor, int, int]] = []  # forwards re-run inside backward
-        self._banks: dict[int, Any] = {}  # id(recipe) -> HostDelayedBank: what-if states, updated at the step's end
-        self.row_log: RowLog | None = None  # rows of the banks' kernel captures (made with the first bank)
-        self.bank_capture: Any = None  # the kernel's capture function while there is a bank (see host_bank)
-        self._device_banks: dict[tuple, DeviceDelayedBank] = {}  # (id(recipe), device) -> what-if states off the CPU
+        self._recomputed: list[tuple[Any, int, int]] = []  # forwards re-run inside backward
+        self._device_banks: dict[tuple, DeviceDelayedBank] = {}  # (id(recipe), device) -> what-if states
+        self._index_cache: dict[tuple, torch.Tensor] = {}  # row orders -> their index tensors on the device
         self.step = 0
         self.full = True
         self.active = True
@@ -113,8 +63,6 @@ class StepCollector:
         self.full = step % self.every == 0 or self.force_full > 0
         if self.force_full > 0:
             self.force_full -= 1
-        if self.row_log is not None:  # looked up per step: the kernel may finish building, or be switched off
-            self.bank_capture = native.bank_capture_fn()
         lo, hi = self.steps if self.steps is not None else (None, None)
         self.active = self.enabled and (lo is None or step >= lo) and (hi is None or step < hi)
 
@@ -128,8 +76,7 @@ class StepCollector:
         return torch.is_grad_enabled() if grad_enabled is None else grad_enabled
 
     def key_id(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int:
-        """The id of the tensor (layer, role), made on its first capture: an adapter with a fast path
-        of its own keeps it (the what-if tap's kernel captures write it into their rows)."""
+        """The id of the tensor (layer, role), made on its first capture."""
         kid = self._key_ids.get((layer, role))
         if kid is None:
             with self._lock:
@@ -141,14 +88,14 @@ class StepCollector:
                     self.new_keys = True
         return kid
 
-    def _append(self, role: str, vec: torch.Tensor, kid: int, numel: int) -> None:
+    def _append(self, role: str, row: Any, kid: int, numel: int) -> None:
         # Activation checkpointing re-runs forwards during backward. Those captures go aside and
         # only count for tensors the step has no ordinary capture of (use_reentrant=True runs the
         # first forward under no_grad, where nothing was captured): no double counting either way.
         if role != "gradient" and in_backward():
-            self._recomputed.append((vec, kid, numel))
+            self._recomputed.append((row, kid, numel))
         else:
-            self.caps.append((vec, kid, numel))  # one append: atomic, so no lock between hook threads
+            self.caps.append((row, kid, numel))  # one append: atomic, so no lock between hook threads
 
     def fail(self, exc: BaseException) -> None:
         """Replaced by the Monitor (warn once, stop capturing); the default just stops."""
@@ -156,49 +103,31 @@ class StepCollector:
         self.active = False
 
     # ---- called from hooks ------------------------------------------------------------
-    def record(self, layer, role, source, fmt, x, scale, scale_inv, expected_amax, deq=None, amax=None) -> float | None:
+    def record(self, layer, role, source, fmt, x, scale, scale_inv, expected_amax, deq=None, amax=None):
         """One capture; the adapter has already checked ``wants(role)``.
 
-        ``amax``: the tensor's amax when the adapter already has it (a recipe computed it to
-        derive the scale); cheap steps then cost no pass over the tensor at all. Returns the amax
-        that full stats measured on the host (NaN-propagating), else None: a what-if state can
-        record it instead of reading the tensor a second time."""
+        ``amax``: the tensor's logged amax when the adapter already has it (a recipe computed it to
+        derive the scale); cheap steps then read no tensor data at all, else they take one fused
+        amax pass. Returns, on full steps, TE's amax of ``x`` (NaN elements ignored) as measured
+        by the stats pass, so a what-if state can record it without reading ``x`` again."""
         kid = self.key_id(layer, role, source, fmt, tuple(x.shape))
         if self.full:
-            vec = full_row(x, scale, scale_inv, expected_amax, fmt, deq=deq, amax=amax)
-        else:
-            vec = cheap_row(x, scale, scale_inv, expected_amax, amax=amax)
-        self._append(role, vec, kid, x.numel())
-        return vec[_AMAX] if type(vec) is list else None
+            vec, recorded = stats_call(x, scale, scale_inv, expected_amax, fmt, deq=deq)
+            self._append(role, vec, kid, x.numel())
+            return recorded
+        if amax is None:
+            amax = amax_pair_fast(x)[0]
+        self._append(role, (amax, scale, scale_inv, expected_amax), kid, x.numel())
+        return None
 
     def record_values(self, layer, role, source, fmt, x, values: tuple) -> None:
         """A cheap step's capture from a scaling state's ``latest()`` tuple ``(amax, scale,
-        scale_inv, expected_amax)``; the adapter has already checked ``wants(role)`` and ``not full``.
-
-        The per-tensor hot path of every cheap step (emulated layers, what-if states), so it does
-        the least work: with host floats (CPU states) the tuple itself is the row."""
+        scale_inv, expected_amax)`` of 0-d tensors: no op at all (the adapter has already checked
+        ``wants(role)`` and ``not full``)."""
         kid = self._key_ids.get((layer, role))
         if kid is None:
             kid = self.key_id(layer, role, source, fmt, tuple(x.shape))
-        if type(values[0]) is not float:  # device states: one small stack on the device
-            values = cheap_vector(x, values[1], values[2], values[3], amax=values[0])
         self._append(role, values, kid, x.numel())
-
-    def host_bank(self, recipe: Any) -> Any:
-        """The :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank` shared by the what-if
-        tensors under ``recipe``; its pending updates run when each step ends, and its kernel
-        captures append to :attr:`row_log`."""
-        bank = self._banks.get(id(recipe))
-        if bank is None:
-            from fp8scope.emulate.scaling_bank import HostDelayedBank
-
-            if self.row_log is None:
-                self.row_log = RowLog(self.row_log_capacity)
-                self.row_log.set_threads(torch.get_num_threads())
-            bank = self._banks[id(recipe)] = HostDelayedBank(recipe)
-            bank.attach_log(self.row_log)
-            self.bank_capture = native.bank_capture_fn()
-        return bank
 
     def device_bank(self, recipe: Any, device: torch.device) -> DeviceDelayedBank:
         """The :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` shared by the what-if tensors
@@ -215,56 +144,65 @@ class StepCollector:
         self._append(role, row, kid, numel)
 
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
-        """A row from an amax someone else computed (e.g. TE's amax history), no tensor at hand."""
+        """A narrow row from an amax someone else computed (e.g. TE's amax history), no tensor at hand
+        (also on full steps: the counts stay unknown)."""
         kid = self.key_id(layer, role, source, fmt, tuple(shape))
-        dev = amax.device if isinstance(amax, torch.Tensor) else torch.device("cpu")
-        vec = cheap_vector(torch.zeros(0, device=dev), scale, scale_inv, expected_amax, amax=amax)
-        if self.full:  # a full step's rows are full-width; the counts stay unknown (NaN)
-            wide = torch.full((N_FIELDS,), float("nan"), dtype=torch.float64, device=dev)
-            wide[[FIELD_INDEX[f] for f in CHEAP_FIELDS]] = vec.to(torch.float64)
-            vec = wide
-        self._append(role, vec, kid, -1)
+        self._append(role, (amax, scale, scale_inv, expected_amax), kid, -1)
 
     # ---- end of step ------------------------------------------------------------------
     def end_step(self, scalars: dict[str, Any]) -> StepPayload:
-        """Stack this step's stats and scalar tensors and start the single host transfer."""
+        """Gather this step's rows and scalar tensors and start the single host transfer."""
         with self._lock:
             caps, recomputed = self.caps, self._recomputed
             self.caps, self._recomputed = [], []
-        logged = None
-        if self.row_log is not None:
-            logged = self.row_log.take()
-            self.row_log.set_threads(torch.get_num_threads())
-        for bank in self._banks.values():
-            # TE's timing: the step's recorded amaxes give the next step's scales
-            bank.update(captured=logged is not None)
-        for device_bank in self._device_banks.values():
-            device_bank.resolve()  # the deferred rows get their values, the updates run
-        tensor_scalars, names, host_scalars = self._scalars(scalars)
-        if logged is not None and not caps and not recomputed and not tensor_scalars:
-            # only the kernel's captures (a what-if model on the CPU): the log is the step's rows,
-            # handed over as they are (no numpy here: see RowLog.take)
-            return StepPayload(
-                step=self.step, full=self.full, wall_time=time.time(), key_ids=None, n_rows=len(logged) // ROW_WIDTH,
-                host=None, ready=None, scalar_names=names, host_scalars=host_scalars, numels=None, logged=logged,
-            )
-        if logged is not None:
-            caps = _merge_logged(caps, logged)
-        vecs, rows, numels = (list(column) for column in zip(*caps)) if caps else ([], [], [])
         if recomputed:
-            seen = set(rows)
-            for vec, kid, numel in recomputed:
-                if kid not in seen:
-                    vecs.append(vec)
-                    rows.append(kid)
-                    numels.append(numel)
-        if self._device_banks:
-            vecs = [v.value if type(v) is DeferredRow else v for v in vecs]
-        host, ready = self._host_array(vecs, tensor_scalars)
+            seen = {kid for _, kid, _ in caps}
+            caps = caps + [c for c in recomputed if c[1] not in seen]
+        tensor_scalars, names, host_scalars = self._scalars(scalars)
+        wide: list[torch.Tensor] = []
+        narrow: list = []  # tuples of four 0-d tensors or floats
+        deferred: dict[DeviceDelayedBank, list[tuple[int, int]]] = {}  # bank -> (capture index, bank row)
+        order: list[int] = []
+        for i, (row, _, _) in enumerate(caps):
+            if type(row) is tuple:
+                order.append(-1 - len(narrow))
+                narrow.append(row)
+            elif type(row) is DeferredRow:
+                deferred.setdefault(row.bank, []).append((i, row.index))
+                order.append(None)
+            else:
+                order.append(len(wide))
+                wide.append(row)
+        blocks = [self._stack_narrow(narrow)] if narrow else []
+        n_narrow = len(narrow)
+        for bank in self._device_banks.values():
+            rows = bank.take_rows()  # the step's updates run here too (TE's timing: end of step)
+            taken = deferred.get(bank)
+            if rows is None or not taken:
+                continue
+            for i, bank_row in taken:
+                order[i] = -1 - (n_narrow + bank_row)
+            blocks.append(rows)
+            n_narrow += rows.shape[0]
+        host, ready = self._host_array(wide, blocks, tensor_scalars)
         return StepPayload(
-            step=self.step, full=self.full, wall_time=time.time(), key_ids=rows, n_rows=len(rows), host=host,
-            ready=ready, scalar_names=names, host_scalars=host_scalars, numels=numels,
+            step=self.step, full=self.full, wall_time=time.time(), key_ids=[kid for _, kid, _ in caps], order=order,
+            n_wide=len(wide), n_narrow=n_narrow, host=host, ready=ready, scalar_names=names,
+            host_scalars=host_scalars, numels=[numel for _, _, numel in caps],
         )
+
+    @staticmethod
+    def _stack_narrow(narrow: list) -> torch.Tensor:
+        """The narrow rows as one [n, 4] float32 tensor: one stack of their 0-d values (floats and
+        tensors on other devices are rare: recipe constants, TE state on the CPU)."""
+        flat = [v for row in narrow for v in row]
+        device = next((v.device for v in flat if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
+        if device is None:
+            device = torch.device("cpu")
+        if any(not isinstance(v, torch.Tensor) or v.dim() or v.dtype != torch.float32 or v.device != device
+               for v in flat):
+            flat = [_scalar32(v, device, "min" if i % 4 == 1 else "max") for i, v in enumerate(flat)]
+        return torch.stack(flat).view(len(narrow), 4)
 
     @staticmethod
     def _scalars(scalars: dict[str, Any]) -> tuple[list[torch.Tensor], list[str], dict[str, float]]:
@@ -289,84 +227,32 @@ class StepCollector:
         return tensor_scalars, names, host_scalars
 
     @staticmethod
-    def _host_array(vecs: list, tensor_scalars: list[torch.Tensor]):
-        """The step's rows then its scalar tensors as one flat float64 host tensor, and the CUDA event
-        that says the copy has landed (None when it is valid already)."""
-        first = next((v for v in vecs if isinstance(v, torch.Tensor)), None)
-        if first is None and not tensor_scalars:
-            # everything already on the host (CPU kernel, host scaling states; CPU scalars came as
-            # floats): one numpy array, no torch op at all
-            flat = np.fromiter(chain.from_iterable(vecs), dtype=np.float64) if vecs else np.zeros(0)
-            return torch.from_numpy(flat), None
-        parts = tensor_scalars
-        if vecs and first is None:
-            # every row computed on the host (CPU kernel, host scaling states): one tensor, one call
-            parts = [torch.from_numpy(np.array(vecs, dtype=np.float64).reshape(-1))] + tensor_scalars
-        elif vecs:  # one stack for all rows: a handful of device ops per step, not per tensor
-            vecs = [v if isinstance(v, torch.Tensor) else torch.tensor(v, dtype=first.dtype, device=first.device)
-                    for v in vecs]
-            device = first.device
-            if any(v.device != device for v in vecs):
-                vecs = [v.to(device, non_blocking=True) for v in vecs]
-            parts = [torch.stack(vecs).reshape(-1)] + tensor_scalars
-        device = parts[0].device if parts else torch.device("cpu")
-        if any(p.device != device or p.dtype != torch.float64 for p in parts):
-            parts = [p.to(device=device, dtype=torch.float64, non_blocking=True) for p in parts]
-        flat = torch.cat(parts) if len(parts) > 1 else (parts[0] if parts else torch.zeros(0, dtype=torch.float64))
-        ready = None
+    def _host_array(wide: list, blocks: list, tensor_scalars: list):
+        """The step's wide rows, narrow rows and scalar tensors as one flat float64 host tensor, and
+        the CUDA event that says the copy has landed (None when it is valid already)."""
+        parts = ([torch.stack(wide).reshape(-1)] if wide else []) + [b.reshape(-1) for b in blocks] + tensor_scalars
+        if not parts:
+            return torch.zeros(0, dtype=torch.float64), None
+        device = next((p.device for p in parts if p.device.type != "cpu"), parts[0].device)
+        parts = [p if p.device == device else p.to(device, non_blocking=True) for p in parts]
+        flat = torch.cat(parts) if len(parts) > 1 else parts[0]
+        if flat.dtype != torch.float64:
+            flat = flat.to(torch.float64)
         if flat.is_cuda:
             host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
             host.copy_(flat, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
-        else:
-            host = flat
-        return host, ready
+            return host, ready
+        return flat.cpu(), None
 
 
-def _merge_logged(caps: list, logged) -> list:
-    """``caps`` with the row log's captures (``logged``: ``RowLog.take()``'s flat rows) put back in
-    their places (a row's ``after``: how many of ``caps`` came before it), as ``(row tuple, key id,
-    numel)`` entries like theirs."""
-    merged: list = []
-    taken = 0
-    for amax, scale, scale_inv, expected, kid, numel, after in zip(*[iter(logged)] * ROW_WIDTH):
-        after = int(after)
-        if after > taken:
-            merged.extend(caps[taken:after])
-            taken = after
-        merged.append(((amax, scale, scale_inv, expected), int(kid), int(numel)))
-    merged.extend(caps[taken:])
-    return merged
-
-
-def cheap_rows(payload: StepPayload) -> tuple["Any", "Any"]:
-    """A cheap step's (n_rows, len(CHEAP_FIELDS)) rows, as captured, and the scalar values."""
-    payload.expand()
-    arr = payload.host.numpy()
-    n = payload.n_rows * len(CHEAP_FIELDS)
-    return arr[:n].reshape(payload.n_rows, len(CHEAP_FIELDS)), arr[n:]
-
-
-def stats_matrix(payload: StepPayload) -> tuple["Any", "Any"]:
-    """Split a payload's host tensor into the (n_rows, N_FIELDS) stats matrix and the scalar values.
-
-    Full steps carry full-width rows; cheap steps carry only ``CHEAP_FIELDS`` per row on the
-    device, widened here (numel comes from the host-side shapes, the counts stay NaN)."""
-    payload.expand()
-    if not payload.full:
-        rows, tail = cheap_rows(payload)
-        return widen_cheap_rows(rows, payload.numels), tail
-    arr = payload.host.numpy()
-    n = payload.n_rows * N_FIELDS
-    return arr[:n].reshape(payload.n_rows, N_FIELDS), arr[n:]
-
-
-def widen_cheap_rows(rows, numels) -> "Any":
-    """Cheap rows (``CHEAP_FIELDS`` columns) as ``STAT_FIELDS`` rows: numel from the captures'
-    host-side shapes (-1: no tensor at hand), the full-only fields NaN."""
-    matrix = np.full((len(rows), N_FIELDS), np.nan)
-    matrix[:, [FIELD_INDEX[f] for f in CHEAP_FIELDS]] = rows
-    numel = np.asarray(numels, dtype=np.float64)
-    matrix[:, FIELD_INDEX["numel"]] = np.where(numel >= 0, numel, np.nan)
-    return matrix
+def _scalar32(value: Any, device: torch.device, reduce: str) -> torch.Tensor:
+    """0-d float32 on ``device``; per-row / per-block tensors summarised by their most conservative
+    member (the smallest scale; the largest amax, scale_inv and expected amax)."""
+    if isinstance(value, torch.Tensor):
+        v = value.detach()
+        if v.numel() > 1:
+            v = v.amin() if reduce == "min" else v.amax()
+        return v.reshape(()).to(device=device, dtype=torch.float32)
+    return torch.tensor(float(value), dtype=torch.float32, device=device)

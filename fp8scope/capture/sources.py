@@ -13,14 +13,12 @@ that claims it:
   delayed scaling is read from ``fp8_meta`` (../shared/fp8-reference.md §3), other
   recipes are derived from the tensor as TE's current scaling does. Imported lazily.
 - ``WhatIfSource``: any other ``nn.Linear`` in BF16/FP32. The chosen recipe is simulated on
-  the real tensors (delayed scaling in the collector's shared banks:
-  :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank` on the CPU,
-  :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` elsewhere; other recipes in a
+  the real tensors (delayed scaling in the collector's shared
+  :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` per device; other recipes in a
   :class:`~fp8scope.emulate.ScalingState` per tensor), so the stats say what FP8 *would* do.
 
-Every adapter reports through ``sink.record(...)`` (the step collector), or for what-if
-cheap captures through the kernel's row log, and never computes anything when the sink is
-inactive. Gradients (grad_output) are caught with a
+Every adapter reports through ``sink.record(...)`` and its siblings (the step collector), and
+never computes anything when the sink is inactive. Gradients (grad_output) are caught with a
 hook on the module's output tensor, which fires with exactly the gradient the layer's
 backward receives.
 """
@@ -33,12 +31,7 @@ from typing import Any, Callable, Protocol
 import torch
 from torch import nn
 
-from fp8scope.capture.autograd_phase import in_backward
 from fp8scope.formats import Fp8Format, format_of_dtype, get_format, recipe_format
-from fp8scope.native import dtype_codes
-from fp8scope.native import enabled as native_enabled
-
-_DTYPE_CODES = dtype_codes()  # torch dtype -> the kernel's element type
 
 
 class Sink(Protocol):
@@ -60,21 +53,17 @@ class Sink(Protocol):
         expected_amax: Any,
         deq: torch.Tensor | None = None,
         amax: torch.Tensor | None = None,
-    ) -> float | None: ...
+    ) -> Any: ...
 
     def record_values(self, layer: str, role: str, source: str, fmt: Fp8Format, x: torch.Tensor,
                       values: tuple) -> None: ...
 
     def key_id(self, layer: str, role: str, source: str, fmt: Fp8Format, shape: tuple[int, ...]) -> int: ...
 
-    def host_bank(self, recipe: Any) -> Any: ...
-
     def device_bank(self, recipe: Any, device: torch.device) -> Any: ...
 
     def record_deferred(self, role: str, row: Any, kid: int, numel: int) -> None: ...
 
-    caps: list  # the step's captures so far (the kernel's captures note how many came first)
-    bank_capture: Any  # native.bank_capture_fn() for this step, or None
     full: bool  # this step takes full stats
     active: bool  # this step is captured at all
     roles: frozenset  # the tensor roles captured
@@ -151,8 +140,8 @@ class EmulatedSource:
             try:
                 if not sink.wants(role, grad_enabled=module.fp8_forward_grad if role != "gradient" else True):
                     return
-                # the layer's scaling state already computed this tensor's amax (and, on the CPU,
-                # holds it and the scales as floats: the row is that tuple, no tensor made)
+                # the layer's scaling state already computed this tensor's amax: on cheap steps the
+                # row is that state's tensors, no op at all
                 values = getattr(module, state_attr[role]).latest()
                 if sink.full:
                     amax, scale, scale_inv, expected_amax = values
@@ -193,14 +182,11 @@ class _WhatIfTap:
     (and output) when the layer has run, then a pre-hook on the output's autograd node for the
     gradient.
 
-    Delayed scaling of CPU tensors lives in the collector's shared
-    :class:`~fp8scope.emulate.scaling_bank.HostDelayedBank`: with the kernel built, a cheap step's
-    capture is a single kernel call (``native.bank_capture_fn``: amax, record, row into the
-    collector's row log), and the step's updates run together when the step ends. On other
-    devices (and on the CPU with the kernel switched off) a
-    :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` does the same with tensors: one amax
-    pass per capture, the rows and updates resolved at the step's end. Other recipes keep a
-    :class:`~fp8scope.emulate.ScalingState` per tensor."""
+    Delayed scaling lives in the collector's shared
+    :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` of the tensor's device: a cheap
+    step's capture is one fused amax pass, and the step's rows and updates are resolved together
+    when it ends. Current scaling keeps a :class:`~fp8scope.emulate.ScalingState` per tensor (its
+    scale comes from the tensor itself)."""
 
     def __init__(self, layer: str, sink: Sink, recipe: Any):
         from fp8scope.emulate import DelayedScaling
@@ -208,12 +194,9 @@ class _WhatIfTap:
         self.layer, self.sink, self.recipe = layer, sink, recipe
         fwd, bwd = recipe_format(recipe.fp8_format, "forward"), recipe_format(recipe.fp8_format, "backward")
         self.fmts = {"activation": fwd, "weight": fwd, "output": fwd, "gradient": bwd}
-        self.bank = sink.host_bank(recipe) if isinstance(recipe, DelayedScaling) else None
-        self.slots: dict[str, tuple[int, int]] = {}  # role -> (bank slot, key id): CPU tensors, delayed scaling
-        # role -> (DeviceDelayedBank, slot, key id): delayed scaling on other devices (and on the
-        # CPU when the kernel is switched off)
-        self.device_slots: dict[str, tuple[Any, int, int]] = {}
-        self.states: dict[str, Any] = {}  # role -> ScalingState (other recipes, tensors that changed device)
+        self.delayed = isinstance(recipe, DelayedScaling)
+        self.slots: dict[str, tuple[Any, int, int]] = {}  # role -> (DeviceDelayedBank, slot, key id)
+        self.states: dict[str, Any] = {}  # role -> ScalingState (current scaling)
         self._grad_hooks: dict[int, Callable] = {}  # output_nr -> the node pre-hook, made once
 
     def __deepcopy__(self, memo: dict) -> "_WhatIfTap":
@@ -228,16 +211,13 @@ class _WhatIfTap:
         try:
             roles = sink.roles
             if sink.capture_no_grad or torch.is_grad_enabled():
-                # the kernel's capture on cheap steps; a forward re-run inside backward (activation
-                # checkpointing) goes the collector's way, which counts it aside
-                fast = None if sink.full or in_backward() else sink.bank_capture
                 x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
                 if x is not None and "activation" in roles:
-                    self.capture("activation", x, fast)
+                    self.capture("activation", x)
                 if "weight" in roles:
-                    self.capture("weight", mod.weight, fast)
+                    self.capture("weight", mod.weight)
                 if "output" in roles and isinstance(output, torch.Tensor):
-                    self.capture("output", output, fast)
+                    self.capture("output", output)
             if "gradient" in roles:
                 _hook_output_gradient(output, self._on_grad, self._grad_hooks)
         except Exception as exc:  # a monitor problem must not reach training
@@ -248,77 +228,37 @@ class _WhatIfTap:
         if not sink.active:
             return
         try:
-            self.capture("gradient", grad, None if sink.full else sink.bank_capture)
+            self.capture("gradient", grad)
         except Exception as exc:
             sink.fail(exc)
 
-    def capture(self, role: str, x: torch.Tensor, fast: Callable | None) -> None:
-        """One tensor: by the kernel's capture ``fast`` when it takes it (a cheap step, a bank slot,
-        a contiguous CPU tensor of a dtype it reads), else by :meth:`_report`."""
-        if fast:
-            slot = self.slots.get(role)
-            if slot is not None and x.is_cpu and x.is_contiguous():
-                code = _DTYPE_CODES.get(x.dtype)
-                if code is not None and fast(self.bank.ctx_address, x.data_ptr(), code, x.numel(), *slot,
-                                             len(self.sink.caps)) >= 0:
-                    return
-        dslot = self.device_slots.get(role)
-        if dslot is not None and not self.sink.full and x.device == dslot[0].device:
-            # a cheap step on a device bank: the amax pass now, the row when the step ends
-            self.sink.record_deferred(role, dslot[0].capture(dslot[1], x), dslot[2], x.numel())
-            return
-        self._report(role, x.detach())
-
-    def _report(self, role: str, x: torch.Tensor) -> None:
-        """The general path: first captures, full steps, tensors the amax kernel does not take,
-        devices other than the CPU, recipes other than delayed scaling."""
-        from fp8scope.emulate import ScalingState, tensor_amax
-
+    def capture(self, role: str, x: torch.Tensor) -> None:
         sink, layer, fmt = self.sink, self.layer, self.fmts[role]
-        slot, dslot = self.slots.get(role), self.device_slots.get(role)
-        if slot is not None and not x.is_cpu:  # the model moved off the CPU: its own state from here
-            self.states[role] = self.bank.to_state(slot[0], fmt)
-            del self.slots[role]
-            slot = None
-        elif dslot is not None and x.device != dslot[0].device:  # moved to another device: the same
-            self.states[role] = dslot[0].to_state(dslot[1], fmt)
-            del self.device_slots[role]
-            dslot = None
-        elif slot is None and dslot is None and role not in self.states:  # first capture of this tensor
+        if not self.delayed:  # current scaling: the scale comes from this tensor's own amax
+            state = self.states.get(role)
+            if state is None:
+                from fp8scope.emulate import ScalingState
+
+                state = self.states[role] = ScalingState(self.recipe, fmt, device=x.device)
+            scale, scale_inv, expected = state.begin(x, record=True)
+            if sink.full:
+                sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
+            else:
+                sink.record_values(layer, role, "whatif", fmt, x, state.latest())
+            return
+        slot = self.slots.get(role)
+        if slot is None or slot[0].device != x.device:  # first capture, or the model moved
+            bank = sink.device_bank(self.recipe, x.device)
             kid = sink.key_id(layer, role, "whatif", fmt, tuple(x.shape))
-            if self.bank is None:  # not delayed scaling
-                self.states[role] = ScalingState(self.recipe, fmt, device=x.device)
-            elif x.is_cpu and native_enabled():
-                slot = self.slots[role] = (self.bank.add(fmt), kid)
-            else:
-                bank = sink.device_bank(self.recipe, x.device)
-                dslot = self.device_slots[role] = (bank, bank.add(fmt), kid)
-        if dslot is not None:
-            bank, s, kid = dslot
-            if sink.full:
-                scale, scale_inv, expected = bank.scales(s)
-                measured = sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
-                bank.record_amax(s, measured if measured is not None else tensor_amax(x))
-            else:
-                sink.record_deferred(role, bank.capture(s, x), kid, x.numel())
-            return
-        if slot is not None:
-            slot = slot[0]
-            if sink.full:
-                # delayed scaling: the scales do not depend on this tensor, so full stats measure
-                # its amax in their single pass and the bank records that one
-                scale, scale_inv, expected = self.bank.scales(slot)
-                measured = sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
-                self.bank.record_amax(slot, measured if measured is not None else tensor_amax(x).item())
-            else:  # a CPU tensor the kernel does not take: reading it is no device sync
-                sink.record_values(layer, role, "whatif", fmt, x, self.bank.record(slot, tensor_amax(x).item()))
-            return
-        state = self.states[role]
-        if not sink.full:
-            sink.record_values(layer, role, "whatif", fmt, x, state.begin_values(x, record=True))
-            return
-        amax, scale, scale_inv, expected = state.begin_values(x, record=True)
-        sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected, amax=amax)
+            slot = self.slots[role] = (bank, bank.add(fmt, like=slot[:2] if slot else None), kid)
+        bank, s, kid = slot
+        if sink.full:
+            # delayed scaling: the scales do not depend on this tensor, so the stats pass measures
+            # its amax too and the bank records that one
+            scale, scale_inv, expected = bank.scales(s)
+            bank.record_amax(s, sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected))
+        else:
+            sink.record_deferred(role, bank.capture(s, x), kid, x.numel())
 
 
 # ---------------------------------------------------------------------------------------

@@ -46,17 +46,26 @@ def checks() -> list[tuple[str, str, bool | None]]:
                          f"{str(exc).splitlines()[0][:120]}", False))
     else:
         rows.append(("transformer_engine", "not installed (pip install 'fp8scope[te]' on a CUDA machine)", None))
-    from fp8scope import native
-
-    found = native.status()
-    rows.append(("one-pass CPU stats kernel", found + ("" if found == "built" else ": full stats on CPU use the "
-                 "slower torch path"), True if found == "built" else None))
+    rows.append(_compile_row())
     ao = _version("torchao")
     rows.append(("torchao", ao or "not installed (pip install 'fp8scope[torchao]')", True if ao else None))
     for dist in ("pyarrow", "duckdb", "pandas", "dash", "plotly", "tensorboard"):
         v = _version(dist)
         rows.append((dist, v or "not installed", True if v else (None if dist in ("dash", "plotly", "tensorboard") else False)))
     return rows
+
+
+def _compile_row() -> tuple[str, str, bool | None]:
+    """Whether the stats pass can be compiled here (inductor: Triton on CUDA, a C++ compiler on the CPU)."""
+    from fp8scope.compiled import compile_enabled
+
+    if not compile_enabled():
+        return ("compiled stats pass", "off (FP8SCOPE_COMPILE=0): stats run as eager torch ops", None)
+    try:
+        import torch._inductor  # noqa: F401
+    except Exception as exc:
+        return ("compiled stats pass", f"inductor unavailable ({type(exc).__name__}); stats run eagerly", None)
+    return ("compiled stats pass", "on: compiled on a helper thread at first use, eager until ready", True)
 
 
 def register(sub) -> None:

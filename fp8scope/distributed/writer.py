@@ -22,7 +22,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from fp8scope.capture.collector import StepPayload, TensorKey, stats_matrix
+from fp8scope.step_payload import StepPayload, TensorKey, stats_matrix
 from fp8scope.distributed.aggregate import (
     AGGREGATE_RANK,
     REDUCE_MODES,
@@ -54,10 +54,6 @@ class _PerRankFilter:
             return
         self._inner.write(table, batch)
 
-    def write_message(self, table: str, message: bytes) -> None:
-        if table not in self._drop:
-            self._inner.write_message(table, message)
-
     def __getattr__(self, name: str) -> Any:
         return getattr(self._inner, name)
 
@@ -88,6 +84,7 @@ class DistributedWriter(BackgroundWriter):
         group,
         world_size: int,
         max_queue: int = 64,
+        suspicious=None,
     ):
         if mode not in REDUCE_MODES:
             raise ValueError(f"reduce must be one of {REDUCE_MODES}, got {mode!r}")
@@ -108,8 +105,8 @@ class DistributedWriter(BackgroundWriter):
         self.unknown_rows = 0
         self._warned: set[str] = set()
         drop = frozenset({"tensors", "scalars"}) if mode == "aggregate" else frozenset()
-        super().__init__(_PerRankFilter(run_writer, drop), rank, keys, on_new_keys, max_queue=max_queue)
-        self.inline = False  # the exchange is a collective: it stays on this thread, never the training one
+        super().__init__(_PerRankFilter(run_writer, drop), rank, keys, on_new_keys, max_queue=max_queue,
+                         suspicious=suspicious)
 
     # ---- writer thread -----------------------------------------------------------
     def _write_step(self, payload: StepPayload) -> None:
@@ -222,7 +219,7 @@ class DistributedWriter(BackgroundWriter):
 
 
 def make_writer(run_writer, rank: int, keys, on_new_keys, *, reduce: str, check: CrossRankCheck | None,
-                world_size: int, warn: Callable[[str, str], None]) -> BackgroundWriter:
+                world_size: int, warn: Callable[[str, str], None], suspicious=None) -> BackgroundWriter:
     """The writer thread for a Monitor: plain for one rank or ``reduce="none"`` without a check,
     else a :class:`DistributedWriter` (needs an initialised ``torch.distributed``)."""
     wants_exchange = reduce != "none" or (check is not None and check.enabled)
@@ -237,9 +234,9 @@ def make_writer(run_writer, rank: int, keys, on_new_keys, *, reduce: str, check:
             group = new_monitor_group()
             return DistributedWriter(run_writer, rank, keys, on_new_keys, mode=reduce,
                                      check=check or CrossRankCheck(), group=group,
-                                     world_size=dist.get_world_size(group))
+                                     world_size=dist.get_world_size(group), suspicious=suspicious)
         warn("distributed", f"reduce={reduce!r} needs torch.distributed initialised before the Monitor; "
              "logging per-rank rows only")
     elif world_size == 1 and reduce == "aggregate":
         pass  # one rank: its rows are the aggregate; written with its own rank
-    return BackgroundWriter(run_writer, rank, keys, on_new_keys)
+    return BackgroundWriter(run_writer, rank, keys, on_new_keys, suspicious=suspicious)

@@ -18,7 +18,8 @@ from .convert import convert_to_fp8, fp8_disabled
 from .linear import ROLES, Fp8Linear
 from .quantize import dequantize, quantize, quantize_dequantize
 from .recipes import CurrentScaling, DelayedScaling, recipe_from_dict
-from .scaling import Scales, ScalingState, tensor_amax
+from .amax import tensor_amax
+from .scaling import Scales, ScalingState
 
 __all__ = [
     "DelayedScaling",

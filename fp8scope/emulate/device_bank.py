@@ -1,13 +1,14 @@
 """Delayed scaling for many tensors on one device, updated in batches: the what-if monitor's
-states off the CPU (and on the CPU when the compiled kernel is switched off).
+states, on every device.
 
 Why a bank: with one :class:`~fp8scope.emulate.ScalingState` per tensor, a cheap what-if capture
 on a GPU launched ~30 small kernels (the amax, the lazy delayed-scaling update, the row's stack):
 about 2,000 launches per step for the tiny GPT's 63 tensors, each costing the training thread
-microseconds (``benchmarks/whatif_device_bank.py``). Here a capture is the amax pass (three
-kernels, written into this step's amax buffer) and a returned :class:`DeferredRow`; when the step
-ends, :meth:`DeviceDelayedBank.resolve` runs the updates of all slots together (~30 launches) and
-gives each row its values, in the order the collector keeps.
+microseconds (``benchmarks/whatif_device_bank.py``). Here a capture is one amax pass
+(``amax.amax_pair_fast``: one fused kernel once compiled, one eager op before) and a returned
+:class:`DeferredRow`; when the step ends, :meth:`DeviceDelayedBank.resolve` stacks the step's
+amaxes, runs the updates of all slots together (~30 ops whatever the slot count) and leaves the
+step's rows in :attr:`DeviceDelayedBank.values`, in capture order.
 
 The numbers are :class:`ScalingState`'s: both run :func:`~fp8scope.emulate.scaling.delayed_update`
 (TE's rule on float32 tensors), the bank on a batch of slots, a state on one;
@@ -25,17 +26,18 @@ import torch
 
 from ..formats import Fp8Format
 from .recipes import DelayedScaling
-from .scaling import ScalingState, delayed_update, scaled_max
+from .amax import amax_pair_fast
+from .scaling import delayed_update, scaled_max
 
 
 class DeferredRow:
-    """One capture's cheap row ``(amax, scale, scale_inv, expected_amax)``: ``value`` is a float32
-    device tensor once the bank has resolved the step (None before)."""
+    """One capture's cheap row ``(amax, scale, scale_inv, expected_amax)``: row ``index`` of
+    ``bank.values`` once the bank has resolved the step."""
 
-    __slots__ = ("value",)
+    __slots__ = ("bank", "index")
 
-    def __init__(self) -> None:
-        self.value: torch.Tensor | None = None
+    def __init__(self, bank: "DeviceDelayedBank", index: int) -> None:
+        self.bank, self.index = bank, index
 
 
 class DeviceDelayedBank:
@@ -43,8 +45,8 @@ class DeviceDelayedBank:
     float32 tensors on ``device``.
 
     ``slot = bank.add(fmt)`` adds a tensor (TE's initial state: history zeros, scale 1).
-    Cheap steps: ``row = bank.capture(slot, x)`` measures ``x``'s amax into the step's buffer;
-    ``bank.resolve()`` at the step's end fills every row and applies the updates. Full steps:
+    Cheap steps: ``row = bank.capture(slot, x)`` measures ``x``'s amax (one pass);
+    ``bank.take_rows()`` at the step's end applies the updates and returns every row. Full steps:
     ``bank.scales(slot)`` then ``bank.record_amax(slot, amax)`` (the amax full stats measured);
     ``resolve()`` applies those updates too. Nothing here reads a device value on the host.
     """
@@ -64,61 +66,68 @@ class DeviceDelayedBank:
         self.kept = torch.zeros(0, dtype=torch.bool, device=self.device)
         self._scaled_max = torch.zeros(0, **f32)
         self.updates: list[int] = []  # updates applied per slot (host ints)
-        self._amax = torch.zeros(64, **f32)  # this step's captured amaxes, in capture order
+        self._logged: list[torch.Tensor] = []  # this step's logged amaxes (0-d), in capture order
+        self._recorded_amax: list[torch.Tensor] = []  # and TE's (the history's) amaxes
         self._captured: list[int] = []  # the slot of each capture
-        self._rows: list[DeferredRow] = []
+        self._blocks: list[torch.Tensor] = []  # resolved rows [captures, 4] since the last take_rows
+        self._taken = 0  # captures since the last take_rows (DeferredRow.index counts from there)
         self._recorded: dict[int, torch.Tensor] = {}  # slot -> amax recorded on a full step, update pending
         self._plans: dict[tuple[int, ...], list] = {}  # capture sequence -> its rounds' index tensors
 
     def __len__(self) -> int:
         return len(self.updates)
 
-    def add(self, fmt: Fp8Format) -> int:
-        """A new tensor's slot, in the initial state (captures already made this step stay valid:
-        they refer to slots by number)."""
+    def add(self, fmt: Fp8Format, like: tuple["DeviceDelayedBank", int] | None = None) -> int:
+        """A new tensor's slot, in the initial state, or in the state of slot ``like = (bank, slot)``
+        of another bank (its tensor moved to this device). Captures already made this step stay
+        valid: they refer to slots by number."""
         sm = scaled_max(fmt, self.recipe.margin)
         f32 = dict(dtype=torch.float32, device=self.device)
-        self.history = torch.cat([self.history, torch.zeros((1, self.length), **f32)])
-        self.scale = torch.cat([self.scale, torch.ones(1, **f32)])
-        self.scale_inv = torch.cat([self.scale_inv, torch.ones(1, **f32)])
-        self.expected = torch.cat([self.expected, torch.full((1,), sm, **f32)])
-        self.kept = torch.cat([self.kept, torch.zeros(1, dtype=torch.bool, device=self.device)])
+        if like is None:
+            row = (torch.zeros((1, self.length), **f32), torch.ones(1, **f32), torch.ones(1, **f32),
+                   torch.full((1,), sm, **f32), torch.zeros(1, dtype=torch.bool, device=self.device))
+            updates = 0
+        else:
+            other, o = like
+            other.resolve()
+            row = tuple(t[o:o + 1].to(self.device) for t in (other.history, other.scale, other.scale_inv,
+                                                            other.expected, other.kept))
+            updates = other.updates[o]
+        self.history = torch.cat([self.history, row[0]])
+        self.scale = torch.cat([self.scale, row[1]])
+        self.scale_inv = torch.cat([self.scale_inv, row[2]])
+        self.expected = torch.cat([self.expected, row[3]])
+        self.kept = torch.cat([self.kept, row[4]])
         self._scaled_max = torch.cat([self._scaled_max, torch.full((1,), sm, **f32)])
-        self.updates.append(0)
+        self.updates.append(updates)
         self._plans.clear()
         return len(self.updates) - 1
 
     # ---- cheap steps -------------------------------------------------------------------
     def capture(self, slot: int, x: torch.Tensor) -> DeferredRow:
-        """Measure ``x``'s amax (as ``tensor_amax``: NaN-propagating, 0 for an empty tensor) for ``slot``;
-        the row's values come with :meth:`resolve`."""
-        i = len(self._captured)
-        if i == self._amax.numel():
-            self._amax = torch.cat([self._amax, torch.zeros_like(self._amax)])
-        if x.numel():
-            # tensor_amax's one pass, written into the buffer (torch.linalg.vector_norm(x, inf) would
-            # be one kernel fewer, but is ~10x slower on the CPU)
-            lo, hi = torch.aminmax(x.detach())
-            torch.maximum(hi, lo.neg(), out=self._amax[i])
-        else:
-            self._amax[i].zero_()
+        """Measure ``x``'s amax for ``slot`` (one pass, no host sync); the row's values come with
+        :meth:`resolve`."""
+        logged, recorded = amax_pair_fast(x)
+        self._logged.append(logged)
+        self._recorded_amax.append(recorded)
         self._captured.append(slot)
-        row = DeferredRow()
-        self._rows.append(row)
-        return row
+        self._taken += 1
+        return DeferredRow(self, self._taken - 1)
 
     def resolve(self) -> None:
-        """Fill this step's rows and apply every pending update (the step's end; also before
-        anything that needs the state current)."""
+        """Apply every pending update and keep the rows of the captures so far for :meth:`take_rows`
+        (the step's end; also before anything that needs the state current)."""
         if self._captured:
-            captured, rows = self._captured, self._rows
-            self._captured, self._rows = [], []
+            captured, logged, recorded = self._captured, self._logged, self._recorded_amax
+            self._captured, self._logged, self._recorded_amax = [], [], []
+            logged_t = torch.stack(logged)
+            recorded_t = logged_t if recorded[0] is logged[0] else torch.stack(recorded)
             values = None
             for slots, positions in self._plan(tuple(captured)):
                 if positions is None:  # one round: every capture, in order
-                    amax = self._amax[: len(captured)]
+                    amax, rec = logged_t, recorded_t
                 else:
-                    amax = self._amax.index_select(0, positions)
+                    amax, rec = logged_t.index_select(0, positions), recorded_t.index_select(0, positions)
                 got = torch.stack([amax, *self._gather(slots, self.scale, self.scale_inv, self.expected)], 1)
                 if positions is None:
                     values = got
@@ -126,13 +135,21 @@ class DeviceDelayedBank:
                     if values is None:
                         values = torch.empty((len(captured), 4), dtype=torch.float32, device=self.device)
                     values.index_copy_(0, positions, got)
-                self._update(slots, amax)
-            for row, value in zip(rows, values.unbind(0)):
-                row.value = value
+                self._update(slots, rec)
+            self._blocks.append(values)
         if self._recorded:
             slots = list(self._recorded)
             amaxes = torch.stack([self._recorded.pop(s) for s in slots])
             self._update(self._index(slots), amaxes)
+
+    def take_rows(self) -> torch.Tensor | None:
+        """The rows ``[captures, 4]`` (logged amax, scale, scale_inv, expected amax) of every capture
+        since the last call, in capture order (``DeferredRow.index``); :meth:`resolve` first."""
+        self.resolve()
+        blocks, self._blocks, self._taken = self._blocks, [], 0
+        if not blocks:
+            return None
+        return blocks[0] if len(blocks) == 1 else torch.cat(blocks)
 
     def _plan(self, captured: tuple[int, ...]) -> list:
         """The rounds of a capture sequence: (slots, capture positions as an index tensor, or None
@@ -181,14 +198,6 @@ class DeviceDelayedBank:
     def record_amax(self, slot: int, amax: torch.Tensor | float) -> None:
         """Record the amax of the tensor :meth:`scales` was asked for (the update waits for :meth:`resolve`)."""
         self._recorded[slot] = torch.as_tensor(amax, dtype=torch.float32, device=self.device).reshape(())
-
-    def to_state(self, slot: int, fmt: Fp8Format) -> ScalingState:
-        """``slot``'s state as a :class:`ScalingState` of its own (its tensor moved to another
-        device). Reads the slot on the host: once, when the tensor moves."""
-        self.resolve()
-        return ScalingState.from_host(self.recipe, fmt, self.history[slot].tolist(), float(self.scale[slot]),
-                                      float(self.scale_inv[slot]), float(self.expected[slot]),
-                                      bool(self.kept[slot]), False, self.updates[slot])
 
     # ---- the update ----------------------------------------------------------------------
     def _update(self, slots: tuple[list[int], torch.Tensor | None], last: torch.Tensor) -> None:

@@ -2,7 +2,8 @@
 
 stdin: one JSON job per line. stdout: JSON lines, each tagged with the job id:
   {"id": ..., "pid": ...}             the child was forked
-  {"id": ..., "ret": step}            the child's mon.step() for `step` returned
+  {"id": ..., "ret": step}            `step` is durable: the child's mon.step() for the step after it
+                                      returned (steps are written one behind, on every device)
   {"id": ..., "done": rc}             the child finished on its own (clean end, compaction done)
 Children are reaped automatically (SIGCHLD ignored); the test kills them with SIGKILL.
 
@@ -89,7 +90,8 @@ def train(job) -> None:
         opt.step()
         opt.zero_grad()
         mon.step(loss=loss.detach(), life=job["life"])
-        emit({"id": job["id"], "ret": step})
+        if step > job["start"]:
+            emit({"id": job["id"], "ret": step - 1})
     mon.close()
 
 
@@ -122,12 +124,15 @@ def storage(job) -> None:
             opt.step()
             opt.zero_grad()
             mon.step(loss=loss.detach())
-            if mon.logging_failed is None:
-                ok_steps.append(step)
+            # step() returns once the previous step is written: that one is durable if logging still works
+            if mon.logging_failed is None and step > 0:
+                ok_steps.append(step - 1)
             done += 1
             emit({"id": job["id"], "step": step})
             time.sleep(job.get("pace", 0))
         mon.close()
+        if mon.logging_failed is None and done:
+            ok_steps.append(done - 1)  # close() wrote the last one
     msgs = [str(w.message) for w in caught if "fp8scope" in str(w.message)]
     emit({"id": job["id"], "summary": {"steps_done": done, "ok_steps": ok_steps, "warnings": msgs,
                                        "logging_failed": mon.logging_failed}})

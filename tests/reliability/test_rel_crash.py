@@ -1,6 +1,7 @@
 """Crash safety: monitored trainers (and compactions racing them) killed with SIGKILL at random moments.
 
-After every kill: every step whose mon.step() returned is readable, exactly once, from a life that
+After every kill: every step that was durable (``mon.step()`` of the step after it returned: steps
+are written one behind, on every device) is readable, exactly once, from a life that
 could have logged it (restarts replay steps: the later segment must win), and the API, the CLI
 and the dashboard's data layer (when present) open the run without error.
 """

@@ -1,0 +1,164 @@
+"""Small tensor functions compiled ahead on a helper thread, eager until they are ready.
+
+Why: fp8scope's per-tensor work (full stats, the amax pass) is a handful of reductions over one
+tensor. Eager, each op is a kernel launch on CUDA (and a memory pass everywhere); under
+``torch.compile`` inductor fuses them into one or two kernels (Triton on CUDA, C++ on the CPU).
+Compiling takes seconds, so it must never happen on the training thread:
+
+- each variant (the caller's key: device type, dtype, format, ...) gets a function object of its
+  own (a code object of its own, so dynamo's cache for it is separate and no variant can use up
+  another's recompile budget);
+- the first call of a variant queues a compile on the helper thread (``torch.compile`` with
+  dynamic shapes, run once on small example tensors) and runs the eager function;
+- once compiled, calls go through ``torch._dynamo.run``, which runs the compiled code and never
+  compiles: an input the compiled guards do not cover runs eagerly instead of stalling the step.
+
+``FP8SCOPE_COMPILE=0`` (or a torch without a working inductor) keeps everything eager;
+``FP8SCOPE_COMPILE=sync`` compiles each variant on the calling thread at its first call (tests and
+benchmarks that must measure the compiled code from the first step). A compile that fails leaves
+that variant eager for the rest of the process.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import threading
+import types
+from typing import Callable, Hashable
+
+_lock = threading.RLock()
+_queue: "queue.Queue[tuple[CompiledFn, Hashable, Callable, Callable[[], tuple]]]" = queue.Queue()
+_thread: threading.Thread | None = None
+
+
+def compile_mode() -> str:
+    """``"off"``, ``"sync"`` or ``"async"`` (the default), from ``FP8SCOPE_COMPILE``; read at each new
+    variant, so a test may switch it."""
+    value = os.environ.get("FP8SCOPE_COMPILE", "1").strip().lower()
+    if value in ("0", "false", "no", "off"):
+        return "off"
+    return "sync" if value == "sync" else "async"
+
+
+def compile_enabled() -> bool:
+    return compile_mode() != "off"
+
+
+def _renamed(fn: Callable, name: str) -> Callable:
+    """``fn`` with a code object of its own (dynamo keys its cache on the code object)."""
+    code = fn.__code__.replace(co_name=name)
+    return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
+
+
+def _is_compiling() -> bool:
+    import torch
+
+    return torch.compiler.is_compiling()
+
+
+def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callable[[], tuple]) -> None:
+    try:
+        import torch
+
+        compiled = torch.compile(fn, dynamic=True)
+        compiled(*examples())  # traces and compiles now, on this thread
+        runner = torch._dynamo.run(fn)
+    except Exception as exc:  # no working compiler here: this variant stays eager
+        owner._settle(key, None, exc)
+    else:
+        owner._settle(key, runner, None)
+
+
+def _worker() -> None:
+    while True:
+        _compile(*_queue.get())
+
+
+class CompiledFn:
+    """A family of compiled variants of one eager function.
+
+    ``make(key)`` returns the eager function for a variant (constants such as the FP8 format baked
+    in); ``examples(key)`` returns example arguments for its compile (small tensors on the variant's
+    device, every dimension at least 2 so dynamic shapes do not specialise on 0 or 1).
+    """
+
+    def __init__(self, name: str, make: Callable[[Hashable], Callable],
+                 examples: Callable[[Hashable], tuple], fallback: Callable[[Hashable], Callable] | None = None):
+        self.name = name
+        self._make = make
+        self._examples = examples
+        self._fallback = fallback  # a cheaper eager stand-in while the compile is pending (same outputs)
+        self._eager: dict[Hashable, Callable] = {}
+        self._queued: set[Hashable] = set()
+        self._fallbacks: dict[Hashable, Callable] = {}
+        self._ready: dict[Hashable, Callable] = {}
+        self.failures: dict[Hashable, str] = {}
+
+    def get(self, key: Hashable) -> Callable:
+        """The function to call for ``key`` now: compiled when ready, else eager (queuing the compile).
+
+        Inside a region dynamo is tracing (the user compiled the model), the plain function: dynamo
+        inlines it into the user's graph, where inductor fuses it with the rest."""
+        if _is_compiling():
+            return self.eager(key)
+        fn = self._ready.get(key)
+        if fn is not None:
+            return fn
+        if key not in self._queued:
+            with _lock:
+                if key not in self._queued:
+                    self._queued.add(key)
+                    mode = compile_mode()
+                    if mode != "off":
+                        fn = _renamed(self.eager(key), f"fp8scope_{self.name}_{len(self._queued)}")
+                        if mode == "sync":
+                            _compile(self, key, fn, lambda: self._examples(key))
+                            if key in self._ready:
+                                return self._ready[key]
+                        else:
+                            self._submit(key, fn)
+        return self._fallbacks.get(key) or self._make_fallback(key)
+
+    def eager(self, key: Hashable) -> Callable:
+        """The eager function of ``key`` (the op-count proxies use it; queues no compile)."""
+        eager = self._eager.get(key)
+        if eager is None:
+            with _lock:
+                eager = self._eager.setdefault(key, self._make(key))
+        return eager
+
+    def _make_fallback(self, key: Hashable) -> Callable:
+        fn = self._fallback(key) if self._fallback is not None else self.eager(key)
+        self._fallbacks[key] = fn
+        return fn
+
+    def ready(self, key: Hashable) -> bool:
+        return key in self._ready
+
+    def settled(self, key: Hashable) -> bool:
+        """Compiled, failed, or never to be compiled."""
+        return key in self._ready or key in self.failures or (key in self._queued and not compile_enabled())
+
+    def _submit(self, key: Hashable, fn: Callable) -> None:
+        global _thread
+        _queue.put((self, key, fn, lambda: self._examples(key)))
+        if _thread is None or not _thread.is_alive():
+            _thread = threading.Thread(target=_worker, name="fp8scope-compile", daemon=True)
+            _thread.start()
+
+    def _settle(self, key: Hashable, runner: Callable | None, exc: BaseException | None) -> None:
+        if runner is not None:
+            self._ready[key] = runner
+        else:
+            self.failures[key] = f"{type(exc).__name__}: {exc}"
+
+    def wait(self, key: Hashable, timeout: float = 600.0) -> bool:
+        """Block until ``key``'s compile is settled (tests, benchmarks); True if it compiled."""
+        import time
+
+        self.get(key)
+        end = time.monotonic() + timeout
+        while not self.settled(key) and time.monotonic() < end:
+            time.sleep(0.05)
+        return key in self._ready
