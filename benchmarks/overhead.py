@@ -6,8 +6,8 @@ steps, so machine noise hits them alike):
 - ``plain``     no monitor
 - ``default``   Monitor() defaults: cheap stats every step, full stats every 50th step and on
                 the 2 steps after a suspicious one, online detection on
-- ``full``      Monitor(every=1): full stats every step (on CPU by the one-pass kernel,
-                fp8scope/native/fused_stats.c; ``FP8SCOPE_NATIVE=0`` times the torch formulation)
+- ``full``      Monitor(every=1): full stats every step (the stats pass compiled by inductor;
+                ``FP8SCOPE_COMPILE=0`` times it eager)
 - ``naive``     the obvious hand-written alternative: forward/backward hooks computing the same
                 numbers with one ``.item()`` per number, appended to a JSON-lines file
 - ``floor``     (what-if model only) hooks that only read each tensor's amax once per step: the
@@ -37,8 +37,8 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8scope  # noqa: E402
-from fp8scope import native  # noqa: E402
-from fp8scope.capture.stats import cheap_vector, full_stats  # noqa: E402
+from fp8scope.capture.stats import full_stats  # noqa: E402
+from fp8scope.emulate.amax import amax_pair_fast  # noqa: E402
 from fp8scope.demo import train  # noqa: E402
 from fp8scope.formats import get_format  # noqa: E402
 
@@ -96,7 +96,7 @@ CONFIGS = ("plain", "default", "full", "naive")
 
 class AmaxFloor:
     """The least a what-if monitor must do: one amax pass per activation, weight and gradient per
-    step (by the same one-pass kernel), nothing else, for the plain model. Its step time over the
+    step (one reduction, no host read), nothing else, for the plain model. Its step time over the
     plain one is the floor of any what-if overhead on this machine."""
 
     def __init__(self, model):
@@ -106,13 +106,17 @@ class AmaxFloor:
                 mod.register_forward_pre_hook(self._pre)
                 mod.register_forward_hook(self._post)
 
+    @staticmethod
+    def _amax(x):
+        return torch.linalg.vector_norm(x.detach(), float("inf"))
+
     def _pre(self, mod, args):
-        self.amaxes.append(native.amax(args[0]))
-        self.amaxes.append(native.amax(mod.weight))
+        self.amaxes.append(self._amax(args[0]))
+        self.amaxes.append(self._amax(mod.weight))
 
     def _post(self, mod, args, out):
         node, nr = out.grad_fn, out.output_nr
-        node.register_prehook(lambda grads: self.amaxes.append(native.amax(grads[nr])) and None)
+        node.register_prehook(lambda grads: self.amaxes.append(self._amax(grads[nr])) and None)
 
     def step(self, loss=None, **kw):
         self.amaxes.clear()
@@ -224,19 +228,22 @@ def time_stats(tensors, reps: int) -> dict[str, float]:
 
     one = torch.tensor(1.0)
 
-    def torch_path():
-        old = native.set_enabled(False)
+    def eager():
+        old = os.environ.get("FP8SCOPE_COMPILE")
+        os.environ["FP8SCOPE_COMPILE"] = "0"
         try:
-            return [full_stats(x, one, one, one, f) for x, f in tensors]
+            from fp8scope.capture.stats import FULL_STATS
+
+            return [FULL_STATS.eager((x.device.type, x.dtype, f.name, False, False))(x.reshape(-1), one, one, one, None)
+                    for x, f in tensors]
         finally:
-            native.set_enabled(old)
+            os.environ["FP8SCOPE_COMPILE"] = old or "sync"
 
     return {
         "read pass x.abs().amax()": run(lambda: [x.abs().amax() for x, _ in tensors]),
-        "cheap stats": run(lambda: torch.stack([cheap_vector(x, one, one, one) for x, _ in tensors])),
-        "cheap stats, amax known": run(lambda: torch.stack([cheap_vector(x, one, one, one, amax=one) for x, _ in tensors])),
+        "cheap capture (what-if amax)": run(lambda: torch.stack([amax_pair_fast(x)[0] for x, _ in tensors])),
         "full stats": run(lambda: [full_stats(x, one, one, one, f) for x, f in tensors]),
-        "full stats, torch path": run(torch_path),
+        "full stats, eager": run(eager),
     }
 
 
@@ -256,9 +263,9 @@ def main() -> int:
     if args.quick:
         args.rounds, args.block, args.warmup = 2, 2, 1
     size = {}  # the demo's default tiny GPT
-    native.kernel()  # built before timing (a monitor otherwise builds it in the background)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu; one-pass CPU stats kernel: "
-          f"{native.status()}")
+    os.environ.setdefault("FP8SCOPE_COMPILE", "sync")  # the stats compiled before the first timed step
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, cpu; stats pass: "
+          f"FP8SCOPE_COMPILE={os.environ['FP8SCOPE_COMPILE']}")
     with tempfile.TemporaryDirectory() as tmp:
         models = args.models.split(",")
         for fp8, label in (("delayed", "tiny GPT, emulated FP8 (delayed scaling)"),

@@ -23,7 +23,6 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from fp8scope.capture.stats import cheap_vector  # noqa: E402
 from fp8scope.demo import train  # noqa: E402
 from fp8scope.emulate import DelayedScaling, ScalingState  # noqa: E402
 from fp8scope.emulate.device_bank import DeviceDelayedBank  # noqa: E402
@@ -64,14 +63,14 @@ def step_tensors(device: str) -> list[tuple[torch.Tensor, object]]:
 
 
 def per_tensor(tensors, recipe, device):
-    states = [ScalingState(recipe, f, device=device, host=False) for _, f in tensors]
+    states = [ScalingState(recipe, f, device=device) for _, f in tensors]
 
     def step():
         rows = []
         for (x, _), st in zip(tensors, states):
-            amax, scale, scale_inv, expected = st.begin_values(x, record=True)
-            rows.append(cheap_vector(x, scale, scale_inv, expected, amax=amax))
-        return torch.stack(rows)
+            st.begin(x, record=True)
+            rows.extend(st.latest())
+        return torch.stack(rows).view(-1, 4)
 
     return step
 
@@ -81,9 +80,9 @@ def batched(tensors, recipe, device):
     slots = [bank.add(f) for _, f in tensors]
 
     def step():
-        rows = [bank.capture(s, x) for s, (x, _) in zip(slots, tensors)]
-        bank.resolve()
-        return torch.stack([r.value for r in rows])
+        for s, (x, _) in zip(slots, tensors):
+            bank.capture(s, x)
+        return bank.take_rows()
 
     return step
 

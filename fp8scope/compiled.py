@@ -123,9 +123,8 @@ class CompiledFn:
     def eager(self, key: Hashable) -> Callable:
         """The eager function of ``key`` (the op-count proxies use it; queues no compile)."""
         eager = self._eager.get(key)
-        if eager is None:
-            with _lock:
-                eager = self._eager.setdefault(key, self._make(key))
+        if eager is None:  # no lock: this may run inside a graph dynamo traces (setdefault is atomic)
+            eager = self._eager.setdefault(key, self._make(key))
         return eager
 
     def _make_fallback(self, key: Hashable) -> Callable:

@@ -183,6 +183,9 @@ class Monitor:
     # ---- setup ---------------------------------------------------------------------
     def _attach(self, include, exclude) -> None:
         for name, module in self.model.named_modules():
+            # a model wrapped by torch.compile names its layers "_orig_mod.<name>": the layer is the
+            # same, so is its name (a run stays comparable with an eager one)
+            name = ".".join(part for part in name.split(".") if part != "_orig_mod")
             adapter = adapter_for(module)
             if adapter is None or not name:
                 continue

@@ -12,7 +12,6 @@ import warnings
 
 import pytest
 import torch
-from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch import nn
 

@@ -79,13 +79,19 @@ class StepCollector:
         """The id of the tensor (layer, role), made on its first capture."""
         kid = self._key_ids.get((layer, role))
         if kid is None:
+            if torch.compiler.is_compiling():  # dynamo traces the hook: no lock (it cannot enter one)
+                return self._new_key(layer, role, source, fmt, shape)
             with self._lock:
                 kid = self._key_ids.get((layer, role))
                 if kid is None:
-                    kid = len(self.keys)
-                    self.keys.append(TensorKey(layer, role, source, fmt.name, fmt.max, tuple(shape)))
-                    self._key_ids[(layer, role)] = kid
-                    self.new_keys = True
+                    kid = self._new_key(layer, role, source, fmt, shape)
+        return kid
+
+    def _new_key(self, layer, role, source, fmt, shape) -> int:
+        kid = len(self.keys)
+        self.keys.append(TensorKey(layer, role, source, fmt.name, fmt.max, tuple(shape)))
+        self._key_ids[(layer, role)] = kid
+        self.new_keys = True
         return kid
 
     def _append(self, role: str, row: Any, kid: int, numel: int) -> None:

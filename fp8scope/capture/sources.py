@@ -93,29 +93,47 @@ def _first_tensor(args: tuple) -> torch.Tensor | None:
     return None
 
 
-def _hook_output_gradient(output: Any, on_grad: Callable[[torch.Tensor], None], made: dict | None = None) -> None:
-    """Call ``on_grad(grad_output)`` when autograd computes the gradient of ``output``.
+class GradHook:
+    """Calls ``on_grad(grad_output)`` when autograd computes the gradient of a layer's output; made
+    once per layer (at attach time) and :meth:`attach`-ed to each forward's output.
 
-    ``made``: a dict in which the node pre-hook is kept per ``output_nr`` and reused, for a caller
-    that hooks every forward with the same ``on_grad``."""
-    out = output[0] if isinstance(output, (tuple, list)) else output
-    if isinstance(out, torch.Tensor) and out.requires_grad:
+    Eager: a pre-hook on the autograd node that made the output, which sees the gradient as that
+    node's backward receives it (after any tensor hook of the user's); registering it is cheaper
+    than ``Tensor.register_hook`` (no handle dict, no Python-side checks), and one is kept per
+    ``output_nr`` and reused. Inside a graph dynamo traces (a compiled model), nodes do not exist
+    yet: a tensor hook instead, marked so that dynamo calls it at backward time rather than tracing
+    the monitor's bookkeeping into the graph."""
+
+    def __init__(self, on_grad: Callable[[torch.Tensor], None]):
+        self.on_grad = on_grad
+        self._pre: dict[int, Callable] = {}
+
+        def tensor_hook(grad: torch.Tensor) -> None:
+            on_grad(grad)
+
+        self._tensor_hook = torch._dynamo.disable(tensor_hook)
+
+    def attach(self, output: Any) -> None:
+        out = output[0] if isinstance(output, (tuple, list)) else output
+        if not (isinstance(out, torch.Tensor) and out.requires_grad):
+            return
+        if torch.compiler.is_compiling():
+            out.register_hook(self._tensor_hook)
+            return
         node, nr = out.grad_fn, out.output_nr
         if node is None:  # a leaf (cannot come out of a layer, but hook it the tensor way if it does)
-            out.register_hook(lambda grad: on_grad(grad) and None)
+            out.register_hook(self._tensor_hook)
             return
-        # A pre-hook on the node that made ``out`` sees the gradient of ``out`` as that node's
-        # backward receives it (after any tensor hook of the user's). Registering it is cheaper than
-        # ``Tensor.register_hook`` (no handle dict, no Python-side checks), and it runs every forward.
-        pre = made.get(nr) if made is not None else None
+        pre = self._pre.get(nr)
         if pre is None:
+            on_grad = self.on_grad
+
             def pre(grads: tuple) -> None:  # returning None leaves the gradients untouched
                 grad = grads[nr]
                 if grad is not None:
                     on_grad(grad)
 
-            if made is not None:
-                made[nr] = pre
+            self._pre[nr] = pre
         node.register_prehook(pre)
 
 
@@ -131,32 +149,38 @@ class EmulatedSource:
 
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
-        state_attr = {role: f"{role}_state" for role in ("activation", "weight", "gradient")}
+        from fp8scope.capture import graph_taps
 
-        def _tap(role, x, deq, scale, scale_inv, expected_amax, fmt):
-            # The layer quantizes inside an autograd Function, where grad mode reads as off: the
-            # layer notes the caller's grad mode at forward entry (no forward pre-hook needed, which
-            # would send every call of the module down torch's slow hook path).
+        fmts = {"activation": module.recipe.forward_format, "weight": module.recipe.forward_format,
+                "gradient": module.recipe.backward_format}
+
+        def monitor(role, x, deq, amax, scale, scale_inv, expected_amax, fmt, grad_enabled):
+            # the layer's scaling state already computed this tensor's amax: on cheap steps the row
+            # is those tensors, no op at all
             try:
-                if not sink.wants(role, grad_enabled=module.fp8_forward_grad if role != "gradient" else True):
+                if not sink.wants(role, grad_enabled=grad_enabled):
                     return
-                # the layer's scaling state already computed this tensor's amax: on cheap steps the
-                # row is that state's tensors, no op at all
-                values = getattr(module, state_attr[role]).latest()
                 if sink.full:
-                    amax, scale, scale_inv, expected_amax = values
-                    sink.record(layer, role, "emulated", fmt, x.detach(), scale, scale_inv, expected_amax,
-                                deq=deq, amax=amax)
+                    sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq, amax=amax)
                 else:
-                    sink.record_values(layer, role, "emulated", fmt, x, values)
+                    sink.record_values(layer, role, "emulated", fmt, x, (amax, scale, scale_inv, expected_amax))
             except Exception as exc:  # a monitor problem must not reach training (see guarded)
                 sink.fail(exc)
 
-        module.fp8scope_tap = _tap
+        def graph_tap(role, grad_enabled):  # the same, run by the compiled graph's opaque op
+            return lambda x, deq, amax, scale, scale_inv, expected: monitor(
+                role, x, deq, amax, scale, scale_inv, expected, fmts[role], grad_enabled)
+
+        module.fp8scope_monitor = monitor
+        module.fp8scope_monitor_taps = {(role, grad): graph_taps.register(graph_tap(role, grad))
+                                        for role in fmts for grad in (True, False)}
 
         def detach() -> None:
-            if getattr(module, "fp8scope_tap", None) is _tap:
-                module.fp8scope_tap = None
+            if getattr(module, "fp8scope_monitor", None) is monitor:
+                for tap in module.fp8scope_monitor_taps.values():
+                    graph_taps.unregister(tap)
+                module.fp8scope_monitor = None
+                module.fp8scope_monitor_taps = None
 
         return detach
 
@@ -173,8 +197,9 @@ class WhatIfSource:
 
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
-        handle = module.register_forward_hook(_WhatIfTap(layer, sink, recipe).forward_hook)
-        return handle.remove
+        tap = _WhatIfTap(layer, sink, recipe)
+        handle = module.register_forward_hook(tap.forward_hook)
+        return lambda: (handle.remove(), tap.unregister()) and None
 
 
 class _WhatIfTap:
@@ -197,14 +222,55 @@ class _WhatIfTap:
         self.delayed = isinstance(recipe, DelayedScaling)
         self.slots: dict[str, tuple[Any, int, int]] = {}  # role -> (DeviceDelayedBank, slot, key id)
         self.states: dict[str, Any] = {}  # role -> ScalingState (current scaling)
-        self._grad_hooks: dict[int, Callable] = {}  # output_nr -> the node pre-hook, made once
+        self._grad_hook = GradHook(self._on_grad)
+        from fp8scope.capture import graph_taps
+
+        # under torch.compile the hook hands its tensors to these taps (see graph_taps)
+        self._graph_taps = {role: graph_taps.register(self._graph_capture(role)) for role in self.fmts}
 
     def __deepcopy__(self, memo: dict) -> "_WhatIfTap":
         # A copy of the model (a shadow fork's replica, the user's deepcopy) keeps the hook as it
         # would keep a function: the same tap, not a copy of the monitor behind it.
         return self
 
-    def forward_hook(self, mod, args, output) -> None:
+    def unregister(self) -> None:
+        from fp8scope.capture import graph_taps
+
+        for tap in self._graph_taps.values():
+            graph_taps.unregister(tap)
+
+    def _graph_capture(self, role: str) -> Callable:
+        def capture(x: torch.Tensor) -> None:  # run by the compiled graph's opaque op
+            if self.sink.active:
+                try:
+                    self.capture(role, x)
+                except Exception as exc:
+                    self.sink.fail(exc)
+
+        return capture
+
+    def traced_hook(self, mod, args, output):
+        """The forward hook as dynamo traces it: the tensors go to the graph taps, whose Python runs
+        when the graph runs (nothing here depends on the step). Grad mode is read now: dynamo guards
+        on it, and a compiled forward runs its graph with grad off."""
+        from fp8scope.capture.graph_taps import GradObserver, observe
+
+        roles, taps = self.sink.roles, self._graph_taps
+        if self.sink.capture_no_grad or torch.is_grad_enabled():
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
+            if x is not None and "activation" in roles:
+                observe(taps["activation"], x)
+            if "weight" in roles:
+                observe(taps["weight"], mod.weight)
+            if "output" in roles and isinstance(output, torch.Tensor):
+                observe(taps["output"], output)
+        if "gradient" in roles and isinstance(output, torch.Tensor) and output.requires_grad:
+            return GradObserver.apply(output, taps["gradient"])
+        return None
+
+    def forward_hook(self, mod, args, output):
+        if torch.compiler.is_compiling():
+            return self.traced_hook(mod, args, output)
         sink = self.sink
         if not sink.active:
             return
@@ -219,7 +285,7 @@ class _WhatIfTap:
                 if "output" in roles and isinstance(output, torch.Tensor):
                     self.capture("output", output)
             if "gradient" in roles:
-                _hook_output_gradient(output, self._on_grad, self._grad_hooks)
+                self._grad_hook.attach(output)
         except Exception as exc:  # a monitor problem must not reach training
             sink.fail(exc)
 
@@ -308,22 +374,48 @@ class TorchaoSource:
             expected = fmt.max * scale_inv
             sink.record(layer, role, "torchao", fmt, x, scale, scale_inv, expected)
 
+        from fp8scope.capture import graph_taps
+
+        casts = {"activation": cfg.cast_config_input, "weight": cfg.cast_config_weight,
+                 "gradient": cfg.cast_config_grad_output}
+
+        def graph_tap(role):  # run by a compiled graph's opaque op (see graph_taps)
+            def tap(x: torch.Tensor) -> None:
+                if sink.active:
+                    try:
+                        report(role, x, casts[role])
+                    except Exception as exc:
+                        sink.fail(exc)
+            return tap
+
+        taps = {role: graph_taps.register(graph_tap(role)) for role in casts}
+        grad_hook = GradHook(guarded(sink, lambda g: report("gradient", g, cfg.cast_config_grad_output)))
+
         def pre_hook(mod, args):
             x = _first_tensor(args)
+            if torch.compiler.is_compiling():  # traced: hand the tensors over, decide when the graph runs
+                if torch.is_grad_enabled() or sink.capture_no_grad:
+                    if x is not None and "activation" in sink.roles:
+                        graph_taps.observe(taps["activation"], x)
+                    if "weight" in sink.roles:
+                        graph_taps.observe(taps["weight"], mod.weight)
+                return
             if x is not None and sink.wants("activation"):
                 report("activation", x, cfg.cast_config_input)
             if sink.wants("weight"):
                 report("weight", mod.weight, cfg.cast_config_weight)
 
         def post_hook(mod, args, output):
+            if torch.compiler.is_compiling():
+                if "gradient" in sink.roles and isinstance(output, torch.Tensor) and output.requires_grad:
+                    return graph_taps.GradObserver.apply(output, taps["gradient"])
+                return None
             if sink.wants("gradient"):
-                _hook_output_gradient(
-                    output, guarded(sink, lambda g: report("gradient", g, cfg.cast_config_grad_output))
-                )
+                grad_hook.attach(output)
 
         h1 = module.register_forward_pre_hook(guarded(sink, pre_hook))
         h2 = module.register_forward_hook(guarded(sink, post_hook))
-        return lambda: (h1.remove(), h2.remove())
+        return lambda: (h1.remove(), h2.remove(), [graph_taps.unregister(t) for t in taps.values()]) and None
 
 
 # ---------------------------------------------------------------------------------------
@@ -513,7 +605,7 @@ class TransformerEngineSource:
                 def on_grad(grad: torch.Tensor) -> None:
                     report_tensor(mod, meta, kind, last, "gradient", grad, bwd_fmt, "scaling_bwd", 2 * last)
 
-                _hook_output_gradient(output, guarded(sink, on_grad))
+                GradHook(guarded(sink, on_grad)).attach(output)
 
         def backward_hook(mod, grad_input, grad_output):
             # fc1's grad_output (the MLP's hidden gradient) exists only inside TE's backward; once

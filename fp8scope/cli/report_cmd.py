@@ -18,7 +18,6 @@ def run(args) -> int:
     from fp8scope.cli.events_cmd import load_config
     from fp8scope.cli.output import print_json
     from fp8scope.detect.engine import small_pages
-    from fp8scope.detect.report import print_report
 
     html_path = getattr(args, "html", None)
     if html_path is not None:
@@ -56,3 +55,47 @@ def _build(path: str, cfg, html_path: str | None) -> dict:
             except OSError as exc:
                 raise UsageError(f"cannot write --html {html_path}: {exc}") from None
     return rep
+
+
+def print_report(rep: dict) -> None:
+    import json
+
+    from rich.console import Console
+    from rich.text import Text
+
+    from fp8scope.cli.output import console
+    from fp8scope.detect.report import short_value
+
+    c: Console = console()
+    c.print(Text(f"fp8scope report: {rep['run']}", style="bold"))
+    r = rep.get("recipe") or {}
+    c.print(Text(f"{rep['steps']} steps ({rep['first_step']}..{rep['last_step']}), {rep['tensors']} tensors, "
+                 f"ranks {rep['ranks']}, recipe {json.dumps(r) if r else 'unknown'}"))
+    if rep.get("planted"):
+        c.print(Text(f"planted (demo): {', '.join(rep['planted'])}"))
+    e = rep["events"]["by_severity"]
+    c.print(Text(f"events: {e['critical']} critical, {e['warning']} warning, {e['info']} info"))
+    c.print(Text(f"\nverdict: {rep['verdict']}", style="bold"))
+    if rep["first_anomaly"]:
+        f = rep["first_anomaly"]
+        c.print(Text(f"\nfirst anomaly: step {f['step']} [{f['rule']}, {f['severity']}] {f['message']}"))
+    if rep["nan_origin"]:
+        o = rep["nan_origin"]
+        c.print(Text(f"NaN origin:    step {o['step']} {o['layer']} {o['tensor']}: {o['message']}"))
+    if rep["top_layers"]:
+        c.print(Text("\ntop layers:", style="bold"))
+        for i, d in enumerate(rep["top_layers"], 1):
+            rules = ", ".join(f"{k} x{v}" for k, v in d["rules"].items())
+            c.print(Text(f"{i}. {d['layer']} {d['tensor']}: {d['worst']}, from step {d['first_step']} ({rules})"))
+            for m in d["evidence"]:
+                c.print(Text(f"     - {m}"))
+    if rep["scalars"]:
+        c.print(Text("\nloss / grad-norm:", style="bold"))
+        for name, d in rep["scalars"].items():
+            parts = [f"{k}={short_value(v)}" for k, v in d.items() if v is not None]
+            c.print(Text(f"  {name}: " + ", ".join(parts)))
+    if rep.get("shadow"):
+        c.print(Text(f"\nFP8 vs BF16 (shadow): {rep['shadow']['verdict']}", style="bold"))
+    c.print(Text("\nwhat to try:", style="bold"))
+    for a in rep["advice"]:
+        c.print(Text(f"  - {a}"))

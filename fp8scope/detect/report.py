@@ -276,49 +276,7 @@ def _verdict(rep: dict, serious: pd.DataFrame) -> str:
     return s
 
 
-# ---- text ------------------------------------------------------------------------------------
-def print_report(rep: dict) -> None:
-    from rich.console import Console
-    from rich.text import Text
-
-    from fp8scope.cli.output import console
-
-    c: Console = console()
-    c.print(Text(f"fp8scope report: {rep['run']}", style="bold"))
-    r = rep.get("recipe") or {}
-    c.print(Text(f"{rep['steps']} steps ({rep['first_step']}..{rep['last_step']}), {rep['tensors']} tensors, "
-                 f"ranks {rep['ranks']}, recipe {json.dumps(r) if r else 'unknown'}"))
-    if rep.get("planted"):
-        c.print(Text(f"planted (demo): {', '.join(rep['planted'])}"))
-    e = rep["events"]["by_severity"]
-    c.print(Text(f"events: {e['critical']} critical, {e['warning']} warning, {e['info']} info"))
-    c.print(Text(f"\nverdict: {rep['verdict']}", style="bold"))
-    if rep["first_anomaly"]:
-        f = rep["first_anomaly"]
-        c.print(Text(f"\nfirst anomaly: step {f['step']} [{f['rule']}, {f['severity']}] {f['message']}"))
-    if rep["nan_origin"]:
-        o = rep["nan_origin"]
-        c.print(Text(f"NaN origin:    step {o['step']} {o['layer']} {o['tensor']}: {o['message']}"))
-    if rep["top_layers"]:
-        c.print(Text("\ntop layers:", style="bold"))
-        for i, d in enumerate(rep["top_layers"], 1):
-            rules = ", ".join(f"{k} x{v}" for k, v in d["rules"].items())
-            c.print(Text(f"{i}. {d['layer']} {d['tensor']}: {d['worst']}, from step {d['first_step']} ({rules})"))
-            for m in d["evidence"]:
-                c.print(Text(f"     - {m}"))
-    if rep["scalars"]:
-        c.print(Text("\nloss / grad-norm:", style="bold"))
-        for name, d in rep["scalars"].items():
-            parts = [f"{k}={_short(v)}" for k, v in d.items() if v is not None]
-            c.print(Text(f"  {name}: " + ", ".join(parts)))
-    if rep.get("shadow"):
-        c.print(Text(f"\nFP8 vs BF16 (shadow): {rep['shadow']['verdict']}", style="bold"))
-    c.print(Text("\nwhat to try:", style="bold"))
-    for a in rep["advice"]:
-        c.print(Text(f"  - {a}"))
-
-
-def _short(v):
+def short_value(v):
     if isinstance(v, float):
         return f"{v:.4g}"
     return str(v)
@@ -367,7 +325,7 @@ def render_html(rep: dict, run, events: pd.DataFrame, path, max_steps: int = 400
         f"<td>{e(r['rule'])}</td><td>{e(r['layer'])}</td><td>{e(r['tensor'])}</td><td>{e(r['message'])}</td></tr>"
         for r in serious.head(200).to_dict("records")) if not serious.empty else ""
     fa, no = rep.get("first_anomaly"), rep.get("nan_origin")
-    sc = "".join(f"<li>{e(k)}: {e(', '.join(f'{a}={_short(b)}' for a, b in v.items() if b is not None))}</li>"
+    sc = "".join(f"<li>{e(k)}: {e(', '.join(f'{a}={short_value(b)}' for a, b in v.items() if b is not None))}</li>"
                  for k, v in (rep.get("scalars") or {}).items())
     shadow = f"<h2>FP8 vs BF16</h2><p>{e(rep['shadow']['verdict'])}</p>" if rep.get("shadow") else ""
     doc = f"""<!DOCTYPE html>

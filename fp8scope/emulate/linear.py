@@ -17,10 +17,14 @@ not move the training scales. With ``fp8_enabled = False`` or inside
 ``fp8_disabled()`` the layer is exactly ``nn.Linear`` and leaves its state alone.
 
 ``fp8scope_tap``, when set, is called after each quantization as
-``tap(role, x, deq, scale, scale_inv, expected_amax, fmt)`` (inside the autograd Function,
-where grad mode is off; ``layer.fp8_forward_grad`` says whether the latest forward was
-entered with grad mode on); an exception in the tap is swallowed (with one warning per
-layer) so monitoring never breaks training.
+``tap(role, x, deq, scale, scale_inv, expected_amax, fmt)`` (eager runs; the monitor has a
+hook of its own, ``fp8scope_monitor``, that also works under ``torch.compile``); an exception in
+the tap is swallowed (with one warning per layer) so monitoring never breaks training.
+
+Under ``torch.compile`` the layer traces without graph breaks: its scales are tensors, the
+activation and weight states update in the forward, the gradient's scales are prepared at
+forward time, and the backward records the gradient's amax through one opaque op
+(``fp8scope.capture.graph_taps``).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from torch import nn
 from ..formats import Fp8Format
 from .quantize import quantize_dequantize
 from .recipes import CurrentScaling, DelayedScaling
+from .amax import amax_pair
 from .scaling import Scales, ScalingState
 
 ROLES = ("activation", "weight", "gradient")
@@ -67,39 +72,31 @@ def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
 
 
 class _Fp8LinearFn(torch.autograd.Function):
-    """Emulated FP8 GEMMs; the layer object carries the scaling states and the tap."""
+    """The GEMMs on operands the layer already quantized; backward quantizes the output gradient
+    with the scales the layer prepared at forward time and records its amax (the layer's
+    :meth:`Fp8Linear._gradient_done`). No state is touched here but through that call, so dynamo
+    can trace the Function into a compiled graph."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, layer: "Fp8Linear", record: bool):  # type: ignore[override]
-        out_dtype = _autocast_dtype(x)
-        with torch.autocast(x.device.type, enabled=False):
-            fmt = layer.recipe.forward_format
-            s_x = layer.activation_state.begin(x, record)
-            _, x_deq = quantize_dequantize(x, s_x.scale, s_x.scale_inv, fmt)
-            layer._emit("activation", x, x_deq, s_x, fmt)
-            s_w = layer.weight_state.begin(weight, record)
-            _, w_deq = quantize_dequantize(weight, s_w.scale, s_w.scale_inv, fmt)
-            layer._emit("weight", weight, w_deq, s_w, fmt)
-            out = F.linear(x_deq, w_deq, None if bias is None else bias.to(torch.float32))
-
+    def forward(ctx, x, weight, bias, x_deq, w_deq, g_scale, g_scale_inv, g_expected, layer, out_dtype):  # type: ignore[override]
+        out = F.linear(x_deq, w_deq, None if bias is None else bias.to(torch.float32))
         need_x, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         # Keep the decoded float32 operands: decoding fp8 again in backward is slow on CPU.
-        ctx.save_for_backward(x_deq if need_w else None, w_deq if need_x else None)
+        ctx.save_for_backward(x_deq if need_w else None, w_deq if need_x else None, g_scale, g_scale_inv, g_expected)
         ctx.layer = layer
         ctx.dtypes = (x.dtype, weight.dtype, None if bias is None else bias.dtype)
         return out.to(out_dtype)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        x_deq, w_deq = ctx.saved_tensors
+        x_deq, w_deq, g_scale, g_scale_inv, g_expected = ctx.saved_tensors
         layer: Fp8Linear = ctx.layer
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
-            fmt = layer.recipe.backward_format
-            s_g = layer.gradient_state.begin(grad_out, True)
-            _, g_deq = quantize_dequantize(grad_out, s_g.scale, s_g.scale_inv, fmt)
-            layer._emit("gradient", grad_out, g_deq, s_g, fmt)
+            fmt = layer._formats[1]
+            _, g_deq = quantize_dequantize(grad_out, g_scale, g_scale_inv, fmt)
+            layer._gradient_done(grad_out, g_deq, g_scale, g_scale_inv, g_expected)
             if ctx.needs_input_grad[0]:
                 grad_x = (g_deq @ w_deq).to(x_dtype)
             g2d = g_deq.reshape(-1, g_deq.shape[-1])
@@ -108,7 +105,7 @@ class _Fp8LinearFn(torch.autograd.Function):
             if b_dtype is not None and ctx.needs_input_grad[2]:
                 go = grad_out.reshape(-1, grad_out.shape[-1])
                 grad_b = go.sum(0, dtype=torch.float32).to(b_dtype)
-        return grad_x, grad_w, grad_b, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None
 
 
 class Fp8Linear(nn.Linear):
@@ -132,14 +129,19 @@ class Fp8Linear(nn.Linear):
 
     def _init_fp8(self, recipe: DelayedScaling | CurrentScaling | None) -> None:
         self.recipe = recipe if recipe is not None else DelayedScaling()
+        self._formats = (self.recipe.forward_format, self.recipe.backward_format)  # looked up once
         dev = self.weight.device
         self.activation_state = ScalingState(self.recipe, self.recipe.forward_format, dev)
         self.weight_state = ScalingState(self.recipe, self.recipe.forward_format, dev)
         self.gradient_state = ScalingState(self.recipe, self.recipe.backward_format, dev)
         self.fp8_enabled = True
         self.fp8scope_tap: Tap | None = None
-        self.fp8_forward_grad = True  # grad mode at the latest forward's entry (see forward)
+        # the monitor's hook: monitor(role, x, deq, amax, scale, scale_inv, expected_amax, fmt, grad_enabled)
+        # eagerly, or under torch.compile the ids of its graph taps per (role, grad_enabled)
+        self.fp8scope_monitor: Callable | None = None
+        self.fp8scope_monitor_taps: dict | None = None
         self._tap_warned = False
+        self.prepare_compile()
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, recipe: DelayedScaling | CurrentScaling | None = None) -> "Fp8Linear":
@@ -167,12 +169,24 @@ class Fp8Linear(nn.Linear):
         for role in ROLES:
             self.scaling_state(role).reset()
 
-    def _emit(self, role: str, x: torch.Tensor, deq: torch.Tensor, s: Scales, fmt: Fp8Format) -> None:
-        tap = self.fp8scope_tap
-        if tap is None:
+    def _emit(self, role: str, x: torch.Tensor, deq: torch.Tensor, amax: torch.Tensor, s: Scales,
+              fmt: Fp8Format, grad: bool) -> None:
+        if torch.compiler.is_compiling():
+            taps = self.fp8scope_monitor_taps
+            if taps is not None:  # one opaque op in the graph; the monitor's Python runs at run time
+                from fp8scope.capture.graph_taps import observe
+
+                observe(taps[(role, grad)], x, deq, amax, s.scale, s.scale_inv, s.expected_amax)
             return
-        try:  # x as the Function received it: grad mode is off here, so nothing the tap does is recorded
-            tap(role, x, deq, s.scale, s.scale_inv, s.expected_amax, fmt)
+        monitor, tap = self.fp8scope_monitor, self.fp8scope_tap
+        if monitor is None and tap is None:
+            return
+        try:  # x as the layer received it; grad mode is off here, so nothing the tap does is recorded
+            with torch.no_grad():
+                if monitor is not None:
+                    monitor(role, x, deq, amax, s.scale, s.scale_inv, s.expected_amax, fmt, grad)
+                if tap is not None:
+                    tap(role, x, deq, s.scale, s.scale_inv, s.expected_amax, fmt)
         except Exception as exc:  # noqa: BLE001 - a monitoring bug must not stop training
             if not self._tap_warned:
                 self._tap_warned = True
@@ -183,14 +197,61 @@ class Fp8Linear(nn.Linear):
                     stacklevel=2,
                 )
 
+    def _gradient_done(self, grad_out: torch.Tensor, g_deq: torch.Tensor, scale: torch.Tensor,
+                       scale_inv: torch.Tensor, expected: torch.Tensor) -> None:
+        """Backward: the gradient was quantized with the scales prepared at forward time; record its
+        amax for the next update and report it. Under torch.compile this runs as one opaque op."""
+        if torch.compiler.is_compiling():
+            from fp8scope.capture.graph_taps import observe
+
+            observe(self._gradient_tap(), grad_out, g_deq, scale, scale_inv, expected)
+            return
+        self._record_gradient(grad_out, g_deq, scale, scale_inv, expected)
+
+    def _record_gradient(self, grad_out, g_deq, scale, scale_inv, expected) -> None:
+        state = self.gradient_state
+        logged, recorded = amax_pair(grad_out)
+        state.observe(logged, recorded)
+        self._emit("gradient", grad_out, g_deq, logged, Scales(scale, scale_inv, expected), self._formats[1], True)
+
+    def _gradient_tap(self) -> int:
+        if self.__dict__.get("_gradient_tap_for") != id(self):  # a copy never run eagerly
+            raise RuntimeError("this Fp8Linear is a copy: call layer.prepare_compile() before compiling it")
+        return self.__dict__["_gradient_tap_id"]
+
+    def prepare_compile(self) -> None:
+        """Register the graph tap through which a compiled backward records the gradient's amax
+        (outside compiled code: at construction, and again for a copy at its first eager forward)."""
+        if self.__dict__.get("_gradient_tap_for") != id(self):
+            from fp8scope.capture.graph_taps import register
+
+            self.__dict__["_gradient_tap_id"] = register(self._record_gradient)
+            self.__dict__["_gradient_tap_for"] = id(self)
+
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled or fp8_globally_disabled():
             return F.linear(input, self.weight, self.bias)
+        if not torch.compiler.is_compiling():
+            self.prepare_compile()  # a no-op but for a copy's first forward
         grad = torch.is_grad_enabled()
-        # Grad mode at this forward's entry, for the tap (inside the autograd Function it reads as
-        # off). Written to __dict__ directly: Module.__setattr__ costs microseconds per call.
-        self.__dict__["fp8_forward_grad"] = grad
-        return _Fp8LinearFn.apply(input, self.weight, self.bias, self, grad)
+        out_dtype = _autocast_dtype(input)
+        with torch.autocast(input.device.type, enabled=False):
+            fmt = self._formats[0]
+            x = input.detach()
+            s_x = self.activation_state.begin(x, grad)
+            _, x_deq = quantize_dequantize(x, s_x.scale, s_x.scale_inv, fmt)
+            self._emit("activation", x, x_deq, self.activation_state.last_amax, s_x, fmt, grad)
+            w = self.weight.detach()
+            s_w = self.weight_state.begin(w, grad)
+            _, w_deq = quantize_dequantize(w, s_w.scale, s_w.scale_inv, fmt)
+            self._emit("weight", w, w_deq, self.weight_state.last_amax, s_w, fmt, grad)
+            # the gradient's scales are known now (delayed: from the amaxes recorded so far), so the
+            # backward reads no state: TE's order for a forward followed by its backward
+            s_g = self.gradient_state.prepare() if grad else None
+        if s_g is None:  # no backward can follow: no autograd Function needed
+            return F.linear(x_deq, w_deq, None if self.bias is None else self.bias.to(torch.float32)).to(out_dtype)
+        return _Fp8LinearFn.apply(input, self.weight, self.bias, x_deq, w_deq, s_g.scale, s_g.scale_inv,
+                                  s_g.expected_amax, self, out_dtype)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe!r}"

@@ -34,7 +34,6 @@ branch on a tensor value, so the state neither syncs a GPU nor breaks or re-spec
 from __future__ import annotations
 
 import math
-import struct
 from typing import NamedTuple
 
 import torch
@@ -45,15 +44,19 @@ from .recipes import CurrentScaling, DelayedScaling
 
 _FP32_MAX = float(torch.finfo(torch.float32).max)
 _INF_POS = float("inf")
-_F32 = struct.Struct("f")
 
 
 def round_f32(v: float) -> float:
-    """``v`` rounded to float32 (to nearest, ties to even; past float32's range: +-inf)."""
-    try:
-        return _F32.unpack(_F32.pack(v))[0]
-    except OverflowError:  # struct refuses a finite value that rounds to inf
-        return math.copysign(math.inf, v)
+    """``v`` rounded to float32 (to nearest, ties to even; past float32's range: +-inf), in plain
+    arithmetic so that dynamo can fold it inside a traced hook."""
+    if v == 0 or not math.isfinite(v):
+        return v
+    m, e = math.frexp(v)  # v = m * 2**e, 0.5 <= |m| < 1
+    bits = 24 if e >= -125 else e + 149  # subnormals keep fewer mantissa bits
+    if bits < 0:  # below half the smallest subnormal: 0
+        return math.copysign(0.0, v)
+    r = math.ldexp(round(math.ldexp(m, bits)), e - bits)  # round() ties to even
+    return r if abs(r) <= _FP32_MAX else math.copysign(math.inf, v)
 
 
 def scaled_max(fmt: Fp8Format, margin: float) -> float:
@@ -241,6 +244,20 @@ class ScalingState:
         if record:
             self.record(recorded)
         return out
+
+    def prepare(self) -> Scales:
+        """Apply a pending update and return the scales the next quantization will use, without
+        measuring anything: the emulated layer asks this of its gradient state at forward time, so
+        its backward reads no state (then :meth:`observe` records the gradient's amax)."""
+        self.update()
+        return Scales(self._scale, self._scale_inv, self._expected)
+
+    def observe(self, logged: torch.Tensor, recorded: torch.Tensor) -> None:
+        """Note a tensor quantized with :meth:`prepare`'s scales: its logged amax, and TE's amax
+        recorded for the next update (delayed scaling; current scaling keeps nothing)."""
+        self._last_amax = logged
+        if self.delayed:
+            self.record(recorded)
 
     def record(self, amax: torch.Tensor) -> None:
         """Record ``amax`` (TE's, a 0-d float32 tensor) of the tensor just scaled for the next update."""

@@ -90,6 +90,8 @@ def make_replica(model: nn.Module, optimizer: torch.optim.Optimizer | None):
                 del hooks[key]
         if hasattr(m, "fp8scope_tap"):
             m.fp8scope_tap = None
+            m.fp8scope_monitor = None
+            m.fp8scope_monitor_taps = None
         if hasattr(m, "fp8_enabled"):
             m.fp8_enabled = False
         if ao is not None and isinstance(m, ao):

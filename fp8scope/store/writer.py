@@ -108,14 +108,6 @@ class RunWriter:
             return
         _write_all(s.fd, batch.serialize())
 
-    def write_message(self, table: str, message: bytes) -> None:
-        """Append an already serialized record batch of ``table``'s schema (the bytes of
-        ``batch.serialize()``, e.g. from ``store.message_template``); durable on return, as :meth:`write`."""
-        if self._closed:
-            raise UsageError("RunWriter is closed")
-        s = self._streams.get(table) or self._open(table)
-        _write_all(s.fd, message)
-
     @staticmethod
     def _conform(table: str, batch: pa.RecordBatch, schema: pa.Schema) -> pa.RecordBatch:
         # Same columns, different metadata or castable types: fix it here rather than

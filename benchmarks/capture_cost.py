@@ -1,0 +1,205 @@
+"""What capture costs, in the proxies that carry over to a GPU and in step-time ratios measured here.
+
+1. Per captured tensor, for three sizes: aten ops of the eager full-stats pass and of a what-if
+   cheap capture (counted with a ``TorchDispatchMode``: on CUDA each op is about one kernel
+   launch), and the kernels inductor generates for the compiled versions (its C++ kernels here;
+   the same graph becomes Triton kernels on CUDA). Plus the time of one call, eager and compiled.
+2. Aten ops the monitor adds to one training step of the demo's tiny GPT (forward, backward and
+   ``mon.step``, against the same step unmonitored), on a cheap and on a full step, for the
+   what-if model (plain FP32) and the emulated FP8 one, with the stats eager (the op counts of
+   compiled code are not visible to a dispatch mode; section 1 counts its kernels).
+3. Monitored / unmonitored step time of the demo model, eager and ``torch.compile``d, at
+   ``every=50`` and ``every=1``: paired ratios, timed interleaved (round-robin blocks of steps).
+
+    python benchmarks/capture_cost.py                 # all sections, ~6 minutes on a 2-core CPU
+    python benchmarks/capture_cost.py --sections ops  # sections 1 and 2 only (deterministic)
+    python benchmarks/capture_cost.py --device cuda   # on a GPU
+
+Op and kernel counts are deterministic; timings are this machine's, printed as ratios measured in
+one run. The stats are compiled synchronously here (``FP8SCOPE_COMPILE=sync``) so that timed steps
+run the compiled code from the first one; ``--no-compile-stats`` times the eager stats instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import fp8scope  # noqa: E402
+from fp8scope.capture import stats as stats_mod  # noqa: E402
+from fp8scope.demo import train  # noqa: E402
+from fp8scope.emulate import amax as amax_mod  # noqa: E402
+from fp8scope.formats import get_format  # noqa: E402
+
+SIZES = ((256, 256), (1024, 4096), (8192, 4096))
+
+
+class OpCounter(TorchDispatchMode):
+    """Counts aten ops; views (no kernel on any device) are counted apart."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+        self.views = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if torch.Tag.view_copy in func.tags or func.is_view or func.__name__ in ("detach", "view", "alias"):
+            self.views += 1
+        else:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_ops(fn) -> tuple[int, int]:
+    with OpCounter() as c:
+        fn()
+    return c.ops, c.views
+
+
+def generated_kernels(fn, *args) -> int:
+    """Kernels inductor generates for ``fn`` (C++ kernels on the CPU, Triton kernels on CUDA)."""
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    _, codes = run_and_get_code(torch.compile(fn, dynamic=True), *args)
+    code = "\n".join(codes)
+    return len(re.findall(r"async_compile\.(?:cpp_pybinding|cpp|triton)\(", code))
+
+
+def timed(fn, reps: int) -> float:
+    fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return (time.perf_counter() - t0) / reps
+
+
+def per_tensor(device: str, reps: int) -> None:
+    print("1. per captured tensor (bf16, per-tensor scale, E4M3)")
+    print(f"   {'size':>12s} {'full: eager ops':>16s} {'kernels':>8s} {'eager ms':>9s} {'compiled ms':>12s}"
+          f"   {'cheap: eager ops':>17s} {'kernels':>8s}")
+    fmt = get_format("e4m3")
+    for rows, cols in SIZES:
+        x = torch.randn(rows, cols, device=device).to(torch.bfloat16)
+        scale = torch.tensor(100.0, device=device)
+        inv, exp = 1 / scale, torch.tensor(4.48, device=device)
+        key = (x.device.type, x.dtype, fmt.name, False, False)
+        eager_full = stats_mod.FULL_STATS.eager(key)
+        xv = x.reshape(-1)
+        full_ops, full_views = count_ops(lambda: stats_mod.stats_call(x, scale, inv, exp, fmt))
+        full_kernels = generated_kernels(eager_full, xv, scale, inv, exp, None)
+        compiled = torch.compile(eager_full, dynamic=True)
+        t_eager = timed(lambda: eager_full(xv, scale, inv, exp, None), reps)
+        t_comp = timed(lambda: compiled(xv, scale, inv, exp, None), reps)
+        cheap_eager = amax_mod._make_norm(None)
+        cheap_ops, cheap_views = count_ops(lambda: cheap_eager(x))
+        cheap_kernels = generated_kernels(amax_mod._make_pair(None), x)
+        print(f"   {rows:>5d}x{cols:<6d} {full_ops:>10d} (+{full_views} views) {full_kernels:>5d} {t_eager * 1e3:>9.2f}"
+              f" {t_comp * 1e3:>12.2f}   {cheap_ops:>11d} (+{cheap_views}) {cheap_kernels:>8d}")
+
+
+def step_ops(device: str) -> None:
+    print("\n2. aten ops the monitor adds to one step of the tiny GPT (stats eager)")
+    os.environ["FP8SCOPE_COMPILE"] = "0"
+    for fp8, label in (("off", "what-if (plain FP32)"), ("delayed", "emulated FP8")):
+        counts = {}
+        for monitored in (False, True):
+            setup = train.build(fp8=fp8, quiet=True, device=device)
+            mon = None
+            with tempfile.TemporaryDirectory() as tmp:
+                if monitored:
+                    mon = fp8scope.Monitor(setup.model, tmp, every=2, detect=False, full_on_anomaly=0,
+                                           recipe=setup.recipe or None)
+                for step in range(3):  # warm: keys made, states pending
+                    train.train_step(setup, step, mon)
+                for step, kind in ((3, "cheap"), (4, "full")):
+                    # counting whole steps; the optimizer's ops are the same with and without a monitor
+                    counts[(monitored, kind)] = count_ops(lambda: train.train_step(setup, step, mon))[0]
+                n = len(mon.collector.keys) if mon else 0
+                if mon:
+                    mon.close()
+        for kind in ("cheap", "full"):
+            extra = counts[(True, kind)] - counts[(False, kind)]
+            print(f"   {label:22s} {kind:5s} step: +{extra:5d} ops for {n} tensors = {extra / n:5.2f} per tensor")
+
+
+def ratios(device: str, rounds: int, block: int, compile_stats: bool) -> None:
+    print("\n3. monitored / unmonitored step time, demo model (paired ratios, interleaved)")
+    os.environ["FP8SCOPE_COMPILE"] = "sync" if compile_stats else "0"
+    for compiled in (False, True):
+        for fp8, label in (("off", "what-if"), ("delayed", "emulated")):
+            setups = {}
+            with tempfile.TemporaryDirectory() as tmp:
+                for cfg in ("plain", "every=50", "every=1"):
+                    setup = train.build(fp8=fp8, quiet=True, device=device)
+                    if compiled:
+                        setup.model = torch.compile(setup.model)
+                    mon = None
+                    if cfg != "plain":
+                        mon = fp8scope.Monitor(setup.model, os.path.join(tmp, cfg), every=int(cfg.split("=")[1]),
+                                               recipe=setup.recipe or None)
+                    setups[cfg] = (setup, mon)
+                per_step = {k: [] for k in setups}
+                step = {k: 0 for k in setups}
+                for k, (s, m) in setups.items():  # warm-up: compiles, first steps
+                    for _ in range(3 if not compiled else 6):
+                        train.train_step(s, step[k], m)
+                        step[k] += 1
+                order = list(setups)
+                for _ in range(rounds):
+                    order = order[1:] + order[:1]
+                    for k in order:
+                        s, m = setups[k]
+                        t0 = time.perf_counter()
+                        for _ in range(block):
+                            train.train_step(s, step[k], m)
+                            step[k] += 1
+                        if device == "cuda":
+                            torch.cuda.synchronize()
+                        per_step[k].append((time.perf_counter() - t0) / block)
+                for _, m in setups.values():
+                    if m is not None:
+                        m.close()
+            base = per_step["plain"]
+            cells = "  ".join(f"{k} {statistics.median(a / b for a, b in zip(v, base)):.3f}x"
+                              for k, v in per_step.items() if k != "plain")
+            mode = "compiled" if compiled else "eager   "
+            print(f"   {mode} {label:9s} plain {statistics.median(base) * 1e3:7.1f} ms/step   {cells}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--sections", default="tensor,ops,ratio")
+    ap.add_argument("--rounds", type=int, default=12)
+    ap.add_argument("--block", type=int, default=10)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--no-compile-stats", action="store_true")
+    args = ap.parse_args()
+    sections = args.sections.split(",")
+    print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
+    if "tensor" in sections:
+        per_tensor(args.device, args.reps)
+    if "ops" in sections:
+        step_ops(args.device)
+    if "ratio" in sections:
+        ratios(args.device, args.rounds, args.block, not args.no_compile_stats)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
