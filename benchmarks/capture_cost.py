@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import os
 import re
-import statistics
 import sys
 import tempfile
 import time
@@ -35,11 +34,14 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
 import fp8scope  # noqa: E402
 from fp8scope.capture import stats as stats_mod  # noqa: E402
 from fp8scope.demo import train  # noqa: E402
 from fp8scope.emulate import amax as amax_mod  # noqa: E402
 from fp8scope.formats import get_format  # noqa: E402
+from overhead import time_interleaved  # noqa: E402  (benchmarks/overhead.py: the paired, interleaved timing)
 
 SIZES = ((256, 256), (1024, 4096), (8192, 4096))
 
@@ -105,7 +107,7 @@ def per_tensor(device: str, reps: int) -> None:
         compiled = torch.compile(eager_full, dynamic=True)
         t_eager = timed(lambda: eager_full(xv, scale, inv, exp, None), reps)
         t_comp = timed(lambda: compiled(xv, scale, inv, exp, None), reps)
-        cheap_eager = amax_mod._make_norm(None)
+        cheap_eager = amax_mod._make_minmax(None)
         cheap_ops, cheap_views = count_ops(lambda: cheap_eager(x))
         cheap_kernels = generated_kernels(amax_mod._make_pair(None), x)
         print(f"   {rows:>5d}x{cols:<6d} {full_ops:>10d} (+{full_views} views) {full_kernels:>5d} {t_eager * 1e3:>9.2f}"
@@ -137,11 +139,12 @@ def step_ops(device: str) -> None:
             print(f"   {label:22s} {kind:5s} step: +{extra:5d} ops for {n} tensors = {extra / n:5.2f} per tensor")
 
 
-def ratios(device: str, rounds: int, block: int, compile_stats: bool) -> None:
+def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("eager", "compiled"),
+           models=("off", "delayed")) -> None:
     print("\n3. monitored / unmonitored step time, demo model (paired ratios, interleaved)")
     os.environ["FP8SCOPE_COMPILE"] = "sync" if compile_stats else "0"
-    for compiled in (False, True):
-        for fp8, label in (("off", "what-if"), ("delayed", "emulated")):
+    for compiled in [m == "compiled" for m in modes]:
+        for fp8, label in [(f, lab) for f, lab in (("off", "what-if"), ("delayed", "emulated")) if f in models]:
             setups = {}
             with tempfile.TemporaryDirectory() as tmp:
                 for cfg in ("plain", "every=50", "every=1"):
@@ -153,32 +156,14 @@ def ratios(device: str, rounds: int, block: int, compile_stats: bool) -> None:
                         mon = fp8scope.Monitor(setup.model, os.path.join(tmp, cfg), every=int(cfg.split("=")[1]),
                                                recipe=setup.recipe or None)
                     setups[cfg] = (setup, mon)
-                per_step = {k: [] for k in setups}
-                step = {k: 0 for k in setups}
-                for k, (s, m) in setups.items():  # warm-up: compiles, first steps
-                    for _ in range(3 if not compiled else 6):
-                        train.train_step(s, step[k], m)
-                        step[k] += 1
-                order = list(setups)
-                for _ in range(rounds):
-                    order = order[1:] + order[:1]
-                    for k in order:
-                        s, m = setups[k]
-                        t0 = time.perf_counter()
-                        for _ in range(block):
-                            train.train_step(s, step[k], m)
-                            step[k] += 1
-                        if device == "cuda":
-                            torch.cuda.synchronize()
-                        per_step[k].append((time.perf_counter() - t0) / block)
+                sync = torch.cuda.synchronize if device.startswith("cuda") else None
+                medians, paired = time_interleaved(setups, rounds, block, warmup=6 if compiled else 3, sync=sync)
                 for _, m in setups.values():
                     if m is not None:
                         m.close()
-            base = per_step["plain"]
-            cells = "  ".join(f"{k} {statistics.median(a / b for a, b in zip(v, base)):.3f}x"
-                              for k, v in per_step.items() if k != "plain")
+            cells = "  ".join(f"{k} {paired[k]:.3f}x" for k in paired if k != "plain")
             mode = "compiled" if compiled else "eager   "
-            print(f"   {mode} {label:9s} plain {statistics.median(base) * 1e3:7.1f} ms/step   {cells}")
+            print(f"   {mode} {label:9s} plain {medians['plain'] * 1e3:7.1f} ms/step   {cells}")
 
 
 def main() -> int:
@@ -189,6 +174,8 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--no-compile-stats", action="store_true")
+    ap.add_argument("--modes", default="eager,compiled", help="section 3: the model eager, compiled, or both")
+    ap.add_argument("--models", default="off,delayed", help="section 3: off (what-if), delayed (emulated)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
@@ -197,7 +184,8 @@ def main() -> int:
     if "ops" in sections:
         step_ops(args.device)
     if "ratio" in sections:
-        ratios(args.device, args.rounds, args.block, not args.no_compile_stats)
+        ratios(args.device, args.rounds, args.block, not args.no_compile_stats, args.modes.split(","),
+               args.models.split(","))
     return 0
 
 

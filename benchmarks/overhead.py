@@ -38,7 +38,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import fp8scope  # noqa: E402
 from fp8scope.capture.stats import full_stats  # noqa: E402
-from fp8scope.emulate.amax import amax_pair_fast  # noqa: E402
+from fp8scope.emulate.amax import logged_amax  # noqa: E402
 from fp8scope.demo import train  # noqa: E402
 from fp8scope.formats import get_format  # noqa: E402
 
@@ -140,10 +140,12 @@ def make_setups(fp8: str, tmp: str, size: dict, configs=CONFIGS):
     return out
 
 
-def time_interleaved(setups, rounds: int, block: int, warmup: int) -> tuple[dict[str, float], dict[str, float]]:
+def time_interleaved(setups, rounds: int, block: int, warmup: int,
+                     sync=None) -> tuple[dict[str, float], dict[str, float]]:
     """Median step time per configuration, and the paired ratio to ``plain``: the median over rounds
     of (this configuration's block / plain's block in the same round). Adjacent blocks see the same
-    machine, so the paired ratio cancels the slow drifts of a shared VM that the medians keep."""
+    machine, so the paired ratio cancels the slow drifts of a shared VM that the medians keep.
+    ``sync``: called before reading the clock (``torch.cuda.synchronize`` on a GPU)."""
     per_step: dict[str, list[float]] = {k: [] for k in setups}
     step = {k: 0 for k in setups}
     for k, (s, m) in setups.items():  # warm-up: allocator, first-step costs
@@ -159,6 +161,8 @@ def time_interleaved(setups, rounds: int, block: int, warmup: int) -> tuple[dict
             for _ in range(block):
                 train.train_step(s, step[k], m)
                 step[k] += 1
+            if sync is not None:
+                sync()
             per_step[k].append((time.perf_counter() - t0) / block)
     medians = {k: statistics.median(v) for k, v in per_step.items()}
     paired = {k: statistics.median(a / b for a, b in zip(v, per_step["plain"])) for k, v in per_step.items()}
@@ -241,7 +245,7 @@ def time_stats(tensors, reps: int) -> dict[str, float]:
 
     return {
         "read pass x.abs().amax()": run(lambda: [x.abs().amax() for x, _ in tensors]),
-        "cheap capture (what-if amax)": run(lambda: torch.stack([amax_pair_fast(x)[0] for x, _ in tensors])),
+        "cheap capture (what-if amax)": run(lambda: torch.stack([logged_amax(x) for x, _ in tensors])),
         "full stats": run(lambda: [full_stats(x, one, one, one, f) for x, f in tensors]),
         "full stats, eager": run(eager),
     }

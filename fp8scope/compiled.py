@@ -127,6 +127,10 @@ class CompiledFn:
             eager = self._eager.setdefault(key, self._make(key))
         return eager
 
+    def fallback(self, key: Hashable) -> Callable:
+        """The eager function that stands in while ``key`` compiles (never compiled itself)."""
+        return self._fallbacks.get(key) or self._make_fallback(key)
+
     def _make_fallback(self, key: Hashable) -> Callable:
         fn = self._fallback(key) if self._fallback is not None else self.eager(key)
         self._fallbacks[key] = fn

@@ -130,8 +130,8 @@ def test_eager_amax_stand_in_differs_only_on_nan(monkeypatch):
     monkeypatch.setenv("FP8SCOPE_COMPILE", "0")
     from fp8scope.emulate import amax as amax_mod
 
-    monkeypatch.setattr(amax_mod, "AMAX_FAST", amax_mod.CompiledFn("amax_fast_eager", amax_mod._make_pair,
-                                                                    amax_mod._examples, fallback=amax_mod._make_norm))
+    monkeypatch.setattr(amax_mod, "AMAX_PARTS", amax_mod.CompiledFn("amax_parts_eager", amax_mod._make_pair,
+                                                                    amax_mod._examples, fallback=amax_mod._make_minmax))
     bank = DeviceDelayedBank(DelayedScaling(amax_history_len=3), "cpu")
     s = bank.add(E4M3)
     for v in (2.0, 4.0):

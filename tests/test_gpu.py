@@ -165,3 +165,39 @@ def test_emulated_layer_compiles_without_breaks_on_cuda():
     x = torch.randn(32, 16, device="cuda")
     explain = dynamo.explain(m)(x)
     assert explain.graph_break_count == 0, explain.break_reasons
+
+
+@pytest.mark.parametrize("kind", ["whatif", "emulated"])
+def test_compiled_model_monitored_on_cuda(tmp_path, kind):
+    """A torch.compile'd tiny GPT on CUDA (Triton): monitoring adds no graph break and logs every
+    tensor of every step, with the stats pass compiled too."""
+    import os
+
+    import torch._dynamo as dynamo
+
+    from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    m = TinyGPT(GPTConfig(n_layers=2, d_model=64)).cuda()
+    if kind == "emulated":
+        convert_to_fp8(m, recipe=DelayedScaling(amax_history_len=16))
+    old = os.environ.get("FP8SCOPE_COMPILE")
+    os.environ["FP8SCOPE_COMPILE"] = "sync"
+    try:
+        compiled = torch.compile(m)
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        with fp8scope.Monitor(compiled, tmp_path / "r", every=3, detect=False) as mon:
+            for _ in range(6):
+                idx = torch.randint(0, 64, (4, 32), device="cuda")
+                loss = compiled(idx).float().logsumexp(-1).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step(loss=loss.detach())
+            explain = dynamo.explain(lambda i: m(i).float().logsumexp(-1).mean())(idx)
+    finally:
+        os.environ["FP8SCOPE_COMPILE"] = old if old is not None else "0"
+    assert explain.graph_break_count == 0, explain.break_reasons
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    n = len(m.linear_names()) * 3
+    assert len(df) == 6 * n and df.amax.notna().all() and not df.layer.str.contains("_orig_mod").any()

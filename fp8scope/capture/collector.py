@@ -23,7 +23,7 @@ import torch
 
 from fp8scope.capture.autograd_phase import in_backward
 from fp8scope.capture.stats import stats_call
-from fp8scope.emulate.amax import amax_pair_fast
+from fp8scope.emulate.amax import logged_amax
 from fp8scope.emulate.device_bank import DeferredRow, DeviceDelayedBank
 from fp8scope.formats import Fp8Format
 from fp8scope.step_payload import StepPayload, TensorKey
@@ -122,7 +122,7 @@ class StepCollector:
             self._append(role, vec, kid, x.numel())
             return recorded
         if amax is None:
-            amax = amax_pair_fast(x)[0]
+            amax = logged_amax(x)
         self._append(role, (amax, scale, scale_inv, expected_amax), kid, x.numel())
         return None
 

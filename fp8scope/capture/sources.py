@@ -149,7 +149,7 @@ class EmulatedSource:
 
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
-        from fp8scope.capture import graph_taps
+        from fp8scope import graph_taps
 
         fmts = {"activation": module.recipe.forward_format, "weight": module.recipe.forward_format,
                 "gradient": module.recipe.backward_format}
@@ -223,7 +223,7 @@ class _WhatIfTap:
         self.slots: dict[str, tuple[Any, int, int]] = {}  # role -> (DeviceDelayedBank, slot, key id)
         self.states: dict[str, Any] = {}  # role -> ScalingState (current scaling)
         self._grad_hook = GradHook(self._on_grad)
-        from fp8scope.capture import graph_taps
+        from fp8scope import graph_taps
 
         # under torch.compile the hook hands its tensors to these taps (see graph_taps)
         self._graph_taps = {role: graph_taps.register(self._graph_capture(role)) for role in self.fmts}
@@ -234,7 +234,7 @@ class _WhatIfTap:
         return self
 
     def unregister(self) -> None:
-        from fp8scope.capture import graph_taps
+        from fp8scope import graph_taps
 
         for tap in self._graph_taps.values():
             graph_taps.unregister(tap)
@@ -253,7 +253,7 @@ class _WhatIfTap:
         """The forward hook as dynamo traces it: the tensors go to the graph taps, whose Python runs
         when the graph runs (nothing here depends on the step). Grad mode is read now: dynamo guards
         on it, and a compiled forward runs its graph with grad off."""
-        from fp8scope.capture.graph_taps import GradObserver, observe
+        from fp8scope.graph_taps import GradObserver, observe
 
         roles, taps = self.sink.roles, self._graph_taps
         if self.sink.capture_no_grad or torch.is_grad_enabled():
@@ -374,7 +374,7 @@ class TorchaoSource:
             expected = fmt.max * scale_inv
             sink.record(layer, role, "torchao", fmt, x, scale, scale_inv, expected)
 
-        from fp8scope.capture import graph_taps
+        from fp8scope import graph_taps
 
         casts = {"activation": cfg.cast_config_input, "weight": cfg.cast_config_weight,
                  "gradient": cfg.cast_config_grad_output}

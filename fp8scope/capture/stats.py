@@ -96,12 +96,15 @@ def _make_full(key):
 
 def _full_examples(key):
     device, dtype, fmt_name, per_row, has_deq = key
-    shape = (3, 5) if per_row else (15,)
+    shape = (3, 5) if per_row else (15,)  # distinct sizes: dynamo would guard on equal ones (duck sizing)
     sshape = (3, 1) if per_row else ()
-    x = torch.linspace(-2, 2, 15, device=device).to(dtype).reshape(shape)
-    ones = torch.ones(sshape, dtype=torch.float32, device=device)
+    x = torch.linspace(-2, 2, 15, device=device).to(dtype).reshape(shape).clone()  # not a view: no guard on a base
+    # three tensors, not one three times: dynamo would guard on the aliasing and no real call would match
+    scale, scale_inv, expected = (torch.ones((), dtype=torch.float32, device=device) for _ in range(3))
+    if per_row:
+        scale, scale_inv = scale.expand(sshape).clone(), scale_inv.expand(sshape).clone()
     deq = x.to(torch.float32) if has_deq else None
-    return x, ones, ones, ones, deq
+    return x, scale, scale_inv, expected, deq
 
 
 FULL_STATS = CompiledFn("full_stats", _make_full, _full_examples)
@@ -110,6 +113,8 @@ FULL_STATS = CompiledFn("full_stats", _make_full, _full_examples)
 def _f32(v: torch.Tensor | float, device: torch.device) -> torch.Tensor:
     """A scale-like value as a float32 tensor on ``device`` (no op when it already is one)."""
     if isinstance(v, torch.Tensor):
+        if v.requires_grad:
+            v = v.detach()
         if v.dtype != torch.float32 or v.device != device:
             v = v.to(device=device, dtype=torch.float32)
         return v
@@ -133,6 +138,8 @@ def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
 def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None):
     """``(vector, recorded amax)`` of :func:`full_stats`: the recorded amax is TE's (NaN elements
     ignored), what a what-if delayed-scaling state records. Empty tensors give zero counts."""
+    if x.requires_grad:  # the compiled code is guarded on requires_grad: hand it what it was made for
+        x = x.detach()
     dev = x.device
     s, si, e = _f32(scale, dev), _f32(scale_inv, dev), _f32(expected_amax, dev)
     if x.numel() == 0:
@@ -149,7 +156,7 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None):
         xv, s, si = (x if x.dim() == 1 else x.reshape(-1)), _shaped(s, ()), _shaped(si, ())
     d = None
     if deq is not None:
-        d = _shaped(deq, xv.shape)
+        d = _shaped(deq.detach() if deq.requires_grad else deq, xv.shape)
     fn = FULL_STATS.get((dev.type, x.dtype, fmt.name, per_row, d is not None))
     with torch.no_grad():  # hooks hand over tensors that require grad: no graph, and no detach op
         return fn(xv, s, si, e, d)

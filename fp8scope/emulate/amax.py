@@ -11,11 +11,14 @@ Two numbers come out of the same pass over ``x``:
   delayed scale 448 / 3.
 
 Both come from :data:`AMAX`, compiled ahead (one fused reduction; see ``fp8scope.compiled``).
-:data:`AMAX_FAST` is the what-if monitor's: until its compile is ready (or with
-``FP8SCOPE_COMPILE=0``) it runs one eager op, ``linalg_vector_norm(x, inf)``, and returns that
-NaN-propagating amax for both numbers. The only difference is on a tensor holding a NaN, where
-the history then holds 0 for that step (``scaling.delayed_update``) instead of TE's fmaxf amax;
-the logged row and its flag are the same.
+
+:func:`amax_parts` is the what-if monitor's per-capture pass, and it returns two 0-d tensors
+``(a, b)`` from which the bank gets both numbers for a whole step at once: the logged amax is
+``maximum(a, b)`` (NaN-propagating) and the recorded one ``fmax(a, b)``. Compiled, ``(a, b)`` is
+``(logged, recorded)`` itself. Until its compile is ready (or with ``FP8SCOPE_COMPILE=0``) it is
+one eager reduction, ``aminmax``, giving ``(max, -min)``: the same logged amax, and a recorded
+one that differs from TE's only on a tensor holding a NaN, where the history then rolls in 0 for
+that step (``scaling.delayed_update``) instead of TE's fmaxf amax of the other elements.
 """
 
 from __future__ import annotations
@@ -37,44 +40,50 @@ def _make_pair(key):
     return amax_pair
 
 
-def _make_norm(key):
-    def amax_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        raw = torch.linalg.vector_norm(x, _INF, dtype=torch.float32)
-        return raw, raw
+def _make_minmax(key):
+    def amax_minmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        lo, hi = torch.aminmax(x)  # one reduction, NaN-propagating; max(hi, -lo) is the amax
+        return hi, lo.neg()
 
-    return amax_norm
+    return amax_minmax
 
 
 def _examples(key):
-    device, dtype, ndim = key
-    return (torch.ones((3,) * ndim, dtype=dtype, device=device),)
+    device, dtype = key
+    return (torch.ones(7, dtype=dtype, device=device),)
 
 
 AMAX = CompiledFn("amax", _make_pair, _examples)
-AMAX_FAST = CompiledFn("amax_fast", _make_pair, _examples, fallback=_make_norm)
+AMAX_PARTS = CompiledFn("amax_parts", _make_pair, _examples, fallback=_make_minmax)
 
 
-def _key(x: torch.Tensor) -> tuple:
-    return (x.device.type, x.dtype, x.dim())
+def _call(fns: CompiledFn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    x = x.detach()
+    if x.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        return zero, zero
+    key = (x.device.type, x.dtype)
+    if x.is_contiguous():  # one compiled variant per (device, dtype): the flat view of any shape
+        return fns.get(key)(x.view(-1))
+    return fns.fallback(key)(x)  # a strided view: the eager pass reads it in place, no copy
 
 
 def amax_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logged, recorded)`` amaxes of ``x`` as 0-d float32 tensors on its device (0 and 0 for an
     empty tensor). No host sync."""
-    x = x.detach()
-    if x.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        return zero, zero
-    return AMAX.get(_key(x))(x)
+    return _call(AMAX, x)
 
 
-def amax_pair_fast(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`amax_pair` at the cost of one eager op while no compiled version is ready (see above)."""
-    x = x.detach()
-    if x.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        return zero, zero
-    return AMAX_FAST.get(_key(x))(x)
+def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(a, b)``: ``maximum(a, b)`` is the logged amax, ``fmax(a, b)`` the recorded one (see above).
+    One compiled kernel, or one eager reduction while none is ready; the caller combines many."""
+    return _call(AMAX_PARTS, x)
+
+
+def logged_amax(x: torch.Tensor) -> torch.Tensor:
+    """The logged (NaN-propagating) amax of ``x``, by :func:`amax_parts` (a cheap row's amax)."""
+    a, b = amax_parts(x)
+    return torch.maximum(a, b).to(torch.float32)
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:

@@ -5,7 +5,7 @@ Why a bank: with one :class:`~fp8scope.emulate.ScalingState` per tensor, a cheap
 on a GPU launched ~30 small kernels (the amax, the lazy delayed-scaling update, the row's stack):
 about 2,000 launches per step for the tiny GPT's 63 tensors, each costing the training thread
 microseconds (``benchmarks/whatif_device_bank.py``). Here a capture is one amax pass
-(``amax.amax_pair_fast``: one fused kernel once compiled, one eager op before) and a returned
+(``amax.amax_parts``: one fused kernel once compiled, one eager reduction before) and a returned
 :class:`DeferredRow`; when the step ends, :meth:`DeviceDelayedBank.resolve` stacks the step's
 amaxes, runs the updates of all slots together (~30 ops whatever the slot count) and leaves the
 step's rows in :attr:`DeviceDelayedBank.values`, in capture order.
@@ -26,7 +26,7 @@ import torch
 
 from ..formats import Fp8Format
 from .recipes import DelayedScaling
-from .amax import amax_pair_fast
+from .amax import amax_parts
 from .scaling import delayed_update, scaled_max
 
 
@@ -66,8 +66,7 @@ class DeviceDelayedBank:
         self.kept = torch.zeros(0, dtype=torch.bool, device=self.device)
         self._scaled_max = torch.zeros(0, **f32)
         self.updates: list[int] = []  # updates applied per slot (host ints)
-        self._logged: list[torch.Tensor] = []  # this step's logged amaxes (0-d), in capture order
-        self._recorded_amax: list[torch.Tensor] = []  # and TE's (the history's) amaxes
+        self._parts: list[torch.Tensor] = []  # this step's amax_parts (a, b, a, b, ...), in capture order
         self._captured: list[int] = []  # the slot of each capture
         self._blocks: list[torch.Tensor] = []  # resolved rows [captures, 4] since the last take_rows
         self._taken = 0  # captures since the last take_rows (DeferredRow.index counts from there)
@@ -107,9 +106,7 @@ class DeviceDelayedBank:
     def capture(self, slot: int, x: torch.Tensor) -> DeferredRow:
         """Measure ``x``'s amax for ``slot`` (one pass, no host sync); the row's values come with
         :meth:`resolve`."""
-        logged, recorded = amax_pair_fast(x)
-        self._logged.append(logged)
-        self._recorded_amax.append(recorded)
+        self._parts.extend(amax_parts(x))
         self._captured.append(slot)
         self._taken += 1
         return DeferredRow(self, self._taken - 1)
@@ -118,10 +115,11 @@ class DeviceDelayedBank:
         """Apply every pending update and keep the rows of the captures so far for :meth:`take_rows`
         (the step's end; also before anything that needs the state current)."""
         if self._captured:
-            captured, logged, recorded = self._captured, self._logged, self._recorded_amax
-            self._captured, self._logged, self._recorded_amax = [], [], []
-            logged_t = torch.stack(logged)
-            recorded_t = logged_t if recorded[0] is logged[0] else torch.stack(recorded)
+            captured, parts = self._captured, self._parts
+            self._captured, self._parts = [], []
+            ab = torch.stack(parts).view(-1, 2).to(torch.float32)
+            a, b = ab[:, 0], ab[:, 1]
+            logged_t, recorded_t = torch.maximum(a, b), torch.fmax(a, b)  # see amax.amax_parts
             values = None
             for slots, positions in self._plan(tuple(captured)):
                 if positions is None:  # one round: every capture, in order

@@ -24,7 +24,7 @@ the tap is swallowed (with one warning per layer) so monitoring never breaks tra
 Under ``torch.compile`` the layer traces without graph breaks: its scales are tensors, the
 activation and weight states update in the forward, the gradient's scales are prepared at
 forward time, and the backward records the gradient's amax through one opaque op
-(``fp8scope.capture.graph_taps``).
+(``fp8scope.graph_taps``).
 """
 
 from __future__ import annotations
@@ -174,7 +174,7 @@ class Fp8Linear(nn.Linear):
         if torch.compiler.is_compiling():
             taps = self.fp8scope_monitor_taps
             if taps is not None:  # one opaque op in the graph; the monitor's Python runs at run time
-                from fp8scope.capture.graph_taps import observe
+                from fp8scope.graph_taps import observe
 
                 observe(taps[(role, grad)], x, deq, amax, s.scale, s.scale_inv, s.expected_amax)
             return
@@ -202,7 +202,7 @@ class Fp8Linear(nn.Linear):
         """Backward: the gradient was quantized with the scales prepared at forward time; record its
         amax for the next update and report it. Under torch.compile this runs as one opaque op."""
         if torch.compiler.is_compiling():
-            from fp8scope.capture.graph_taps import observe
+            from fp8scope.graph_taps import observe
 
             observe(self._gradient_tap(), grad_out, g_deq, scale, scale_inv, expected)
             return
@@ -223,7 +223,7 @@ class Fp8Linear(nn.Linear):
         """Register the graph tap through which a compiled backward records the gradient's amax
         (outside compiled code: at construction, and again for a copy at its first eager forward)."""
         if self.__dict__.get("_gradient_tap_for") != id(self):
-            from fp8scope.capture.graph_taps import register
+            from fp8scope.graph_taps import register
 
             self.__dict__["_gradient_tap_id"] = register(self._record_gradient)
             self.__dict__["_gradient_tap_for"] = id(self)
