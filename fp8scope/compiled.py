@@ -62,8 +62,13 @@ def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callabl
         import torch
 
         compiled = torch.compile(fn, dynamic=True)
-        compiled(*examples())  # traces and compiles now, on this thread
-        runner = torch._dynamo.run(fn)
+        with torch.no_grad():  # grad mode is part of the guards: compile and run under the same one
+            compiled(*examples())  # traces and compiles now, on this thread
+        cached = torch._dynamo.run(fn)
+
+        def runner(*args):
+            with torch.no_grad():  # hooks run with grad on (forward) or off (backward): one mode for all
+                return cached(*args)
     except Exception as exc:  # no working compiler here: this variant stays eager
         owner._settle(key, None, exc)
     else:
@@ -84,8 +89,10 @@ class CompiledFn:
     """
 
     def __init__(self, name: str, make: Callable[[Hashable], Callable],
-                 examples: Callable[[Hashable], tuple], fallback: Callable[[Hashable], Callable] | None = None):
+                 examples: Callable[[Hashable], tuple], fallback: Callable[[Hashable], Callable] | None = None,
+                 devices: tuple[str, ...] | None = None):
         self.name = name
+        self._devices = devices  # device types worth compiling for (a key's first item); None: all
         self._make = make
         self._examples = examples
         self._fallback = fallback  # a cheaper eager stand-in while the compile is pending (same outputs)
@@ -110,6 +117,8 @@ class CompiledFn:
                 if key not in self._queued:
                     self._queued.add(key)
                     mode = compile_mode()
+                    if self._devices is not None and key[0] not in self._devices:
+                        mode = "off"
                     if mode != "off":
                         fn = _renamed(self.eager(key), f"fp8scope_{self.name}_{len(self._queued)}")
                         if mode == "sync":
@@ -141,7 +150,8 @@ class CompiledFn:
 
     def settled(self, key: Hashable) -> bool:
         """Compiled, failed, or never to be compiled."""
-        return key in self._ready or key in self.failures or (key in self._queued and not compile_enabled())
+        return key in self._ready or key in self.failures or (
+            key in self._queued and (not compile_enabled() or (self._devices is not None and key[0] not in self._devices)))
 
     def _submit(self, key: Hashable, fn: Callable) -> None:
         global _thread

@@ -1,7 +1,7 @@
 """DeviceDelayedBank (the what-if monitor's delayed scaling, batched per step) against ScalingState,
 which test_emulate.py pins to hand-computed TE sequences: capture by capture the same rows, after
 each step the same history, scales, expected amax and kept flag. The bank's amax pass is compiled
-here (``FP8SCOPE_COMPILE=sync``), where it is exactly TE's; its one-op eager stand-in differs only
+here (``FP8SCOPE_COMPILE=sync``), as on CUDA, where it is exactly TE's; its eager stand-in differs only
 on a tensor holding a NaN (tested below). Runs on the CPU (the bank's code is device-independent
 torch); test_gpu.py runs the monitor on CUDA."""
 
@@ -48,7 +48,13 @@ def state_row(state: ScalingState, x: torch.Tensor) -> list[float]:
 
 @pytest.fixture(autouse=True)
 def compiled_amax(monkeypatch):
+    """The bank's amax pass compiled, as on CUDA (on the CPU it is compiled only here: torch's own
+    aminmax is faster than inductor's C++ reduction there)."""
+    from fp8scope.emulate import amax as amax_mod
+
     monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
+    monkeypatch.setattr(amax_mod, "AMAX_PARTS", amax_mod.CompiledFn(
+        "amax_parts_test", amax_mod._make_pair, amax_mod._examples, fallback=amax_mod._make_minmax))
 
 
 def assert_same_state(bank: DeviceDelayedBank, slot: int, state: ScalingState) -> None:

@@ -27,14 +27,11 @@ import torch
 
 from fp8scope.compiled import CompiledFn
 
-_INF = float("inf")
-
-
 def _make_pair(key):
     def amax_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         a = x.abs()
         logged = a.amax()
-        recorded = torch.nan_to_num(a, nan=0.0, posinf=_INF).amax()
+        recorded = torch.where(a == a, a, 0.0).amax()  # NaN != NaN: fmaxf from 0 (vectorizes; nan_to_num does not)
         return logged.to(torch.float32), recorded.to(torch.float32)
 
     return amax_pair
@@ -54,7 +51,10 @@ def _examples(key):
 
 
 AMAX = CompiledFn("amax", _make_pair, _examples)
-AMAX_PARTS = CompiledFn("amax_parts", _make_pair, _examples, fallback=_make_minmax)
+# Compiled on CUDA only: there the fused kernel is one pass like aminmax and gives TE's exact amax.
+# Inductor's C++ reductions (single-threaded at dynamic sizes) are several times slower than
+# torch's own aminmax, and the what-if amax is the per-tensor cost of every cheap step.
+AMAX_PARTS = CompiledFn("amax_parts", _make_pair, _examples, fallback=_make_minmax, devices=("cuda",))
 
 
 def _call(fns: CompiledFn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -63,8 +63,11 @@ def _call(fns: CompiledFn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
         return zero, zero
     key = (x.device.type, x.dtype)
+    fn = fns.get(key)
+    if fn is fns.fallback(key):  # eager: any shape and stride as it is
+        return fn(x)
     if x.is_contiguous():  # one compiled variant per (device, dtype): the flat view of any shape
-        return fns.get(key)(x.view(-1))
+        return fn(x.view(-1))
     return fns.fallback(key)(x)  # a strided view: the eager pass reads it in place, no copy
 
 

@@ -101,7 +101,8 @@ def delayed_update(history: torch.Tensor, scaled_max: torch.Tensor, scale: torch
     monitor's :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` for all its tensors at once."""
     last = history[..., 0]
     roll = last != 0  # NaN != 0 is true: a NaN (from the eager what-if amax) rolls in, as 0
-    clean = torch.nan_to_num(history, nan=0.0, posinf=_INF_POS)
+    recorded = torch.nan_to_num(last, nan=0.0, posinf=_INF_POS)  # the only row that can hold a NaN
+    clean = torch.cat([recorded.unsqueeze(-1), history[..., 1:]], -1)
     rolled = torch.roll(clean, -1, -1)
     rolled[..., 0] = 0.0
     if most_recent:
