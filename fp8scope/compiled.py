@@ -28,6 +28,8 @@ import types
 from typing import Callable, Hashable
 
 _lock = threading.RLock()
+_ALL: list["CompiledFn"] = []  # every family, so that a dynamo reset can make them compile again
+_own_frames = 0  # frames dynamo compiled for these families (others are the user's)
 _queue: "queue.Queue[tuple[CompiledFn, Hashable, Callable, Callable[[], tuple]]]" = queue.Queue()
 _thread: threading.Thread | None = None
 
@@ -65,6 +67,8 @@ def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callabl
         with torch.no_grad():  # grad mode is part of the guards: compile and run under the same one
             compiled(*examples())  # traces and compiles now, on this thread
         cached = torch._dynamo.run(fn)
+        global _own_frames
+        _own_frames += 1
 
         def runner(*args):
             with torch.no_grad():  # hooks run with grad on (forward) or off (backward): one mode for all
@@ -99,6 +103,7 @@ class CompiledFn:
         self._eager: dict[Hashable, Callable] = {}
         self._queued: set[Hashable] = set()
         self._fallbacks: dict[Hashable, Callable] = {}
+        _ALL.append(self)
         self._ready: dict[Hashable, Callable] = {}
         self.failures: dict[Hashable, str] = {}
 
@@ -175,3 +180,31 @@ class CompiledFn:
         while not self.settled(key) and time.monotonic() < end:
             time.sleep(0.05)
         return key in self._ready
+
+
+def user_frames_compiled() -> bool:
+    """Whether dynamo has compiled code in this process other than these families' (a user's
+    compiled model or function)."""
+    import sys
+
+    if "torch._dynamo" not in sys.modules:
+        return False
+    import torch._dynamo
+
+    return torch._dynamo.utils.counters["frames"].get("ok", 0) > _own_frames
+
+
+def reset_dynamo() -> None:
+    """``torch._dynamo.reset()``, and these families compile again at their next use (their
+    compiled code went with the reset)."""
+    import torch._dynamo
+
+    global _own_frames
+    with _lock:
+        torch._dynamo.reset()
+        torch._dynamo.utils.counters["frames"].clear()
+        _own_frames = 0
+        for family in _ALL:
+            family._ready.clear()
+            family._queued.clear()
+            family.failures.clear()

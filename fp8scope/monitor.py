@@ -200,6 +200,24 @@ class Monitor:
                 self.model_recipe = module.recipe  # our emulated layers carry theirs
         if include is not None and not self.layers:
             raise UsageError("no monitored layer matched the `layers` selection")
+        self._retrace_compiled()
+
+    def _retrace_compiled(self) -> None:
+        """Dynamo does not guard on hooks added after it compiled a model (its default
+        ``skip_nnmodule_hook_guards``): graphs traced before the monitor attached (this model run
+        compiled already, or another instance of its class) would run without the hooks and log
+        nothing. When code is already compiled, reset dynamo once so it traces the hooks."""
+        if not self.layers:
+            return
+        try:
+            from fp8scope.compiled import reset_dynamo, user_frames_compiled
+
+            if user_frames_compiled():
+                reset_dynamo()
+                self._warn("compile", "torch.compile'd code existed before the monitor attached; dynamo was reset "
+                           "so that compiled models trace the monitor's hooks (they recompile once)")
+        except Exception as exc:  # fail open: eager models are unaffected
+            self._warn("compile", f"could not reset torch.compile's caches ({type(exc).__name__}: {exc})")
 
     def _open_store(self, explicit_step: bool, meta: dict | None) -> None:
         from fp8scope.store.layout import list_streams

@@ -15,7 +15,7 @@ from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
 from fp8scope.emulate import DelayedScaling, ScalingState, convert_to_fp8
 from fp8scope.formats import get_format
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning", "ignore:torch.compile.d code existed:RuntimeWarning")
 
 CFG = dict(n_layers=1, d_model=32, n_heads=2, seq_len=16)
 
@@ -133,3 +133,20 @@ def test_torchao_float8_linear_under_compile(tmp_path):
     df = fp8scope.load_run(tmp_path).tensors()
     assert set(df.source) == {"torchao"} and len(df) == 3 * 9 and set(df.layer) == {"up", "down", "head"}
     assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-6)).all()
+
+
+def test_a_model_compiled_before_the_monitor_attached_is_still_monitored(tmp_path):
+    """Dynamo does not guard on hooks added after compilation: a graph traced before the monitor
+    attached (here, another instance of the class, compiled and run first) would log nothing. The
+    monitor resets dynamo once, with a warning, so the hooks are traced."""
+    other = torch.compile(tiny("whatif"))
+    loss_of(other, batch(other)).backward()
+    model = torch.compile(tiny("whatif"))
+    with pytest.warns(RuntimeWarning, match="dynamo was reset"):
+        mon = fp8scope.Monitor(model, tmp_path / "r", every=2, detect=False)
+    with mon:
+        for _ in range(2):
+            loss_of(model, batch(model)).backward()
+            mon.step()
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert len(df) == 2 * 6 * 3

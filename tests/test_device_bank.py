@@ -54,7 +54,7 @@ def compiled_amax(monkeypatch):
 
     monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
     monkeypatch.setattr(amax_mod, "AMAX_PARTS", amax_mod.CompiledFn(
-        "amax_parts_test", amax_mod._make_pair, amax_mod._examples, fallback=amax_mod._make_minmax))
+        "amax_parts_test", amax_mod._make_parts, amax_mod._examples, fallback=amax_mod._make_minmax))
 
 
 def assert_same_state(bank: DeviceDelayedBank, slot: int, state: ScalingState) -> None:
@@ -136,7 +136,7 @@ def test_eager_amax_stand_in_differs_only_on_nan(monkeypatch):
     monkeypatch.setenv("FP8SCOPE_COMPILE", "0")
     from fp8scope.emulate import amax as amax_mod
 
-    monkeypatch.setattr(amax_mod, "AMAX_PARTS", amax_mod.CompiledFn("amax_parts_eager", amax_mod._make_pair,
+    monkeypatch.setattr(amax_mod, "AMAX_PARTS", amax_mod.CompiledFn("amax_parts_eager", amax_mod._make_parts,
                                                                     amax_mod._examples, fallback=amax_mod._make_minmax))
     bank = DeviceDelayedBank(DelayedScaling(amax_history_len=3), "cpu")
     s = bank.add(E4M3)

@@ -370,9 +370,10 @@ class TorchaoSource:
                     axiswise_dim=-1 if axiswise else None, round_scales_to_power_of_2=pow2,
                 )
             scale_inv = scale.reciprocal()
-            # The amax torchao derived the scale from (per row: the largest row amax).
+            # The amax torchao derived the scale from (per row: the largest row amax); torchao's amax
+            # propagates NaN, so it is also the logged amax: a cheap row reads the tensor no more
             expected = fmt.max * scale_inv
-            sink.record(layer, role, "torchao", fmt, x, scale, scale_inv, expected)
+            sink.record(layer, role, "torchao", fmt, x, scale, scale_inv, expected, amax=expected)
 
         from fp8scope import graph_taps
 

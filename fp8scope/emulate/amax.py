@@ -13,12 +13,13 @@ Two numbers come out of the same pass over ``x``:
 Both come from :data:`AMAX`, compiled ahead (one fused reduction; see ``fp8scope.compiled``).
 
 :func:`amax_parts` is the what-if monitor's per-capture pass, and it returns two 0-d tensors
-``(a, b)`` from which the bank gets both numbers for a whole step at once: the logged amax is
-``maximum(a, b)`` (NaN-propagating) and the recorded one ``fmax(a, b)``. Compiled, ``(a, b)`` is
-``(logged, recorded)`` itself. Until its compile is ready (or with ``FP8SCOPE_COMPILE=0``) it is
-one eager reduction, ``aminmax``, giving ``(max, -min)``: the same logged amax, and a recorded
-one that differs from TE's only on a tensor holding a NaN, where the history then rolls in 0 for
-that step (``scaling.delayed_update``) instead of TE's fmaxf amax of the other elements.
+``(a, c)`` from which the bank gets both numbers for a whole step at once, with ``b = -c``: the
+logged amax is ``maximum(a, b)`` (NaN-propagating) and the recorded one ``fmax(a, b)``. Compiled,
+``(a, b)`` is ``(logged, recorded)`` itself. Until its compile is ready (or with
+``FP8SCOPE_COMPILE=0``; on the CPU always, see :data:`AMAX_PARTS`) it is one eager op,
+``aminmax``, whose ``(max, min)`` is ``(a, c)``: the same logged amax, and a recorded one that
+differs from TE's only on a tensor holding a NaN, where the history then rolls in 0 for that step
+(``scaling.delayed_update``) instead of TE's fmaxf amax of the other elements.
 """
 
 from __future__ import annotations
@@ -37,10 +38,20 @@ def _make_pair(key):
     return amax_pair
 
 
+def _make_parts(key):
+    def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        a = x.abs()
+        logged = a.amax()
+        recorded = torch.where(a == a, a, 0.0).amax()
+        return logged.to(torch.float32), recorded.to(torch.float32).neg()
+
+    return amax_parts
+
+
 def _make_minmax(key):
     def amax_minmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lo, hi = torch.aminmax(x)  # one reduction, NaN-propagating; max(hi, -lo) is the amax
-        return hi, lo.neg()
+        lo, hi = torch.aminmax(x)  # one op, NaN-propagating: max(hi, -lo) is the amax
+        return hi, lo
 
     return amax_minmax
 
@@ -54,7 +65,7 @@ AMAX = CompiledFn("amax", _make_pair, _examples)
 # Compiled on CUDA only: there the fused kernel is one pass like aminmax and gives TE's exact amax.
 # Inductor's C++ reductions (single-threaded at dynamic sizes) are several times slower than
 # torch's own aminmax, and the what-if amax is the per-tensor cost of every cheap step.
-AMAX_PARTS = CompiledFn("amax_parts", _make_pair, _examples, fallback=_make_minmax, devices=("cuda",))
+AMAX_PARTS = CompiledFn("amax_parts", _make_parts, _examples, fallback=_make_minmax, devices=("cuda",))
 
 
 def _call(fns: CompiledFn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -78,15 +89,21 @@ def amax_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, b)``: ``maximum(a, b)`` is the logged amax, ``fmax(a, b)`` the recorded one (see above).
-    One compiled kernel, or one eager reduction while none is ready; the caller combines many."""
+    """``(a, c)``: with ``b = -c``, ``maximum(a, b)`` is the logged amax and ``fmax(a, b)`` the
+    recorded one (see above; :func:`combine_parts` does it for many). One compiled kernel, or one
+    eager op while none is ready."""
     return _call(AMAX_PARTS, x)
+
+
+def combine_parts(a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logged, recorded)`` float32 amaxes from :func:`amax_parts`' ``(a, c)`` (any shapes)."""
+    a, b = a.to(torch.float32), c.to(torch.float32).neg()
+    return torch.maximum(a, b), torch.fmax(a, b)
 
 
 def logged_amax(x: torch.Tensor) -> torch.Tensor:
     """The logged (NaN-propagating) amax of ``x``, by :func:`amax_parts` (a cheap row's amax)."""
-    a, b = amax_parts(x)
-    return torch.maximum(a, b).to(torch.float32)
+    return combine_parts(*amax_parts(x))[0]
 
 
 def tensor_amax(x: torch.Tensor) -> torch.Tensor:

@@ -26,7 +26,7 @@ import torch
 
 from ..formats import Fp8Format
 from .recipes import DelayedScaling
-from .amax import amax_parts
+from .amax import amax_parts, combine_parts
 from .scaling import delayed_update, scaled_max
 
 
@@ -117,9 +117,8 @@ class DeviceDelayedBank:
         if self._captured:
             captured, parts = self._captured, self._parts
             self._captured, self._parts = [], []
-            ab = torch.stack(parts).view(-1, 2).to(torch.float32)
-            a, b = ab[:, 0], ab[:, 1]
-            logged_t, recorded_t = torch.maximum(a, b), torch.fmax(a, b)  # see amax.amax_parts
+            ac = torch.stack(parts).view(-1, 2)
+            logged_t, recorded_t = combine_parts(ac[:, 0], ac[:, 1])
             values = None
             for slots, positions in self._plan(tuple(captured)):
                 if positions is None:  # one round: every capture, in order

@@ -1,0 +1,84 @@
+"""The GPU cost budgets of capture, in proxies that are deterministic on a CPU (timings live in
+benchmarks/capture_cost.py):
+
+- eager full stats: at most 40 aten ops per tensor, whatever its size (no chunking);
+- compiled full stats: at most 3 generated kernels per tensor (inductor's C++ here, Triton on CUDA);
+- a cheap step: at most 2 aten ops per monitored tensor, plus a constant, on the tiny GPT.
+
+Ops are counted with a TorchDispatchMode; views (no kernel on any device) are left out.
+"""
+
+from __future__ import annotations
+
+import re
+import tempfile
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+import fp8scope
+from fp8scope.capture import stats as stats_mod
+from fp8scope.demo import train
+from fp8scope.formats import get_format
+
+
+class OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.__name__ not in ("detach", "alias"):
+            self.ops.append(func.__name__)
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.fixture(autouse=True)
+def eager_stats(monkeypatch):
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "0")
+
+
+@pytest.mark.parametrize("shape", [(64, 64), (512, 1024), (4096, 1024)])
+@pytest.mark.parametrize("per_row", [False, True])
+def test_eager_full_stats_stay_within_40_ops_whatever_the_size(shape, per_row):
+    x = torch.randn(*shape, dtype=torch.bfloat16, requires_grad=True)
+    scale = torch.full((shape[0], 1), 50.0) if per_row else torch.tensor(50.0)
+    scale_inv, expected = 1 / scale, torch.tensor(8.96)
+    fmt = get_format("e4m3")
+    stats_mod.stats_call(x, scale, scale_inv, expected, fmt)  # first call: format constants cached
+    with OpCounter() as c:
+        stats_mod.stats_call(x, scale, scale_inv, expected, fmt)
+    assert len(c.ops) <= 40, c.ops
+
+
+def test_compiled_full_stats_are_at_most_3_kernels():
+    from torch._inductor.utils import run_and_get_code
+
+    for key in (("cpu", torch.bfloat16, "e4m3", False, False), ("cpu", torch.float32, "e5m2", True, True)):
+        torch._dynamo.reset()
+        _, codes = run_and_get_code(torch.compile(stats_mod.FULL_STATS.eager(key), dynamic=True),
+                                    *stats_mod._full_examples(key))
+        kernels = len(re.findall(r"async_compile\.(?:cpp_pybinding|cpp|triton)\(", "\n".join(codes)))
+        assert 1 <= kernels <= 3, (key, kernels)
+
+
+@pytest.mark.parametrize("fp8", ["off", "delayed"])  # what-if (plain FP32) and emulated FP8
+def test_a_cheap_step_costs_at_most_2_ops_per_tensor(fp8):
+    counts, n = {}, 0
+    for monitored in (False, True):
+        setup = train.build(fp8=fp8, quiet=True, n_layers=2, d_model=64, batch_size=4, seq_len=32)
+        with tempfile.TemporaryDirectory() as tmp:
+            mon = fp8scope.Monitor(setup.model, tmp, every=100, detect=False, full_on_anomaly=0,
+                                   recipe=setup.recipe) if monitored else None
+            for step in range(1, 4):  # cheap steps (step 0 would be full): keys made, states pending
+                train.train_step(setup, step, mon)
+            with OpCounter() as c:
+                train.train_step(setup, 4, mon)
+            counts[monitored] = len(c.ops)
+            if mon is not None:
+                n = len(mon.collector.keys)
+                mon.close()
+    extra = counts[True] - counts[False]
+    assert n == 11 * 3  # 5 Linear per block x 2 + lm_head, activation / weight / gradient
+    assert extra <= 2 * n + 40, (extra, n)
