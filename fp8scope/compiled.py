@@ -117,13 +117,11 @@ class CompiledFn:
         fn = self._ready.get(key)
         if fn is not None:
             return fn
-        if key not in self._queued:
+        if key not in self._queued and self._compiles(key):
             with _lock:
                 if key not in self._queued:
-                    self._queued.add(key)
+                    self._queued.add(key)  # only when compiling: a key met while off compiles once switched on
                     mode = compile_mode()
-                    if self._devices is not None and key[0] not in self._devices:
-                        mode = "off"
                     if mode != "off":
                         fn = _renamed(self.eager(key), f"fp8scope_{self.name}_{len(self._queued)}")
                         if mode == "sync":
@@ -141,6 +139,10 @@ class CompiledFn:
             eager = self._eager.setdefault(key, self._make(key))
         return eager
 
+    def _compiles(self, key: Hashable) -> bool:
+        """Whether ``key`` is compiled at all: compilation on, and a device type worth it."""
+        return compile_enabled() and (self._devices is None or key[0] in self._devices)
+
     def fallback(self, key: Hashable) -> Callable:
         """The eager function that stands in while ``key`` compiles (never compiled itself)."""
         return self._fallbacks.get(key) or self._make_fallback(key)
@@ -155,8 +157,7 @@ class CompiledFn:
 
     def settled(self, key: Hashable) -> bool:
         """Compiled, failed, or never to be compiled."""
-        return key in self._ready or key in self.failures or (
-            key in self._queued and (not compile_enabled() or (self._devices is not None and key[0] not in self._devices)))
+        return key in self._ready or key in self.failures or not self._compiles(key)
 
     def _submit(self, key: Hashable, fn: Callable) -> None:
         global _thread
