@@ -203,15 +203,19 @@ class Monitor:
         self._retrace_compiled()
 
     def _retrace_compiled(self) -> None:
-        """Dynamo does not guard on hooks added after it compiled a model (its default
-        ``skip_nnmodule_hook_guards``): graphs traced before the monitor attached (this model run
-        compiled already, or another instance of its class) would run without the hooks and log
-        nothing. When code is already compiled, reset dynamo once so it traces the hooks."""
+        """By default dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``): a graph
+        traced without the monitor's hooks (this model compiled and run before the monitor attached,
+        or another instance of its class, e.g. an unmonitored baseline) would be reused for the
+        monitored model, which would then log nothing. So the monitor turns those guards on (a
+        cheap check per compiled call) and, when code was compiled before, resets dynamo once."""
         if not self.layers:
             return
         try:
+            import torch._dynamo.config
+
             from fp8scope.compiled import reset_dynamo, user_frames_compiled
 
+            torch._dynamo.config.skip_nnmodule_hook_guards = False
             if user_frames_compiled():
                 reset_dynamo()
                 self._warn("compile", "torch.compile'd code existed before the monitor attached; dynamo was reset "

@@ -150,3 +150,16 @@ def test_a_model_compiled_before_the_monitor_attached_is_still_monitored(tmp_pat
             mon.step()
     df = fp8scope.load_run(tmp_path / "r").tensors()
     assert len(df) == 2 * 6 * 3
+
+
+def test_an_unmonitored_instance_compiled_first_does_not_hide_the_hooks(tmp_path):
+    """A baseline instance of the same class compiled and run after the monitor attached: with
+    dynamo's default it would share its hook-less graph; the monitor turns hook guards on."""
+    torch._dynamo.reset()
+    monitored, baseline = torch.compile(tiny("whatif")), torch.compile(tiny("whatif"))
+    with fp8scope.Monitor(monitored, tmp_path / "r", every=2, detect=False) as mon:
+        loss_of(baseline, batch(baseline)).backward()  # compiles first, no hooks
+        for _ in range(2):
+            loss_of(monitored, batch(monitored)).backward()
+            mon.step()
+    assert len(fp8scope.load_run(tmp_path / "r").tensors()) == 2 * 6 * 3

@@ -96,9 +96,11 @@ def _make_full(key):
 
 def _full_examples(key):
     device, dtype, fmt_name, per_row, has_deq = key
-    shape = (3, 5) if per_row else (15,)  # distinct sizes: dynamo would guard on equal ones (duck sizing)
-    sshape = (3, 1) if per_row else ()
-    x = torch.linspace(-2, 2, 15, device=device).to(dtype).reshape(shape).clone()  # not a view: no guard on a base
+    # Sizes: distinct (dynamo would guard on equal ones: duck sizing) and large, because inductor
+    # picks its loop structure (threads on the CPU, block sizes for Triton) from the example's size.
+    shape = (1024, 1025) if per_row else (1 << 20,)
+    sshape = (1024, 1) if per_row else ()
+    x = torch.randn(shape, device=device).to(dtype)  # a fresh tensor, not a view: no guard on a base
     # three tensors, not one three times: dynamo would guard on the aliasing and no real call would match
     scale, scale_inv, expected = (torch.ones((), dtype=torch.float32, device=device) for _ in range(3))
     if per_row:
