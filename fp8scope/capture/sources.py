@@ -227,6 +227,8 @@ class _WhatIfTap:
 
         # under torch.compile the hook hands its tensors to these taps (see graph_taps)
         self._graph_taps = {role: graph_taps.register(self._graph_capture(role)) for role in self.fmts}
+        # the forward's tensors in one call of the op (each call costs a dispatch), roles in this order
+        self._graph_taps["forward"] = graph_taps.register(self._graph_forward)
 
     def __deepcopy__(self, memo: dict) -> "_WhatIfTap":
         # A copy of the model (a shadow fork's replica, the user's deepcopy) keeps the hook as it
@@ -238,6 +240,17 @@ class _WhatIfTap:
 
         for tap in self._graph_taps.values():
             graph_taps.unregister(tap)
+
+    def _graph_forward(self, *tensors: torch.Tensor) -> None:
+        """Run by the compiled graph's op with the forward's tensors (activation, weight, output:
+        those the monitor's roles ask for, in that order)."""
+        if self.sink.active:
+            try:
+                roles = [r for r in ("activation", "weight", "output") if r in self.sink.roles]
+                for role, x in zip(roles, tensors):
+                    self.capture(role, x)
+            except Exception as exc:
+                self.sink.fail(exc)
 
     def _graph_capture(self, role: str) -> Callable:
         def capture(x: torch.Tensor) -> None:  # run by the compiled graph's opaque op
@@ -258,12 +271,15 @@ class _WhatIfTap:
         roles, taps = self.sink.roles, self._graph_taps
         if self.sink.capture_no_grad or torch.is_grad_enabled():
             x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
-            if x is not None and "activation" in roles:
-                observe(taps["activation"], x)
-            if "weight" in roles:
-                observe(taps["weight"], mod.weight)
-            if "output" in roles and isinstance(output, torch.Tensor):
-                observe(taps["output"], output)
+            tensors = [t for role, t in (("activation", x), ("weight", mod.weight), ("output", output))
+                       if role in roles]
+            if all(isinstance(t, torch.Tensor) for t in tensors):
+                if tensors:
+                    observe(taps["forward"], *tensors)
+            else:  # an input or output that is not one tensor: role by role
+                for role, t in (("activation", x), ("weight", mod.weight), ("output", output)):
+                    if role in roles and isinstance(t, torch.Tensor):
+                        observe(taps[role], t)
         if "gradient" in roles and isinstance(output, torch.Tensor) and output.requires_grad:
             return GradObserver.apply(output, taps["gradient"])
         return None
