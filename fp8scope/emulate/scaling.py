@@ -39,6 +39,7 @@ from typing import NamedTuple
 import torch
 
 from ..formats import Fp8Format, get_format
+from ..compiled import CompiledFn
 from .amax import amax_pair
 from .recipes import CurrentScaling, DelayedScaling
 
@@ -88,6 +89,14 @@ def scale_from_amax(amax: torch.Tensor, scaled_max: torch.Tensor,
 
 def delayed_update(history: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor, expected: torch.Tensor,
                    most_recent: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`delayed_update_eager`, compiled ahead into one fused kernel per (device type, algo,
+    one tensor or a batch): some twenty small ops eagerly, which on a CPU cost more than the
+    arithmetic and on a GPU are as many launches."""
+    return UPDATE.get((history.device.type, bool(most_recent), history.dim()))(history, scaled_max, scale, expected)
+
+
+def delayed_update_eager(history: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor,
+                         expected: torch.Tensor, most_recent: bool) -> tuple[torch.Tensor, ...]:
     """TE's delayed-scaling update as tensors, for one tensor (``history`` of shape ``[len]``, the
     others 0-d) or ``k`` at once (``[k, len]`` and ``[k]``). Row 0 of a history
     (``history[..., 0]``) is the amax recorded since the last update. Returns the new
@@ -272,3 +281,25 @@ class ScalingState:
 
     def __repr__(self) -> str:
         return f"ScalingState(recipe={self.recipe!r}, fmt={self.fmt.name}, pending={self._pending})"
+
+
+def _make_update(key):
+    most_recent = key[1]
+
+    def update(history, scaled_max, scale, expected):
+        return delayed_update_eager(history, scaled_max, scale, expected, most_recent)
+
+    return update
+
+
+def _update_examples(key):
+    device, _, ndim = key
+    shape = (37,) if ndim == 1 else (5, 37)  # distinct sizes (dynamo guards on equal ones)
+    f32 = dict(dtype=torch.float32, device=device)
+    history = torch.rand(shape, **f32)
+    history[..., 3] = 0.0
+    rest = shape[:-1]
+    return history, torch.full(rest, 448.0, **f32), torch.ones(rest, **f32), torch.full(rest, 448.0, **f32)
+
+
+UPDATE = CompiledFn("delayed_update", _make_update, _update_examples)
