@@ -9,7 +9,8 @@ Compiling takes seconds, so it must never happen on the training thread:
   own (a code object of its own, so dynamo's cache for it is separate and no variant can use up
   another's recompile budget);
 - the first call of a variant queues a compile on the helper thread (``torch.compile`` with
-  dynamic shapes, run once on small example tensors) and runs the eager function;
+  dynamic shapes, run once on large example tensors: inductor picks threads and block sizes from
+  their size) and runs the eager function;
 - once compiled, calls go through ``torch._dynamo.run``, which runs the compiled code and never
   compiles: an input the compiled guards do not cover runs eagerly instead of stalling the step.
 
