@@ -153,9 +153,6 @@ class CompiledFn:
         self._fallbacks[key] = fn
         return fn
 
-    def ready(self, key: Hashable) -> bool:
-        return key in self._ready
-
     def settled(self, key: Hashable) -> bool:
         """Compiled, failed, or never to be compiled."""
         return key in self._ready or key in self.failures or not self._compiles(key)

@@ -74,7 +74,7 @@ class StepPayload:
 
     @property
     def all_narrow(self) -> bool:
-        """Every capture is a narrow row, in order (a cheap step's usual shape)."""
+        """Every capture is a narrow row (a cheap step's usual shape; ``cheap_rows`` orders them)."""
         return self.n_wide == 0
 
 

@@ -49,7 +49,6 @@ class StepCollector:
         self.caps: list[tuple[Any, int, int]] = []
         self._recomputed: list[tuple[Any, int, int]] = []  # forwards re-run inside backward
         self._device_banks: dict[tuple, DeviceDelayedBank] = {}  # (id(recipe), device) -> what-if states
-        self._index_cache: dict[tuple, torch.Tensor] = {}  # row orders -> their index tensors on the device
         self.step = 0
         self.full = True
         self.active = True
@@ -199,16 +198,17 @@ class StepCollector:
 
     @staticmethod
     def _stack_narrow(narrow: list) -> torch.Tensor:
-        """The narrow rows as one [n, 4] float32 tensor: one stack of their 0-d values (floats and
-        tensors on other devices are rare: recipe constants, TE state on the CPU)."""
+        """The narrow rows as one [n, 4] tensor: one stack of their 0-d values. Python numbers,
+        per-row tensors or values on another device (recipe constants, TE state on the CPU) make
+        the stack refuse; then every value is made a 0-d float32 on the step's device first."""
         flat = [v for row in narrow for v in row]
-        device = next((v.device for v in flat if isinstance(v, torch.Tensor) and v.device.type != "cpu"), None)
-        if device is None:
-            device = torch.device("cpu")
-        if any(not isinstance(v, torch.Tensor) or v.dim() or v.dtype != torch.float32 or v.device != device
-               for v in flat):
+        try:
+            return torch.stack(flat).view(len(narrow), 4)
+        except (TypeError, RuntimeError):
+            device = next((v.device for v in flat if isinstance(v, torch.Tensor) and v.device.type != "cpu"),
+                          torch.device("cpu"))
             flat = [_scalar32(v, device, "min" if i % 4 == 1 else "max") for i, v in enumerate(flat)]
-        return torch.stack(flat).view(len(narrow), 4)
+            return torch.stack(flat).view(len(narrow), 4)
 
     @staticmethod
     def _scalars(scalars: dict[str, Any]) -> tuple[list[torch.Tensor], list[str], dict[str, float]]:
@@ -250,7 +250,7 @@ class StepCollector:
             ready = torch.cuda.Event()
             ready.record()
             return host, ready
-        return flat.cpu(), None
+        return flat, None
 
 
 def _scalar32(value: Any, device: torch.device, reduce: str) -> torch.Tensor:

@@ -26,6 +26,7 @@ backward receives.
 from __future__ import annotations
 
 import sys
+from functools import partial
 from typing import Any, Callable, Protocol
 
 import torch
@@ -97,32 +98,23 @@ class GradHook:
     """Calls ``on_grad(grad_output)`` when autograd computes the gradient of a layer's output; made
     once per layer (at attach time) and :meth:`attach`-ed to each forward's output.
 
-    Eager: a pre-hook on the autograd node that made the output, which sees the gradient as that
-    node's backward receives it (after any tensor hook of the user's); registering it is cheaper
-    than ``Tensor.register_hook`` (no handle dict, no Python-side checks), and one is kept per
-    ``output_nr`` and reused. Inside a graph dynamo traces (a compiled model), nodes do not exist
-    yet: a tensor hook instead, marked so that dynamo calls it at backward time rather than tracing
-    the monitor's bookkeeping into the graph."""
+    A pre-hook on the autograd node that made the output, which sees the gradient as that node's
+    backward receives it (after any tensor hook of the user's); registering it is cheaper than
+    ``Tensor.register_hook`` (no handle dict, no Python-side checks), and one is kept per
+    ``output_nr`` and reused. Eager only: under torch.compile the adapters route gradients through
+    ``graph_taps.GradObserver`` instead."""
 
     def __init__(self, on_grad: Callable[[torch.Tensor], None]):
         self.on_grad = on_grad
         self._pre: dict[int, Callable] = {}
 
-        def tensor_hook(grad: torch.Tensor) -> None:
-            on_grad(grad)
-
-        self._tensor_hook = torch._dynamo.disable(tensor_hook)
-
     def attach(self, output: Any) -> None:
         out = output[0] if isinstance(output, (tuple, list)) else output
         if not (isinstance(out, torch.Tensor) and out.requires_grad):
             return
-        if torch.compiler.is_compiling():
-            out.register_hook(self._tensor_hook)
-            return
         node, nr = out.grad_fn, out.output_nr
         if node is None:  # a leaf (cannot come out of a layer, but hook it the tensor way if it does)
-            out.register_hook(self._tensor_hook)
+            out.register_hook(lambda grad: self.on_grad(grad) and None)
             return
         pre = self._pre.get(nr)
         if pre is None:
@@ -225,10 +217,13 @@ class _WhatIfTap:
         self._grad_hook = GradHook(self._on_grad)
         from fp8scope import graph_taps
 
-        # under torch.compile the hook hands its tensors to these taps (see graph_taps)
-        self._graph_taps = {role: graph_taps.register(self._graph_capture(role)) for role in self.fmts}
-        # the forward's tensors in one call of the op (each call costs a dispatch), roles in this order
-        self._graph_taps["forward"] = graph_taps.register(self._graph_forward)
+        # under torch.compile the hook hands its tensors to these taps (see graph_taps): one per
+        # role, and one taking the forward's tensors in one call of the op (each call is a dispatch)
+        self._forward_roles = tuple(r for r in ("activation", "weight", "output") if r in sink.roles)
+        self._graph_taps = {role: graph_taps.register(guarded(sink, partial(self._graph_capture, role)))
+                            for role in self.fmts}
+        self._graph_taps["forward"] = graph_taps.register(
+            guarded(sink, lambda *xs: self._graph_capture(self._forward_roles, *xs)))
 
     def __deepcopy__(self, memo: dict) -> "_WhatIfTap":
         # A copy of the model (a shadow fork's replica, the user's deepcopy) keeps the hook as it
@@ -241,26 +236,12 @@ class _WhatIfTap:
         for tap in self._graph_taps.values():
             graph_taps.unregister(tap)
 
-    def _graph_forward(self, *tensors: torch.Tensor) -> None:
-        """Run by the compiled graph's op with the forward's tensors (activation, weight, output:
-        those the monitor's roles ask for, in that order)."""
+    def _graph_capture(self, roles: str | tuple[str, ...], *tensors: torch.Tensor) -> None:
+        """Run by the compiled graph's op: one role's tensor, or the forward's tensors in
+        ``_forward_roles`` order."""
         if self.sink.active:
-            try:
-                roles = [r for r in ("activation", "weight", "output") if r in self.sink.roles]
-                for role, x in zip(roles, tensors):
-                    self.capture(role, x)
-            except Exception as exc:
-                self.sink.fail(exc)
-
-    def _graph_capture(self, role: str) -> Callable:
-        def capture(x: torch.Tensor) -> None:  # run by the compiled graph's opaque op
-            if self.sink.active:
-                try:
-                    self.capture(role, x)
-                except Exception as exc:
-                    self.sink.fail(exc)
-
-        return capture
+            for role, x in zip((roles,) if isinstance(roles, str) else roles, tensors):
+                self.capture(role, x)
 
     def traced_hook(self, mod, args, output):
         """The forward hook as dynamo traces it: the tensors go to the graph taps, whose Python runs
@@ -268,19 +249,18 @@ class _WhatIfTap:
         on it, and a compiled forward runs its graph with grad off."""
         from fp8scope.graph_taps import GradObserver, observe
 
-        roles, taps = self.sink.roles, self._graph_taps
-        if self.sink.capture_no_grad or torch.is_grad_enabled():
+        taps = self._graph_taps
+        if self._forward_roles and (self.sink.capture_no_grad or torch.is_grad_enabled()):
             x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
-            tensors = [t for role, t in (("activation", x), ("weight", mod.weight), ("output", output))
-                       if role in roles]
+            by_role = {"activation": x, "weight": mod.weight, "output": output}
+            tensors = [by_role[role] for role in self._forward_roles]
             if all(isinstance(t, torch.Tensor) for t in tensors):
-                if tensors:
-                    observe(taps["forward"], *tensors)
+                observe(taps["forward"], *tensors)
             else:  # an input or output that is not one tensor: role by role
-                for role, t in (("activation", x), ("weight", mod.weight), ("output", output)):
-                    if role in roles and isinstance(t, torch.Tensor):
+                for role, t in zip(self._forward_roles, tensors):
+                    if isinstance(t, torch.Tensor):
                         observe(taps[role], t)
-        if "gradient" in roles and isinstance(output, torch.Tensor) and output.requires_grad:
+        if "gradient" in self.sink.roles and isinstance(output, torch.Tensor) and output.requires_grad:
             return GradObserver.apply(output, taps["gradient"])
         return None
 
@@ -396,16 +376,11 @@ class TorchaoSource:
         casts = {"activation": cfg.cast_config_input, "weight": cfg.cast_config_weight,
                  "gradient": cfg.cast_config_grad_output}
 
-        def graph_tap(role):  # run by a compiled graph's opaque op (see graph_taps)
-            def tap(x: torch.Tensor) -> None:
-                if sink.active:
-                    try:
-                        report(role, x, casts[role])
-                    except Exception as exc:
-                        sink.fail(exc)
-            return tap
+        def graph_tap(role: str, x: torch.Tensor) -> None:  # run by a compiled graph's opaque op (see graph_taps)
+            if sink.active:
+                report(role, x, casts[role])
 
-        taps = {role: graph_taps.register(graph_tap(role)) for role in casts}
+        taps = {role: graph_taps.register(guarded(sink, partial(graph_tap, role))) for role in casts}
         grad_hook = GradHook(guarded(sink, lambda g: report("gradient", g, cfg.cast_config_grad_output)))
 
         def pre_hook(mod, args):

@@ -32,6 +32,7 @@ from functools import lru_cache
 import torch
 
 from fp8scope.compiled import CompiledFn
+from fp8scope.emulate.amax import recorded_amax
 from fp8scope.formats import Fp8Format, get_format
 from fp8scope.schema import N_FIELDS
 
@@ -88,8 +89,7 @@ def _make_full(key):
             scale_inv.amax() if per_row else scale_inv,
             expected.amax() if expected.dim() else expected,
         ])
-        recorded = torch.nan_to_num(m, nan=0.0, posinf=_INF).amax()  # TE's amax (fmaxf: NaN ignored)
-        return vec, recorded
+        return vec, recorded_amax(m)  # TE's amax (NaN ignored), for a what-if state
 
     return full_stats
 
@@ -148,9 +148,10 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None):
         vec = torch.tensor([0.0, _INF, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0], dtype=torch.float64, device=dev)
         vec[10], vec[11], vec[12] = s.amin(), si.amax(), e.amax()
         return vec, torch.zeros((), dtype=torch.float32, device=dev)
-    rows = max(_rows_of(s, x) or 0, _rows_of(si, x) or 0)
-    if _rows_of(s, x) is None or _rows_of(si, x) is None:
+    rows_s, rows_si = _rows_of(s, x), _rows_of(si, x)
+    if rows_s is None or rows_si is None:
         raise ValueError(f"scale of shape {tuple(s.shape)} does not fit a tensor of shape {tuple(x.shape)}")
+    rows = max(rows_s, rows_si)
     per_row = rows > 1
     if per_row:
         xv, s, si = x.reshape(rows, -1), _shaped(s, (rows, 1)), _shaped(si, (rows, 1))
@@ -159,9 +160,7 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None):
     d = None
     if deq is not None:
         d = _shaped(deq.detach() if deq.requires_grad else deq, xv.shape)
-    fn = FULL_STATS.get((dev.type, x.dtype, fmt.name, per_row, d is not None))
-    with torch.no_grad():  # hooks hand over tensors that require grad: no graph, and no detach op
-        return fn(xv, s, si, e, d)
+    return FULL_STATS.get((dev.type, x.dtype, fmt.name, per_row, d is not None))(xv, s, si, e, d)
 
 
 def full_stats(

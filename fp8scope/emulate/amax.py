@@ -32,40 +32,40 @@ from fp8scope.compiled import CompiledFn
 
 _INF = float("inf")
 
+
+def recorded_amax(a: torch.Tensor) -> torch.Tensor:
+    """TE's amax of ``a = |x|``: reduced with ``fmaxf`` from 0, so NaN elements are ignored and an
+    Inf stays Inf. The one definition, in the fused passes here and in the stats pass."""
+    return torch.nan_to_num(a, nan=0.0, posinf=_INF).amax()
+
+
+def amaxes_of_magnitudes(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logged, recorded)`` of ``a = |x|`` as 0-d float32 tensors: ``max`` propagates NaN."""
+    return a.amax().to(torch.float32), recorded_amax(a).to(torch.float32)
+
+
 def _make_pair(key):
     def amax_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a = x.abs()
-        logged = a.amax()
-        recorded = torch.where(a == a, a, 0.0).amax()  # NaN != NaN: fmaxf from 0 (vectorizes; nan_to_num does not)
-        return logged.to(torch.float32), recorded.to(torch.float32)
+        return amaxes_of_magnitudes(x.abs())
 
     return amax_pair
 
 
 def _make_pair_eager(key):
     """The exact pair eagerly, in fewer passes than the fused formulation takes eagerly: one
-    ``aminmax`` gives the logged amax, which is also TE's unless the tensor holds a NaN; then a
-    second ``aminmax`` over the NaN-free copy gives TE's. Where reading a value is no device sync
-    (a CPU tensor) that second pass runs only when there is a NaN; elsewhere always."""
-    host = key[0] == "cpu"
-
+    ``aminmax`` gives the logged amax, a second over the NaN-free copy gives TE's."""
     def amax_pair_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         lo, hi = torch.aminmax(x)
-        logged = torch.maximum(hi, lo.neg()).to(torch.float32)
-        if host and not torch.isnan(logged):
-            return logged, logged
         nlo, nhi = torch.aminmax(torch.nan_to_num(x, nan=0.0, posinf=_INF, neginf=-_INF))
-        return logged, torch.maximum(nhi, nlo.neg()).to(torch.float32)
+        return torch.maximum(hi, lo.neg()).to(torch.float32), torch.maximum(nhi, nlo.neg()).to(torch.float32)
 
     return amax_pair_eager
 
 
 def _make_parts(key):
     def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        a = x.abs()
-        logged = a.amax()
-        recorded = torch.where(a == a, a, 0.0).amax()
-        return logged.to(torch.float32), recorded.to(torch.float32).neg()
+        logged, recorded = amaxes_of_magnitudes(x.abs())
+        return logged, recorded.neg()
 
     return amax_parts
 
@@ -97,12 +97,10 @@ def _call(fns: CompiledFn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
         zero = torch.zeros((), dtype=torch.float32, device=x.device)
         return zero, zero
     key = (x.device.type, x.dtype)
-    fn = fns.get(key)
-    if fn is fns.fallback(key):  # eager: any shape and stride as it is
-        return fn(x)
-    if x.is_contiguous():  # one compiled variant per (device, dtype): the flat view of any shape
-        return fn(x.view(-1))
-    return fns.fallback(key)(x)  # a strided view: the eager pass reads it in place, no copy
+    fn, eager = fns.get(key), fns.fallback(key)
+    if fn is eager or not x.is_contiguous():  # eager, or a strided view: read in place, no copy
+        return eager(x)
+    return fn(x.view(-1))  # one compiled variant per (device, dtype): the flat view of any shape
 
 
 def amax_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -201,9 +201,9 @@ class DeviceDelayedBank:
         """:func:`~fp8scope.emulate.scaling.delayed_update` for ``slots`` (see :meth:`_index`) whose
         recorded amaxes are ``last``."""
         index = slots[1]
-        h = self.history.clone() if index is None else self.history.index_select(0, index)
-        h[:, 0] = last
-        new = delayed_update(h, *self._gather(slots, self._scaled_max, self.scale, self.expected), self._most_recent)
+        h = self.history if index is None else self.history.index_select(0, index)
+        new = delayed_update(h, last, *self._gather(slots, self._scaled_max, self.scale, self.expected),
+                             self._most_recent)
         for target, value in zip((self.history, self.scale, self.scale_inv, self.expected, self.kept), new):
             if index is None:
                 target.copy_(value)

@@ -181,12 +181,11 @@ class Fp8Linear(nn.Linear):
         monitor, tap = self.fp8scope_monitor, self.fp8scope_tap
         if monitor is None and tap is None:
             return
-        try:  # x as the layer received it; grad mode is off here, so nothing the tap does is recorded
-            with torch.no_grad():
-                if monitor is not None:
-                    monitor(role, x, deq, amax, s.scale, s.scale_inv, s.expected_amax, fmt, grad)
-                if tap is not None:
-                    tap(role, x, deq, s.scale, s.scale_inv, s.expected_amax, fmt)
+        try:  # x detached (forward) or a gradient: nothing the tap does is recorded by autograd
+            if monitor is not None:
+                monitor(role, x, deq, amax, s.scale, s.scale_inv, s.expected_amax, fmt, grad)
+            if tap is not None:
+                tap(role, x, deq, s.scale, s.scale_inv, s.expected_amax, fmt)
         except Exception as exc:  # noqa: BLE001 - a monitoring bug must not stop training
             if not self._tap_warned:
                 self._tap_warned = True

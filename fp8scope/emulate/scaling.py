@@ -87,28 +87,28 @@ def scale_from_amax(amax: torch.Tensor, scaled_max: torch.Tensor,
     return sf, valid
 
 
-def delayed_update(history: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor, expected: torch.Tensor,
-                   most_recent: bool) -> tuple[torch.Tensor, ...]:
+def delayed_update(history: torch.Tensor, last: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor,
+                   expected: torch.Tensor, most_recent: bool) -> tuple[torch.Tensor, ...]:
     """:func:`delayed_update_eager`, compiled ahead into one fused kernel per (device type, algo,
     one tensor or a batch): some twenty small ops eagerly, which on a CPU cost more than the
     arithmetic and on a GPU are as many launches."""
-    return UPDATE.get((history.device.type, bool(most_recent), history.dim()))(history, scaled_max, scale, expected)
+    return UPDATE.get((history.device.type, bool(most_recent), history.dim()))(
+        history, last, scaled_max, scale, expected)
 
 
-def delayed_update_eager(history: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor,
+def delayed_update_eager(history: torch.Tensor, last: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor,
                          expected: torch.Tensor, most_recent: bool) -> tuple[torch.Tensor, ...]:
     """TE's delayed-scaling update as tensors, for one tensor (``history`` of shape ``[len]``, the
-    others 0-d) or ``k`` at once (``[k, len]`` and ``[k]``). Row 0 of a history
-    (``history[..., 0]``) is the amax recorded since the last update. Returns the new
-    ``(history, scale, scale_inv, expected_amax, kept)``, ``kept`` where the old scale stays
-    (amax 0 or Inf).
+    others 0-d) or ``k`` at once (``[k, len]`` and ``[k]``). ``last`` is the amax recorded since
+    the last update: it stands for row 0 of the history, whatever that row holds (so a caller
+    need not write it there first). Returns the new ``(history, scale, scale_inv, expected_amax,
+    kept)``, ``kept`` where the old scale stays (amax 0 or Inf).
 
     Roll (``roll(h, -1)``, the new row 0 cleared) only where the recorded amax is not 0; the amax
     is the window's max from 0 ("max", ``fmaxf``) or the recorded one ("most_recent").
     A NaN recorded amax (only the what-if monitor's one-op eager amax makes one) rolls in as 0:
     the history never holds a NaN. :class:`ScalingState` runs this for its tensor, the what-if
     monitor's :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` for all its tensors at once."""
-    last = history[..., 0]
     roll = last != 0  # NaN != 0 is true: a NaN (from the eager what-if amax) rolls in, as 0
     recorded = torch.nan_to_num(last, nan=0.0, posinf=_INF_POS)  # the only row that can hold a NaN
     clean = torch.cat([recorded.unsqueeze(-1), history[..., 1:]], -1)
@@ -155,7 +155,8 @@ class ScalingState:
     def _init_tensors(self, device: torch.device) -> None:
         n = self.recipe.amax_history_len if self.delayed else 1
         f32 = dict(dtype=torch.float32, device=device)
-        self._history = torch.zeros(n, **f32)
+        self._history = torch.zeros(n, **f32)  # row 0 is 0 after every update: the recorded amax is _last
+        self._last = torch.zeros((), **f32)  # TE's amax recorded since the last update (pending)
         self._scale = torch.ones((), **f32)
         self._scale_inv = torch.ones((), **f32)
         self._expected = torch.full((), self.scaled_max, **f32)
@@ -172,13 +173,15 @@ class ScalingState:
     def _to(self, device: torch.device) -> None:
         """Follow the tensor to its device (e.g. after ``model.cuda()``); async copies."""
         self._device = device
-        for name in ("_history", "_scale", "_scale_inv", "_expected", "_kept", "_last_amax", "_updates",
+        for name in ("_history", "_last", "_scale", "_scale_inv", "_expected", "_kept", "_last_amax", "_updates",
                      "_scaled_max_t"):
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
 
     @property
     def amax_history(self) -> torch.Tensor:
         """Copy of the history, shape [amax_history_len], row 0 = the amax recorded since the last update."""
+        if self._pending:
+            return torch.cat([self._last.reshape(1), self._history[1:]])
         return self._history.clone()
 
     @property
@@ -226,7 +229,7 @@ class ScalingState:
         if not (self.delayed and self._pending):
             return
         self._history, self._scale, self._scale_inv, self._expected, self._kept = delayed_update(
-            self._history, self._scaled_max_t, self._scale, self._expected, self._most_recent)
+            self._history, self._last, self._scaled_max_t, self._scale, self._expected, self._most_recent)
         self._updates = self._updates + 1
         self._pending = False
 
@@ -249,8 +252,7 @@ class ScalingState:
             self._scale, self._scale_inv = scale, 1.0 / scale
             self._expected, self._kept = recorded, ~valid
             return Scales(self._scale, self._scale_inv, recorded)
-        self.update()
-        out = Scales(self._scale, self._scale_inv, self._expected)
+        out = self.prepare()
         if record:
             self.record(recorded)
         return out
@@ -271,7 +273,7 @@ class ScalingState:
 
     def record(self, amax: torch.Tensor) -> None:
         """Record ``amax`` (TE's, a 0-d float32 tensor) of the tensor just scaled for the next update."""
-        self._history = torch.cat([amax.reshape(1), self._history[1:]])
+        self._last = amax
         self._pending = True
 
     def latest(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,8 +288,8 @@ class ScalingState:
 def _make_update(key):
     most_recent = key[1]
 
-    def update(history, scaled_max, scale, expected):
-        return delayed_update_eager(history, scaled_max, scale, expected, most_recent)
+    def update(history, last, scaled_max, scale, expected):
+        return delayed_update_eager(history, last, scaled_max, scale, expected, most_recent)
 
     return update
 
@@ -297,9 +299,10 @@ def _update_examples(key):
     shape = (37,) if ndim == 1 else (5, 37)  # distinct sizes (dynamo guards on equal ones)
     f32 = dict(dtype=torch.float32, device=device)
     history = torch.rand(shape, **f32)
-    history[..., 3] = 0.0
+    history[..., 0] = 0.0
     rest = shape[:-1]
-    return history, torch.full(rest, 448.0, **f32), torch.ones(rest, **f32), torch.full(rest, 448.0, **f32)
+    last = torch.rand(rest, **f32)
+    return history, last, torch.full(rest, 448.0, **f32), torch.ones(rest, **f32), torch.full(rest, 448.0, **f32)
 
 
 UPDATE = CompiledFn("delayed_update", _make_update, _update_examples)
