@@ -19,10 +19,11 @@ from fp8scope.errors import Fp8ScopeError, RunError, UsageError
 from fp8scope.priority import yield_to_training
 
 # Loaded on first use: reading a run (CLI, dashboard) must not pay torch's import time.
-_LAZY = {"Monitor": "fp8scope.monitor", "load_run": "fp8scope.run", "Run": "fp8scope.run", "Shadow": "fp8scope.shadow"}
+_LAZY = {"Monitor": "fp8scope.monitor", "load_run": "fp8scope.run", "Run": "fp8scope.run", "Shadow": "fp8scope.shadow",
+         "register_linear_like": "fp8scope.linear_like"}
 
 __all__ = ["Monitor", "load_run", "Run", "Shadow", "Fp8ScopeError", "RunError", "UsageError", "yield_to_training",
-           "__version__"]
+           "register_linear_like", "__version__"]
 
 
 def __getattr__(name: str):

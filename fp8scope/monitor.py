@@ -67,9 +67,11 @@ class Monitor:
     """Monitor FP8 numerics of ``model`` and log them to ``run_dir``.
 
     Args:
-        model: the model (its ``nn.Linear``-like layers are found automatically: our
-            emulated ``Fp8Linear``, torchao ``Float8Linear``, Transformer Engine layers,
-            and plain ``nn.Linear`` with what-if stats).
+        model: the model (its linear layers are found automatically: our emulated
+            ``Fp8Linear``, torchao ``Float8Linear``, Transformer Engine layers, and with
+            what-if stats any other linear-like layer of ``fp8scope.linear_like``:
+            ``nn.Linear``, ``transformers``' ``Conv1D``, tensor-parallel wrappers). Modules
+            holding a weight matrix that none of these claims are named in one warning.
         run_dir: the run folder (created if missing; a restarted job appends a segment).
         layers: regex (searched in qualified names) or list of names to monitor; default all.
         skip: regex or list of names to leave out.
@@ -182,16 +184,23 @@ class Monitor:
 
     # ---- setup ---------------------------------------------------------------------
     def _attach(self, include, exclude) -> None:
+        from fp8scope.linear_like import describe_skipped, holds_weight_matrix
+
+        skipped: list[tuple[str, nn.Module]] = []  # weight matrices nothing claims
         for name, module in self.model.named_modules():
             # a model wrapped by torch.compile names its layers "_orig_mod.<name>": the layer is the
             # same, so is its name (a run stays comparable with an eager one)
             name = ".".join(part for part in name.split(".") if part != "_orig_mod")
-            adapter = adapter_for(module)
-            if adapter is None or not name:
+            if not name:
                 continue
             if include is not None and not include(name):
                 continue
             if exclude is not None and exclude(name):
+                continue
+            adapter = adapter_for(module)
+            if adapter is None:
+                if holds_weight_matrix(module) and not any(name.startswith(f"{m}.") for m in self.layers):
+                    skipped.append((name, module))
                 continue
             self._detach.append(adapter.attach(name, module, self.collector, self.recipe))
             self.layers.append(name)
@@ -200,6 +209,13 @@ class Monitor:
                 self.model_recipe = module.recipe  # our emulated layers carry theirs
         if include is not None and not self.layers:
             raise UsageError("no monitored layer matched the `layers` selection")
+        if skipped:
+            self._warn("skipped", f"monitoring {len(self.layers)} layer(s); {len(skipped)} module(s) holding a weight "
+                       f"matrix are of a kind fp8scope does not know as linear and are not monitored: "
+                       f"{describe_skipped(skipped)} (fp8scope.register_linear_like(cls) adds a class)")
+        elif not self.layers:
+            self._warn("skipped", "no linear layer found in the model: nothing is monitored (see "
+                       "fp8scope.register_linear_like for layer classes of your own)")
         self._retrace_compiled()
 
     def _retrace_compiled(self) -> None:

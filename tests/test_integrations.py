@@ -1,6 +1,6 @@
-"""Integrations on CPU: HF Trainer, Lightning, plain loop with checkpointing, torchao recipes,
-and the Transformer Engine adapter against a stand-in module (the real one needs CUDA:
-tests/test_integrations_te.py)."""
+"""Integrations on CPU: plain loop with checkpointing, torchao recipes, and the Transformer Engine
+adapter against a stand-in module (the real one needs CUDA: tests/test_integrations_te.py). The
+Hugging Face and Lightning callbacks are tested on real models in tests/test_external_models.py."""
 
 from __future__ import annotations
 
@@ -160,58 +160,3 @@ def test_block_scales_never_saturate_and_are_powers_of_two():
     assert blocks.shape == (16, 32) and scale.shape == (16, 1)
     assert torch.all(amax * scale <= fmt.max) and torch.all(amax * scale > fmt.max / 2)
     assert torch.equal(torch.log2(scale), torch.round(torch.log2(scale)))
-
-
-# ---- Hugging Face Trainer ----------------------------------------------------------------
-def test_hf_trainer_callback_tiny_gpt2(tmp_path):
-    transformers = pytest.importorskip("transformers")
-    from fp8scope.integrations.hf import Fp8ScopeCallback
-
-    cfg = transformers.GPT2Config(vocab_size=64, n_positions=16, n_embd=16, n_layer=2, n_head=2)
-    torch.manual_seed(0)
-    model = transformers.GPT2LMHeadModel(cfg)
-    data = [{"input_ids": torch.randint(0, 64, (16,)), "labels": torch.randint(0, 64, (16,))} for _ in range(16)]
-    args = transformers.TrainingArguments(
-        output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
-        max_steps=3, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True, disable_tqdm=True,
-    )
-    cb = Fp8ScopeCallback(str(tmp_path / "run"), every=1, layers=r"mlp\.c_fc|lm_head")
-    transformers.Trainer(model=model, args=args, train_dataset=data, callbacks=[cb]).train()
-    run = fp8scope.load_run(tmp_path / "run")
-    df = run.tensors()
-    assert sorted(df.step.unique()) == [0, 1, 2]
-    assert (df["calls"] == 2).all()  # two micro-batches per optimizer step
-    sc = run.scalars()
-    assert set(sc.name) >= {"lr", "loss", "grad_norm"}
-    assert sorted(sc[sc.name == "loss"].step) == [0, 1, 2]
-
-
-# ---- Lightning ---------------------------------------------------------------------------
-def test_lightning_callback_tiny_module(tmp_path):
-    L = pytest.importorskip("lightning.pytorch")
-    from fp8scope.integrations.lightning import Fp8ScopeCallback
-
-    class Tiny(L.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = MLP()
-
-        def training_step(self, batch, _):
-            return self.net(batch[0]).pow(2).mean()
-
-        def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05)
-
-    torch.manual_seed(0)
-    ds = torch.utils.data.TensorDataset(torch.randn(32, 16))
-    dl = torch.utils.data.DataLoader(ds, batch_size=4)
-    cb = Fp8ScopeCallback(str(tmp_path / "run"), every=1)
-    trainer = L.Trainer(max_steps=3, accumulate_grad_batches=2, callbacks=[cb], logger=False,
-                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        accelerator="cpu", devices=1)
-    trainer.fit(Tiny(), dl)
-    run = fp8scope.load_run(tmp_path / "run")
-    df = run.tensors()
-    assert sorted(df.step.unique()) == [0, 1, 2]
-    assert (df["calls"] == 2).all()
-    assert set(run.scalars().name) == {"loss", "lr", "grad_norm"}

@@ -12,7 +12,8 @@ that claims it:
 - ``TransformerEngineSource``: TE ``Linear`` / ``LayerNormLinear`` / ``LayerNormMLP``;
   delayed scaling is read from ``fp8_meta`` (../shared/fp8-reference.md §3), other
   recipes are derived from the tensor as TE's current scaling does. Imported lazily.
-- ``WhatIfSource``: any other ``nn.Linear`` in BF16/FP32. The chosen recipe is simulated on
+- ``WhatIfSource``: any other linear-like layer in BF16/FP32 (``nn.Linear``, ``transformers``'
+  ``Conv1D``, tensor-parallel wrappers: ``fp8scope.linear_like``). The chosen recipe is simulated on
   the real tensors (delayed scaling in the collector's shared
   :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` per device; other recipes in a
   :class:`~fp8scope.emulate.ScalingState` per tensor), so the stats say what FP8 *would* do.
@@ -33,6 +34,7 @@ import torch
 from torch import nn
 
 from fp8scope.formats import Fp8Format, format_of_dtype, get_format, recipe_format
+from fp8scope.linear_like import LinearKind, linear_kind, output_tensor, replace_output
 
 
 class Sink(Protocol):
@@ -179,17 +181,19 @@ class EmulatedSource:
 
 # ---------------------------------------------------------------------------------------
 class WhatIfSource:
-    """Plain ``nn.Linear``: simulate the recipe on the real tensors, change nothing."""
+    """Any other linear-like layer (``fp8scope.linear_like``: ``nn.Linear``, ``transformers``'
+    ``Conv1D``, tensor-parallel wrappers, registered classes): simulate the recipe on the real
+    tensors, change nothing. Weights are read as ``[out, in]`` whatever the layer stores."""
 
     name = "whatif"
 
     @staticmethod
     def claims(module: nn.Module) -> bool:
-        return isinstance(module, nn.Linear)
+        return linear_kind(module) is not None
 
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
-        tap = _WhatIfTap(layer, sink, recipe)
+        tap = _WhatIfTap(layer, sink, recipe, linear_kind(module))
         handle = module.register_forward_hook(tap.forward_hook)
         return lambda: (handle.remove(), tap.unregister()) and None
 
@@ -205,10 +209,10 @@ class _WhatIfTap:
     when it ends. Current scaling keeps a :class:`~fp8scope.emulate.ScalingState` per tensor (its
     scale comes from the tensor itself)."""
 
-    def __init__(self, layer: str, sink: Sink, recipe: Any):
+    def __init__(self, layer: str, sink: Sink, recipe: Any, kind: LinearKind):
         from fp8scope.emulate import DelayedScaling
 
-        self.layer, self.sink, self.recipe = layer, sink, recipe
+        self.layer, self.sink, self.recipe, self.kind = layer, sink, recipe, kind
         fwd, bwd = recipe_format(recipe.fp8_format, "forward"), recipe_format(recipe.fp8_format, "backward")
         self.fmts = {"activation": fwd, "weight": fwd, "output": fwd, "gradient": bwd}
         self.delayed = isinstance(recipe, DelayedScaling)
@@ -252,16 +256,17 @@ class _WhatIfTap:
         taps = self._graph_taps
         if self._forward_roles and (self.sink.capture_no_grad or torch.is_grad_enabled()):
             x = args[0] if args and isinstance(args[0], torch.Tensor) else _first_tensor(args)
-            by_role = {"activation": x, "weight": mod.weight, "output": output}
+            by_role = {"activation": x, "weight": self.kind.weight(mod, x), "output": output_tensor(output)}
             tensors = [by_role[role] for role in self._forward_roles]
             if all(isinstance(t, torch.Tensor) for t in tensors):
                 observe(taps["forward"], *tensors)
-            else:  # an input or output that is not one tensor: role by role
+            else:  # an input, weight or output that is not one tensor: role by role
                 for role, t in zip(self._forward_roles, tensors):
                     if isinstance(t, torch.Tensor):
                         observe(taps[role], t)
-        if "gradient" in self.sink.roles and isinstance(output, torch.Tensor) and output.requires_grad:
-            return GradObserver.apply(output, taps["gradient"])
+        out = output_tensor(output)
+        if "gradient" in self.sink.roles and out is not None and out.requires_grad:
+            return replace_output(output, GradObserver.apply(out, taps["gradient"]))
         return None
 
     def forward_hook(self, mod, args, output):
@@ -277,9 +282,12 @@ class _WhatIfTap:
                 if x is not None and "activation" in roles:
                     self.capture("activation", x)
                 if "weight" in roles:
-                    self.capture("weight", mod.weight)
-                if "output" in roles and isinstance(output, torch.Tensor):
-                    self.capture("output", output)
+                    w = self.kind.weight(mod, x)
+                    if w is not None:
+                        self.capture("weight", w)
+                out = output_tensor(output) if "output" in roles else None
+                if out is not None:
+                    self.capture("output", out)
             if "gradient" in roles:
                 self._grad_hook.attach(output)
         except Exception as exc:  # a monitor problem must not reach training
@@ -631,7 +639,7 @@ def _te_format(meta: dict, key: str, pass_: str) -> Fp8Format:
         return get_format("e4m3" if pass_ == "forward" else "e5m2")
 
 
-# Order matters: the most specific adapter first; WhatIf takes any remaining nn.Linear.
+# Order matters: the most specific adapter first; WhatIf takes any remaining linear-like layer.
 ADAPTERS = (EmulatedSource, TorchaoSource, TransformerEngineSource, WhatIfSource)
 
 

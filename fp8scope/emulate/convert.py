@@ -1,4 +1,4 @@
-"""Swap ``nn.Linear`` layers of a model for :class:`Fp8Linear`, and switch FP8 off for a while.
+"""Swap the linear layers of a model for :class:`Fp8Linear`, and switch FP8 off for a while.
 
 ``convert_to_fp8`` works in place and shares Parameters, so it can run after the
 optimizer was built. ``fp8_disabled`` is the BF16 side of an FP8-vs-BF16
@@ -9,11 +9,13 @@ state untouched.
 from __future__ import annotations
 
 import re
+import warnings
 from contextlib import contextmanager
 from typing import Iterable, Iterator
 
 from torch import nn
 
+from ..linear_like import describe_skipped, linear_kind
 from .linear import Fp8Linear, _set_globally_disabled, fp8_globally_disabled
 from .recipes import CurrentScaling, DelayedScaling
 
@@ -21,16 +23,14 @@ Selection = str | Iterable[str] | None
 
 
 def _convertible(module: nn.Module) -> bool:
-    """nn.Linear (or a subclass that keeps Linear's forward), not already converted.
+    """A linear layer whose forward is exactly its GEMM (``nn.Linear``, ``transformers``'
+    ``Conv1D``; ``fp8scope.linear_like``), not already converted.
 
-    Subclasses that override ``forward`` (LoRA wrappers, quantized layers...) are
-    left alone: replacing them would silently drop their behaviour.
-    """
-    return (
-        isinstance(module, nn.Linear)
-        and not isinstance(module, Fp8Linear)
-        and type(module).forward is nn.Linear.forward
-    )
+    Subclasses that override ``forward`` (LoRA wrappers, quantized layers...) and tensor-parallel
+    wrappers are left alone, with a warning: replacing them would silently drop their behaviour
+    (or their communication)."""
+    kind = linear_kind(module)
+    return kind is not None and kind.convertible and not isinstance(module, Fp8Linear)
 
 
 def _matcher(selection: Selection, what: str, candidates: list[str]):
@@ -45,12 +45,12 @@ def _matcher(selection: Selection, what: str, candidates: list[str]):
     if isinstance(selection, str):
         pattern = re.compile(selection)
         if not any(pattern.search(n) for n in candidates):
-            raise ValueError(f"{what}={selection!r} matches no nn.Linear; candidates: {candidates}")
+            raise ValueError(f"{what}={selection!r} matches no convertible linear layer; candidates: {candidates}")
         return lambda name: pattern.search(name) is not None
     names = set(selection)
     missing = sorted(names - set(candidates))
     if missing:
-        raise ValueError(f"{what} names no nn.Linear for {missing}; candidates: {candidates}")
+        raise ValueError(f"{what} names no convertible linear layer for {missing}; candidates: {candidates}")
     return lambda name: name in names
 
 
@@ -60,12 +60,15 @@ def convert_to_fp8(
     layers: Selection = None,
     skip: Selection = None,
 ) -> nn.Module:
-    """Replace ``nn.Linear`` submodules of ``model`` by :class:`Fp8Linear`, in place.
+    """Replace the linear layers of ``model`` (``nn.Linear`` and ``transformers``' ``Conv1D``) by
+    :class:`Fp8Linear`, in place.
 
     ``layers``: regex (``re.search`` on the qualified name, e.g. ``"mlp"``) or list
     of qualified names to include; default all. ``skip``: same form, to exclude
     (e.g. ``skip=["lm_head"]`` keeps the head in high precision). Returns
-    ``model``; if ``model`` itself is an ``nn.Linear`` the new layer is returned.
+    ``model``; if ``model`` itself is a linear layer the new layer is returned. Other
+    linear-like layers the selection covers (tensor-parallel wrappers, subclasses with a
+    forward of their own) stay as they are, named in one warning.
     """
     recipe = recipe if recipe is not None else DelayedScaling()
     candidates = [name for name, m in model.named_modules() if _convertible(m)]
@@ -74,6 +77,12 @@ def convert_to_fp8(
     chosen = [n for n in candidates if (include is None or include(n)) and not (exclude and exclude(n))]
     if layers is not None and not chosen:
         raise ValueError(f"layers={layers!r} minus skip={skip!r} leaves no layer to convert")
+    left = [(n, m) for n, m in model.named_modules()
+            if linear_kind(m) is not None and not _convertible(m) and not isinstance(m, Fp8Linear)
+            and (include is None or include(n)) and not (exclude and exclude(n))]
+    if left:
+        warnings.warn(f"fp8scope: convert_to_fp8 left {len(left)} linear-like layer(s) in high precision, whose "
+                      f"forward is more than a GEMM: {describe_skipped(left)}", RuntimeWarning, stacklevel=2)
     for name in chosen:
         old = model.get_submodule(name)
         new = Fp8Linear.from_linear(old, recipe)

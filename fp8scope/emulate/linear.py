@@ -101,7 +101,9 @@ class _Fp8LinearFn(torch.autograd.Function):
                 grad_x = (g_deq @ w_deq).to(x_dtype)
             g2d = g_deq.reshape(-1, g_deq.shape[-1])
             if ctx.needs_input_grad[1]:
-                grad_w = (g2d.t() @ x_deq.reshape(-1, x_deq.shape[-1])).to(w_dtype)
+                x2d = x_deq.reshape(-1, x_deq.shape[-1])
+                # in the layout the Parameter is stored in: [out, in], or [in, out] (Conv1D)
+                grad_w = (x2d.t() @ g2d if layer.weight_transposed else g2d.t() @ x2d).to(w_dtype)
             if b_dtype is not None and ctx.needs_input_grad[2]:
                 go = grad_out.reshape(-1, grad_out.shape[-1])
                 grad_b = go.sum(0, dtype=torch.float32).to(b_dtype)
@@ -113,7 +115,12 @@ class Fp8Linear(nn.Linear):
 
     ``recipe`` defaults to ``DelayedScaling()`` (TE defaults). Build one from an
     existing layer with :meth:`from_linear` (parameters are shared, not copied).
+    ``weight_transposed``: the weight Parameter is stored ``[in, out]`` (a converted
+    ``transformers`` ``Conv1D``, whose Parameter and checkpoint layout are kept); the GEMM
+    reads it as ``[out, in]`` through :meth:`gemm_weight`.
     """
+
+    weight_transposed = False
 
     def __init__(
         self,
@@ -144,19 +151,29 @@ class Fp8Linear(nn.Linear):
         self.prepare_compile()
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, recipe: DelayedScaling | CurrentScaling | None = None) -> "Fp8Linear":
-        """Wrap ``linear``'s own Parameter objects, so an existing optimizer keeps working."""
-        if not isinstance(linear, nn.Linear):
-            raise TypeError(f"expected an nn.Linear, got {type(linear).__name__}")
+    def from_linear(cls, linear: nn.Module, recipe: DelayedScaling | CurrentScaling | None = None) -> "Fp8Linear":
+        """Wrap the layer's own Parameter objects, so an existing optimizer keeps working.
+
+        ``linear``: an ``nn.Linear`` or a ``transformers`` ``Conv1D`` (its ``[in, out]`` weight is
+        kept as it is stored; see ``weight_transposed``)."""
+        from fp8scope.linear_like import linear_kind
+
+        kind = linear_kind(linear)
+        if kind is None or not kind.convertible:
+            raise TypeError(f"expected an nn.Linear or a transformers Conv1D, got {type(linear).__name__}")
         new = cls.__new__(cls)
         nn.Module.__init__(new)
-        new.in_features = linear.in_features
-        new.out_features = linear.out_features
+        new.weight_transposed = kind.layout == "in_out"
+        new.in_features, new.out_features = kind.weight(linear).shape[1], kind.weight(linear).shape[0]
         new.weight = linear.weight
         new.register_parameter("bias", linear.bias)
         new.train(linear.training)
         new._init_fp8(recipe)
         return new
+
+    def gemm_weight(self) -> torch.Tensor:
+        """The weight as the GEMM reads it, ``[out, in]`` (a view of the Parameter)."""
+        return self.weight.t() if self.weight_transposed else self.weight
 
     def scaling_state(self, role: str) -> ScalingState:
         """The state for ``role`` in ("activation", "weight", "gradient")."""
@@ -229,7 +246,7 @@ class Fp8Linear(nn.Linear):
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.fp8_enabled or fp8_globally_disabled():
-            return F.linear(input, self.weight, self.bias)
+            return F.linear(input, self.gemm_weight(), self.bias)
         if not torch.compiler.is_compiling():
             self.prepare_compile()  # a no-op but for a copy's first forward
         grad = torch.is_grad_enabled()
@@ -240,7 +257,7 @@ class Fp8Linear(nn.Linear):
             s_x = self.activation_state.begin(x, grad)
             _, x_deq = quantize_dequantize(x, s_x.scale, s_x.scale_inv, fmt)
             self._emit("activation", x, x_deq, self.activation_state.last_amax, s_x, fmt, grad)
-            w = self.weight.detach()
+            w = self.gemm_weight().detach()
             s_w = self.weight_state.begin(w, grad)
             _, w_deq = quantize_dequantize(w, s_w.scale, s_w.scale_inv, fmt)
             self._emit("weight", w, w_deq, self.weight_state.last_amax, s_w, fmt, grad)

@@ -6,10 +6,18 @@
 Opens a :class:`fp8scope.Monitor` on the LightningModule when training starts (on every rank;
 the Monitor finds rank and world size itself), ends one monitor step per optimizer step
 (``trainer.global_step``, so ``accumulate_grad_batches`` micro-batches merge into one step and
-resumed runs keep their numbering), and closes when training ends. Scalars: the loss returned
-by ``training_step`` (a 0-d tensor: no sync, it travels with the step's single transfer), the
-first optimizer's learning rate, and ``grad_norm`` when ``gradient_clip_val`` is not used
-(computed on the device in ``on_before_optimizer_step``, never synced by us).
+resumed runs keep their numbering), and closes when training ends.
+
+Scalars are those of the step that ran:
+
+- ``loss``: the mean of the step's micro-batch losses as ``training_step`` returned them
+  (Lightning hands callbacks each one divided by ``accumulate_grad_batches``; that division is
+  undone). Device tensors: no sync, they travel with the step's single transfer.
+- ``lr``: the first optimizer's learning rate read in ``on_before_optimizer_step``, before the
+  optimizer and any step-interval scheduler moved on.
+- ``grad_norm``: the global L2 norm of the gradients in ``on_before_optimizer_step``, which
+  Lightning calls before it clips (``gradient_clip_val``): the norm before clipping, computed on
+  the device and never synced by us. ``log_grad_norm=False`` turns it off.
 """
 
 from __future__ import annotations
@@ -31,9 +39,11 @@ class Fp8ScopeCallback(pl.Callback):
         self.log_grad_norm = log_grad_norm
         self.monitor_kwargs = monitor_kwargs
         self.monitor = None
-        self._loss = None
-        self._grad_norm = None
-        self._last_step = None
+        self._loss_sum: Any = None  # this optimizer step's micro-batch losses, summed (device)
+        self._loss_count = 0
+        self._grad_norm: Any = None
+        self._lr: Any = None
+        self._last_step: int | None = None
 
     def on_train_start(self, trainer, pl_module):
         from fp8scope import Monitor
@@ -43,30 +53,40 @@ class Fp8ScopeCallback(pl.Callback):
             self._last_step = int(trainer.global_step)
 
     def on_before_optimizer_step(self, trainer, pl_module, optimizer):
-        if self.monitor is None or not self.log_grad_norm:
+        if self.monitor is None:
+            return
+        try:
+            self._lr = as_scalar(optimizer.param_groups[0]["lr"])
+        except Exception:
+            pass
+        if not self.log_grad_norm:
             return
         import torch
 
         grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
         if grads:  # one fused norm on the device; stays a tensor
-            self._grad_norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))
+            self._grad_norm = torch.linalg.vector_norm(
+                torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.monitor is None:
             return
-        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        self._loss = as_scalar(loss)
+        loss = as_scalar(outputs.get("loss") if isinstance(outputs, dict) else outputs)
+        if loss is not None:
+            if pl_module.automatic_optimization:  # Lightning divided it for accumulation: undo that
+                loss = loss * int(trainer.accumulate_grad_batches)
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss
+            self._loss_count += 1
         step = int(trainer.global_step)
         if step == self._last_step:  # still accumulating micro-batches of this optimizer step
             return
-        scalars = {"loss": self._loss, "grad_norm": self._grad_norm}
-        try:
-            scalars["lr"] = float(trainer.optimizers[0].param_groups[0]["lr"])
-        except Exception:
-            pass
-        self.monitor.step(step=step - 1, **scalars)
+        scalars = {"grad_norm": self._grad_norm, "lr": self._lr}
+        if self._loss_sum is not None:
+            scalars["loss"] = self._loss_sum / self._loss_count
+        self.monitor.step(step=step - 1, **{k: v for k, v in scalars.items() if v is not None})
         self._last_step = step
-        self._grad_norm = None
+        self._grad_norm = self._lr = self._loss_sum = None
+        self._loss_count = 0
 
     def on_train_end(self, trainer, pl_module):
         if self.monitor is not None:

@@ -161,12 +161,12 @@ def _local_fp8_output(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         if isinstance(rec, CurrentScaling):
             sx = ScalingState(rec, fmt, x.device).begin(x)
-            sw = ScalingState(rec, fmt, x.device).begin(m.weight)
+            sw = ScalingState(rec, fmt, x.device).begin(m.gemm_weight().detach())
         else:
             sx = (m.activation_state.scale, m.activation_state.scale_inv)
             sw = (m.weight_state.scale, m.weight_state.scale_inv)
         _, xd = quantize_dequantize(x.detach(), sx[0], sx[1], fmt)
-        _, wd = quantize_dequantize(m.weight.detach(), sw[0], sw[1], fmt)
+        _, wd = quantize_dequantize(m.gemm_weight().detach(), sw[0], sw[1], fmt)
         return F.linear(xd, wd, None if m.bias is None else m.bias.detach().float())
 
 
