@@ -16,6 +16,13 @@ SCHEMA_VERSION = 1
 ROLES = ("activation", "weight", "gradient", "output")
 DEFAULT_ROLES = ("activation", "weight", "gradient")
 
+
+def base_role(tensor: str) -> str:
+    """The role of a logged tensor name. A framework that casts one role twice, along different
+    axes for different GEMMs (torchao's rowwise recipes), logs the second cast as
+    ``role@axis`` (``gradient@dim1``); rules and filters treat it as its role."""
+    return tensor.partition("@")[0]
+
 # Per-tensor stats vector computed on the device. "merge" says how two captures of the same
 # tensor within one step (gradient-accumulation micro-batches) combine on the host.
 STAT_FIELDS: tuple[tuple[str, str], ...] = (

@@ -127,7 +127,7 @@ def test_cli_compact_then_read(small_run, tmp_path):
         (["tensors", "{run}", "--layer", "("], "bad --layer regex"),
         (["tensors", "{run}", "--last", "0"], "--last must be >= 1"),
         (["tensors", "{run}", "--columns", "nope"], "unknown column"),
-        (["tensors", "{run}", "--tensor", "grad"], "invalid choice"),
+        (["tensors", "{run}", "--tensor", "grad"], "unknown --tensor"),
         (["info", "{garbage}"], "run.json"),
         (["nosuchcommand"], "invalid choice"),
     ],

@@ -26,6 +26,7 @@ from fp8scope.capture.stats import stats_call
 from fp8scope.emulate.amax import logged_amax
 from fp8scope.emulate.device_bank import DeferredRow, DeviceDelayedBank
 from fp8scope.formats import Fp8Format
+from fp8scope.schema import base_role
 from fp8scope.step_payload import StepPayload, TensorKey
 
 __all__ = ["StepCollector", "StepPayload", "TensorKey"]
@@ -68,6 +69,7 @@ class StepCollector:
     def wants(self, role: str, grad_enabled: bool | None = None) -> bool:
         """Capture this role now? Forwards under no_grad (eval) are skipped unless asked for;
         gradients only exist in training, so they always pass that test."""
+        role = base_role(role)
         if not (self.active and role in self.roles):
             return False
         if role == "gradient" or self.capture_no_grad:
@@ -97,7 +99,7 @@ class StepCollector:
         # Activation checkpointing re-runs forwards during backward. Those captures go aside and
         # only count for tensors the step has no ordinary capture of (use_reentrant=True runs the
         # first forward under no_grad, where nothing was captured): no double counting either way.
-        if role != "gradient" and in_backward():
+        if base_role(role) != "gradient" and in_backward():
             self._recomputed.append((row, kid, numel))
         else:
             self.caps.append((row, kid, numel))  # one append: atomic, so no lock between hook threads

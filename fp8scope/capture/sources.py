@@ -344,7 +344,17 @@ def _torchao_float8_linear_cls():
 
 
 class TorchaoSource:
-    """torchao ``Float8Linear``: dynamic (current) scaling, tensorwise or rowwise."""
+    """torchao ``Float8Linear``: dynamic (current) scaling, tensorwise or rowwise.
+
+    Each distinct cast torchao makes is one logged tensor (torchao/float8/float8_linear.py,
+    ``matmul_with_hp_or_float8_args``). The output GEMM casts the input, the weight and (for
+    grad_input) the output gradient: ``activation``, ``weight``, ``gradient``. The other GEMMs cast
+    a role again with configs of their own (``cast_config_input_for_grad_weight``,
+    ``cast_config_weight_for_grad_input``, ``cast_config_grad_output_for_grad_weight``), along the
+    other axis under rowwise scaling; where that cast is a different one it is logged as
+    ``activation@dim1``, ``weight@dim0`` and ``gradient@dim1``, torchao's own names for those
+    casts. A cast with ``ScalingType.DISABLED`` (the high-precision weight-gradient GEMM of
+    ``rowwise_with_gw_hp``) is not logged: nothing is quantized there."""
 
     name = "torchao"
 
@@ -354,42 +364,65 @@ class TorchaoSource:
         return cls is not None and isinstance(module, cls)
 
     @staticmethod
+    def casts(cfg) -> dict[str, list[tuple[str, Any, int]]]:
+        """Per role, the casts torchao makes of it: ``(logged name, cast config, axis its per-row
+        scales run along on the tensor as logged)``. Weights are logged ``[out, in]``; torchao casts
+        ``weight.t()``, so its axiswise dims are mirrored here."""
+        from torchao.float8.config import ScalingGranularity, ScalingType
+
+        def distinct(first, second) -> bool:
+            if second is None or second.scaling_type is ScalingType.DISABLED:
+                return False
+            return second != first or first.scaling_granularity is ScalingGranularity.AXISWISE
+
+        out: dict[str, list[tuple[str, Any, int]]] = {}
+        for role, first, second, name in (
+            ("activation", cfg.cast_config_input, cfg.cast_config_input_for_grad_weight, "activation@dim1"),
+            ("weight", cfg.cast_config_weight, cfg.cast_config_weight_for_grad_input, "weight@dim0"),
+            ("gradient", cfg.cast_config_grad_output, cfg.cast_config_grad_output_for_grad_weight, "gradient@dim1"),
+        ):
+            role_casts = [] if first.scaling_type is ScalingType.DISABLED else [(role, first, -1)]
+            if distinct(first, second) or (not role_casts and second is not None
+                                           and second.scaling_type is not ScalingType.DISABLED):
+                role_casts.append((name, second, 0))
+            out[role] = role_casts
+        return out
+
+    @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
         from torchao.float8.config import ScalingGranularity
-        from torchao.float8.float8_utils import tensor_to_scale
+        from torchao.float8.float8_utils import amax_to_scale, tensor_to_amax
 
         cfg = module.config
         pow2 = bool(getattr(cfg, "round_scales_to_power_of_2", False))
+        casts = TorchaoSource.casts(cfg)
 
-        def report(role: str, x: torch.Tensor, cast_cfg) -> None:
-            dtype = cast_cfg.target_dtype or torch.float8_e4m3fn
-            fmt = format_of_dtype(dtype)
+        def report(role: str, x: torch.Tensor) -> None:
             x = x.detach()
             if x.dim() > 2:
                 x = x.reshape(-1, x.shape[-1])
-            axiswise = cast_cfg.scaling_granularity is ScalingGranularity.AXISWISE
-            with torch.no_grad():
-                scale = tensor_to_scale(
-                    x, dtype, reduce_amax=False, scaling_granularity=cast_cfg.scaling_granularity,
-                    axiswise_dim=-1 if axiswise else None, round_scales_to_power_of_2=pow2,
-                )
-            scale_inv = scale.reciprocal()
-            # The amax torchao derived the scale from (per row: the largest row amax); torchao's amax
-            # propagates NaN, so it is also the logged amax: a cheap row reads the tensor no more
-            expected = fmt.max * scale_inv
-            sink.record(layer, role, "torchao", fmt, x, scale, scale_inv, expected, amax=expected)
+            for name, cast_cfg, dim in casts[role]:
+                dtype = cast_cfg.target_dtype or torch.float8_e4m3fn
+                fmt = format_of_dtype(dtype)
+                axiswise = cast_cfg.scaling_granularity is ScalingGranularity.AXISWISE
+                with torch.no_grad():  # torchao's tensor_to_scale, in its two steps, to keep the amax
+                    amax = tensor_to_amax(x, False, None, cast_cfg.scaling_granularity, dim if axiswise else None)
+                    scale = amax_to_scale(amax, dtype, round_scales_to_power_of_2=pow2)
+                # scales along dim 0 are one per column: the stats see the transposed view, one per row
+                t, scale, amax = (x.t(), scale.t(), amax.t()) if axiswise and dim == 0 else (x, scale, amax)
+                # the amax the scale was derived from (per row; rows keep the largest); torchao's amax
+                # propagates NaN, so it is also the logged amax: a cheap row reads the tensor no more
+                amax = amax.float()
+                sink.record(layer, name, "torchao", fmt, t, scale, scale.reciprocal(), amax, amax=amax)
 
         from fp8scope import graph_taps
 
-        casts = {"activation": cfg.cast_config_input, "weight": cfg.cast_config_weight,
-                 "gradient": cfg.cast_config_grad_output}
-
         def graph_tap(role: str, x: torch.Tensor) -> None:  # run by a compiled graph's opaque op (see graph_taps)
             if sink.active:
-                report(role, x, casts[role])
+                report(role, x)
 
         taps = {role: graph_taps.register(guarded(sink, partial(graph_tap, role))) for role in casts}
-        grad_hook = GradHook(guarded(sink, lambda g: report("gradient", g, cfg.cast_config_grad_output)))
+        grad_hook = GradHook(guarded(sink, lambda g: report("gradient", g)))
 
         def pre_hook(mod, args):
             x = _first_tensor(args)
@@ -401,9 +434,9 @@ class TorchaoSource:
                         graph_taps.observe(taps["weight"], mod.weight)
                 return
             if x is not None and sink.wants("activation"):
-                report("activation", x, cfg.cast_config_input)
+                report("activation", x)
             if sink.wants("weight"):
-                report("weight", mod.weight, cfg.cast_config_weight)
+                report("weight", mod.weight)
 
         def post_hook(mod, args, output):
             if torch.compiler.is_compiling():

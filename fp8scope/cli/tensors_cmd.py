@@ -7,7 +7,7 @@ import re
 from fp8scope.cli.output import print_frame
 from fp8scope.errors import UsageError
 from fp8scope.run import load_run
-from fp8scope.schema import ROLES
+from fp8scope.schema import ROLES, base_role
 
 DEFAULT_COLUMNS = [
     "step", "rank", "layer", "tensor", "fp8_format", "amax", "expected_amax", "scale_inv",
@@ -19,7 +19,7 @@ def register(sub) -> None:
     p = sub.add_parser("tensors", help="per-tensor stats table (filter by layer, role, last N steps)")
     p.add_argument("run", help="run folder")
     p.add_argument("--layer", help="regex searched in layer names, e.g. 'blocks\\.2\\.mlp'")
-    p.add_argument("--tensor", choices=ROLES, help="tensor role")
+    p.add_argument("--tensor", help=f"tensor: a role ({', '.join(ROLES)}) or a role's second cast (gradient@dim1)")
     p.add_argument("--last", type=int, help="only the last N logged steps")
     p.add_argument("--rank", type=int, help="only this rank")
     p.add_argument("--columns", help="comma-separated columns to show")
@@ -35,6 +35,8 @@ def run(args) -> int:
             raise UsageError(f"bad --layer regex {args.layer!r}: {exc}") from None
     if args.last is not None and args.last < 1:
         raise UsageError("--last must be >= 1")
+    if args.tensor is not None and base_role(args.tensor) not in ROLES:
+        raise UsageError(f"unknown --tensor {args.tensor!r}; expected one of {', '.join(ROLES)} (or role@axis)")
     # one query per process: read the streams zero-copy instead of copying the run into memory first
     # (6.4M rows: 0.24 s instead of 2.9 s, and ~1.5 GB less memory)
     r = load_run(args.run, combine_chunks=False)

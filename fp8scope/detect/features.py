@@ -19,6 +19,7 @@ import numpy as np
 import pyarrow as pa
 
 from fp8scope.detect.config import DetectConfig
+from fp8scope.schema import base_role
 
 MAD_FLOOR_BINADES = 0.1
 # columns of the tensors table the detector reads
@@ -100,7 +101,7 @@ class KeyMap:
             info = self.info
             self._kind_of = np.array([i[4] for i in info], np.int32)
             self._role_of = np.array([i[5] for i in info], np.int32)
-            self._grad_of = np.array([i[2] == "gradient" for i in info], bool)
+            self._grad_of = np.array([base_role(i[2]) == "gradient" for i in info], bool)
             self._bin_of = np.array([_binades(i[3]) for i in info], float)
             self.group_of = np.array([self._groups.setdefault((i[0], i[5], i[4]), len(self._groups)) for i in info],
                                      np.int64)

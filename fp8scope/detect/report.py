@@ -24,6 +24,7 @@ import pandas as pd
 
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.rules import SEVERITY_RANK
+from fp8scope.schema import ROLES, base_role
 
 WARN = SEVERITY_RANK["warning"]
 
@@ -234,7 +235,7 @@ def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
                    "amax_history_len.")
     if "underflow" in rules:
         ls = layers_of("underflow")
-        g = serious[(serious["rule"] == "underflow") & (serious["tensor"] == "gradient")]
+        g = serious[(serious["rule"] == "underflow") & (serious["tensor"].map(base_role) == "gradient")]
         if not g.empty:
             adv.append(f"Gradients underflow E5M2 in {', '.join(ls)}: check loss / gradient scaling; current scaling "
                        "for gradients adapts at once; or keep those layers in BF16.")
@@ -300,7 +301,7 @@ def render_html(rep: dict, run, events: pd.DataFrame, path, max_steps: int = 400
     figs.append(("Saturation", figures.heatmap(frame, "amax_over_range", flagged=flagged,
                                                title=f"amax / representable range ({hm_tensor}); > 1 = clipped")))
     for d in rep["top_layers"][:max_tensors]:
-        if d["tensor"] not in ("activation", "weight", "gradient", "output"):
+        if base_role(d["tensor"]) not in ROLES:
             continue
         tf = figures.tensor_range_frame(run, d["layer"], d["tensor"])
         evs = serious[(serious["layer"] == d["layer"]) & (serious["tensor"] == d["tensor"])]
