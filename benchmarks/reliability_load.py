@@ -78,10 +78,10 @@ def reader(kind: str, run: str, ctl: str, out: str) -> None:
     open; see --cold for what opening costs)."""
     import fp8scope
 
-    # As the product's readers do: the CLI and the dashboard server call this at start-up
-    # (fp8scope/priority.py); a user's own watcher script is asked to. The CLI reader's commands
-    # run in fresh processes and apply it themselves.
-    if kind != "cli":
+    # As the product's readers do: they yield only when asked (FP8SCOPE_NICE, --nice;
+    # fp8scope/priority.py). The CLI reader's commands run in fresh processes and read the same
+    # environment; --nice N sets it for every reader.
+    if kind != "cli" and os.environ.get("FP8SCOPE_NICE"):
         fp8scope.yield_to_training()
     ctl_dir = Path(ctl)
     errors, n = [], 0
@@ -268,8 +268,14 @@ if __name__ == "__main__":
     ap.add_argument("--step-ms", type=float, default=100.0)
     ap.add_argument("--warmup-s", type=float, default=15.0, help="readers open the run first, unmeasured")
     ap.add_argument("--readers", default="cli,api,dashboard", help="comma-separated: cli, api, dashboard")
+    ap.add_argument("--nice", type=int, default=None,
+                    help="readers run at this niceness (FP8SCOPE_NICE); default: not niced, the product's default")
     ap.add_argument("--out")
     args = ap.parse_args()
+    if args.nice is not None:  # inherited by every reader process
+        os.environ["FP8SCOPE_NICE"] = str(args.nice)
+    else:
+        os.environ.pop("FP8SCOPE_NICE", None)
     res = run_load(args.writers, args.tensors, args.phase_s, args.rounds, args.step_ms,
                    readers=tuple(r for r in args.readers.split(",") if r), warmup_s=args.warmup_s)
     print(json.dumps(res, indent=2))

@@ -22,8 +22,9 @@ parallel wrapper's communication or a subclass's extra behaviour would be lost).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 from torch import nn

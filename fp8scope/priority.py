@@ -1,39 +1,52 @@
-"""Readers yield the CPU to training.
+"""Readers may yield the CPU to training, when asked to.
 
 A dashboard or a report reading a run on the training node competes with the trainer for CPU
-(the writer thread, the data loader, the host side of every kernel launch). The reading
-commands of the CLI, the dashboard server included, therefore raise their own niceness before
-they start (the CLI before it imports anything): 19 by default, the lowest, so they run on spare CPU (``FP8SCOPE_NICE`` sets another
-value, ``FP8SCOPE_NICE=0`` turns it off). On an idle machine this changes nothing; on a busy one
-the trainer is served first. (At niceness 10, readers still slowed 8 logging writers' median
-step by 26-34 % in benchmarks/reliability_load.py on a 2-core box; at 19, by 0-3 %.) A script of
-your own that watches a run can call :func:`yield_to_training` for the same effect.
+(the writer thread, the data loader, the host side of every kernel launch). Lowering a reader's
+priority protects the trainer, but it is the user's call: a niced ``fp8scope report`` on a busy
+login node took 29 s of wall time for 0.6 s of CPU, and a process cannot raise its priority back.
+So it is opt-in: ``FP8SCOPE_NICE=N`` in the environment, or ``--nice`` (19) / ``--nice=N`` on the
+command line, makes the reading commands of the CLI (the dashboard server included) raise their
+own niceness to N before they start, the CLI before it imports anything. A script of your own
+that watches a run can call :func:`yield_to_training` for the same effect. Without either,
+readers run at the priority they were started with; benchmarks/reliability_load.py measures
+what they then cost a training job (docs/reliability.md).
 """
 
 from __future__ import annotations
 
 import os
 
-DEFAULT_NICE = 19
+NICE_FLAG_DEFAULT = 19  # what a bare --nice, or yield_to_training(), asks for: the lowest priority
 
 
-def wanted_niceness() -> int:
-    """The niceness readers ask for: ``FP8SCOPE_NICE`` if it is an integer, else 19."""
+def _env_niceness() -> int | None:
     try:
-        return int(os.environ.get("FP8SCOPE_NICE", DEFAULT_NICE))
-    except ValueError:
-        return DEFAULT_NICE
+        return int(os.environ["FP8SCOPE_NICE"])
+    except (KeyError, ValueError):
+        return None
+
+
+def wanted_niceness(flag: int | None = None) -> int:
+    """The niceness a reading command asks for: ``--nice`` (``flag``), else ``FP8SCOPE_NICE``,
+    else 0 (no change)."""
+    if flag is not None:
+        return flag
+    env = _env_niceness()
+    return 0 if env is None else env
 
 
 def yield_to_training(niceness: int | None = None) -> int | None:
-    """Raise this process's niceness to at least ``niceness`` (never lowers it) and return the
-    niceness now, or None where the platform has none. Call it before starting threads: on
-    Linux a thread keeps the niceness it was created with. Never raises."""
-    target = wanted_niceness() if niceness is None else int(niceness)
+    """Raise this process's niceness to at least ``niceness`` (default: ``FP8SCOPE_NICE``, else
+    19; it never lowers it) and return the niceness now, or None where the platform has none.
+    Call it before starting threads: on Linux a thread keeps the niceness it was created with.
+    Never raises."""
+    if niceness is None:
+        env = _env_niceness()
+        niceness = NICE_FLAG_DEFAULT if env is None else env
     try:
         now = os.nice(0)
-        if target > now:
-            now = os.nice(min(target, 19) - now)
+        if niceness > now:
+            now = os.nice(min(int(niceness), 19) - now)
         return now
     except (OSError, AttributeError):  # no nice() here, or not allowed: reading still works
         return None

@@ -9,6 +9,7 @@ reads the run.
 
 from __future__ import annotations
 
+import json
 import math
 import warnings
 
@@ -74,15 +75,23 @@ def scalars_by_step(run) -> dict[str, dict[int, float]]:
     return {name: dict(zip(g.step.astype(int), g.value.astype(float))) for name, g in sc.groupby("name")}
 
 
-def check_report(path) -> None:
-    assert cli_main(["report", str(path)]) == 0
+def check_report(path, fp8: bool, capsys) -> None:
+    """``report`` reads the run and says what was measured; ``info`` too."""
+    capsys.readouterr()
+    assert cli_main(["report", str(path), "--json"]) == 0
+    rep = json.loads(capsys.readouterr().out)
+    assert rep["measured"]["kind"] == ("fp8" if fp8 else "whatif")
+    assert (rep["measured"]["whatif_recipe"] is None) == fp8
+    assert (rep["recipe"] is None) != fp8  # an emulated model carries its recipe
+    assert cli_main(["info", str(path)]) == 0
+    assert ("what-if" in capsys.readouterr().out.split("measured", 1)[1].splitlines()[0]) != fp8
 
 
 # ---- Hugging Face Trainer ------------------------------------------------------------------
 @pytest.mark.parametrize("arch", ["llama", "gpt2"])
 @pytest.mark.parametrize("fp8", [False, True], ids=["whatif", "fp8"])
 @pytest.mark.parametrize("micro", [1, 2], ids=["ga1", "ga2"])
-def test_hf_trainer(tmp_path, arch, fp8, micro):
+def test_hf_trainer(tmp_path, arch, fp8, micro, capsys):
     from fp8scope.integrations.hf import Fp8ScopeCallback
 
     steps = 5
@@ -107,7 +116,7 @@ def test_hf_trainer(tmp_path, arch, fp8, micro):
         assert ours["grad_norm"][step] == pytest.approx(h["grad_norm"], rel=1e-5)
     assert ours["lr"][0] == 0.0  # warm-up: the first step ran with lr 0 (not the next step's lr)
     assert max(ours["grad_norm"].values()) > 0.5  # clipped steps: the norm logged is the one before clipping
-    check_report(tmp_path / "run")
+    check_report(tmp_path / "run", fp8, capsys)
 
 
 def test_hf_scalars_do_not_wait_for_logging_steps(tmp_path):
@@ -137,7 +146,7 @@ def test_hf_scalars_do_not_wait_for_logging_steps(tmp_path):
 # ---- Lightning ---------------------------------------------------------------------------
 @pytest.mark.parametrize("fp8", [False, True], ids=["whatif", "fp8"])
 @pytest.mark.parametrize("micro", [1, 4], ids=["acc1", "acc4"])
-def test_lightning(tmp_path, fp8, micro):
+def test_lightning(tmp_path, fp8, micro, capsys):
     L = pytest.importorskip("lightning.pytorch")
     from lightning.pytorch.utilities import grad_norm
 
@@ -184,4 +193,4 @@ def test_lightning(tmp_path, fp8, micro):
         assert ours["grad_norm"][step] == pytest.approx(rec["grad_norm"], rel=1e-4)
     assert ours["lr"][0] == pytest.approx(2e-3 / 3)  # the first step's lr, not the scheduler's next one
     assert all(math.isfinite(v) for v in ours["loss"].values())
-    check_report(tmp_path / "run")
+    check_report(tmp_path / "run", fp8, capsys)

@@ -15,7 +15,7 @@ from fp8scope.emulate import Fp8Linear, convert_to_fp8
 from fp8scope.linear_like import _registered, linear_kind
 
 transformers = pytest.importorskip("transformers")
-from transformers.pytorch_utils import Conv1D  # noqa: E402
+from transformers.pytorch_utils import Conv1D
 
 
 class ColumnParallelLinear(nn.Module):

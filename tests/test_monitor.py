@@ -271,11 +271,12 @@ def test_torchao_float8_linear_emulated_on_cpu(tmp_path):
         with fp8scope.Monitor(m, tmp_path / recipe, every=1) as mon:
             train(m, mon, steps=2)
         df = fp8scope.load_run(tmp_path / recipe).tensors()
-        assert set(df.source) == {"torchao"} and len(df) == 18
+        # 3 layers x 2 steps x (activation, weight, gradient); rowwise adds each role's second cast
+        assert set(df.source) == {"torchao"} and len(df) == (18 if recipe == "tensorwise" else 36)
         # dynamic scaling maps amax onto fp8_max: at most float rounding above it
         assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-6)).all()
         assert (df.overflow <= 1).all() and (df.underflow >= 0).all()
-        grad_fmt = set(df[df.tensor == "gradient"].fp8_format)
+        grad_fmt = set(df[df.tensor.str.startswith("gradient")].fp8_format)
         assert grad_fmt == ({"e5m2"} if recipe == "tensorwise" else {"e4m3"})
         if recipe == "tensorwise":
             act = df[df.tensor == "activation"]

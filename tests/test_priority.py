@@ -1,4 +1,4 @@
-"""Reading commands yield the CPU to training (fp8scope/priority.py), in real subprocesses."""
+"""Reading commands yield the CPU to training when asked (fp8scope/priority.py), in real subprocesses."""
 
 from __future__ import annotations
 
@@ -38,13 +38,17 @@ def run_dir(tmp_path_factory):
 
 
 @pytest.mark.skipif(not hasattr(os, "nice"), reason="no nice() on this platform")
-def test_reading_commands_lower_their_priority_and_training_commands_do_not(run_dir):
+def test_niceness_is_opt_in_and_only_for_reading_commands(run_dir):
     base = os.nice(0)
-    assert niceness_of("info", str(run_dir)) == (max(base, 19), 0)
-    assert niceness_of("tensors", str(run_dir), "--last", "1") == (max(base, 19), 0)
+    assert niceness_of("info", str(run_dir)) == (base, 0)  # by default nothing changes
+    assert niceness_of("tensors", str(run_dir), "--last", "1") == (base, 0)
+    assert niceness_of("--nice", "info", str(run_dir)) == (max(base, 19), 0)
+    assert niceness_of("tensors", str(run_dir), "--last", "1", "--nice") == (max(base, 19), 0)
+    assert niceness_of("info", str(run_dir), "--nice=5") == (max(base, 5), 0)
+    assert niceness_of("--nice", "7", "info", str(run_dir)) == (max(base, 7), 0)
     assert niceness_of("info", str(run_dir), env={"FP8SCOPE_NICE": "3"}) == (max(base, 3), 0)
     assert niceness_of("info", str(run_dir), env={"FP8SCOPE_NICE": "0"}) == (base, 0)
-    assert niceness_of("doctor")[0] == base  # inspects the machine, trains nothing, reads no run
+    assert niceness_of("--nice", "doctor")[0] == base  # inspects the machine, trains nothing, reads no run
 
 
 def test_yield_to_training_never_lowers_and_never_raises():
@@ -69,7 +73,8 @@ def test_the_cli_yields_before_it_imports_the_commands(run_dir):
             "m.build_parser = spy\n"
             "m.main(sys.argv[1:])\n")
     base = os.nice(0)
-    for argv, want in ((["info", str(run_dir)], max(base, 19)), (["doctor"], base)):
+    for argv, want in ((["--nice", "info", str(run_dir)], max(base, 19)), (["--nice", "doctor"], base),
+                       (["info", str(run_dir)], base)):
         r = subprocess.run([sys.executable, "-c", code, *argv], cwd=ROOT, capture_output=True, text=True, timeout=120)
         at = [ln.split() for ln in r.stdout.splitlines() if ln.startswith("AT_PARSER")][0]
         assert int(at[1]) == want and at[2] == "False", (argv, at, r.stderr[-300:])

@@ -6,6 +6,7 @@ import time
 
 from fp8scope.cli.output import console, human_size, print_json
 from fp8scope.run import load_run
+from fp8scope.store.manifest import describe_mode, measured_mode, recipe_text
 
 
 def register(sub) -> None:
@@ -20,13 +21,12 @@ def run(args) -> int:
     # (6.4M rows: 0.24 s instead of 2.9 s, and ~1.5 GB less memory)
     r = load_run(args.run, combine_chunks=False)
     info = r.info()
+    mode = measured_mode(r.manifest)
     if args.json:
-        print_json({**info, "recipe": r.manifest.get("recipe")})
+        print_json({**info, "recipe": r.manifest.get("recipe"), "measured": mode})
         return 0
     c = console()
     age = f"{time.time() - info['last_write']:.0f} s ago" if info.get("last_write") else "never"
-    recipe = r.manifest.get("recipe") or {}
-    rec = ", ".join(f"{k}={v}" for k, v in recipe.items()) if recipe else "-"
     rows = [
         ("run", info["path"]),
         ("steps", f"{info['steps']} (first {info['first_step']}, last {info['last_step']})"),
@@ -37,7 +37,9 @@ def run(args) -> int:
         ("size", human_size(info["size_bytes"])),
         ("last write", age),
         ("compacted", "yes" if info["compacted"] else "no"),
-        ("recipe", rec),
+        ("measured", describe_mode(mode)),
+        ("recipe", recipe_text(r.manifest.get("recipe"))),
+        ("what-if", recipe_text(mode["whatif_recipe"])),
         ("torch", str(r.manifest.get("torch_version"))),
     ]
     for k, v in rows:

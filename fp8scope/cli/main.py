@@ -14,11 +14,12 @@ from importlib import import_module
 
 from fp8scope import __version__
 from fp8scope.errors import Fp8ScopeError
-from fp8scope.priority import yield_to_training
+from fp8scope.priority import NICE_FLAG_DEFAULT, wanted_niceness, yield_to_training
 
 # Sub-command modules, in the order `fp8scope --help` lists them. Later issues append theirs.
 # Commands that train or only inspect the machine keep their priority; every other command reads
-# runs, possibly beside a training job, and yields the CPU to it (fp8scope/priority.py).
+# runs, possibly beside a training job, and yields the CPU to it when asked (--nice,
+# FP8SCOPE_NICE: fp8scope/priority.py).
 KEEP_PRIORITY = {"demo", "doctor"}
 COMMANDS = ["info", "tensors", "compact", "doctor", "demo"]
 OPTIONAL_COMMANDS = ["events", "report", "diff", "whatif", "export", "dashboard"]
@@ -35,6 +36,9 @@ class _Parser(argparse.ArgumentParser):
 def build_parser() -> argparse.ArgumentParser:
     parser = _Parser(prog="fp8scope", description="Why is my FP8 run unstable, where, and is FP8 to blame?")
     parser.add_argument("--version", action="version", version=f"fp8scope {__version__}")
+    parser.add_argument("--nice", metavar="N", nargs="?", const=NICE_FLAG_DEFAULT, type=int,
+                        help="reading commands run at niceness N (default 19: on spare CPU, beside a training job); "
+                             "also FP8SCOPE_NICE=N. Off by default")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND", parser_class=_Parser)
     for name in COMMANDS + OPTIONAL_COMMANDS:
         try:
@@ -52,11 +56,35 @@ def _command_word(argv: list[str]) -> str | None:
     return next((a for a in argv if not a.startswith("-")), None)
 
 
+def _nice_flag(argv: list[str]) -> tuple[list[str], int | None]:
+    """``argv`` without ``--nice`` / ``--nice=N`` (accepted anywhere on the line), and its value."""
+    rest, value = [], None
+    it = iter(range(len(argv)))
+    for i in it:
+        a = argv[i]
+        if a == "--nice":
+            value = NICE_FLAG_DEFAULT
+            if i + 1 < len(argv) and argv[i + 1].lstrip("-").isdigit():  # --nice N
+                value = int(argv[i + 1])
+                next(it, None)
+        elif a.startswith("--nice="):
+            try:
+                value = int(a.split("=", 1)[1])
+            except ValueError:
+                sys.stderr.write(f"fp8scope: error: --nice expects an integer, got {a!r}\n")
+                raise SystemExit(2) from None
+        else:
+            rest.append(a)
+    return rest, value
+
+
 def main(argv: list[str] | None = None) -> int:
-    # Yield before anything else: building the parser imports pandas (~0.5 s of CPU), and a CLI call
-    # beside a training job must not spend that at normal priority (benchmarks/reliability_load.py).
-    if _command_word(sys.argv[1:] if argv is None else list(argv)) not in KEEP_PRIORITY:
-        yield_to_training()
+    argv, nice = _nice_flag(sys.argv[1:] if argv is None else list(argv))
+    # Asked to yield (--nice, FP8SCOPE_NICE): before anything else, since building the parser
+    # imports pandas (~0.5 s of CPU) and that too should run on spare CPU beside a training job.
+    wanted = wanted_niceness(nice)
+    if wanted > 0 and _command_word(argv) not in KEEP_PRIORITY:
+        yield_to_training(wanted)
     parser = build_parser()
     args = parser.parse_args(argv)
     if not getattr(args, "func", None):

@@ -58,19 +58,23 @@ def _build(path: str, cfg, html_path: str | None) -> dict:
 
 
 def print_report(rep: dict) -> None:
-    import json
-
     from rich.console import Console
     from rich.text import Text
 
     from fp8scope.cli.output import console
     from fp8scope.detect.report import short_value
+    from fp8scope.store.manifest import describe_mode, recipe_text
 
     c: Console = console()
     c.print(Text(f"fp8scope report: {rep['run']}", style="bold"))
-    r = rep.get("recipe") or {}
     c.print(Text(f"{rep['steps']} steps ({rep['first_step']}..{rep['last_step']}), {rep['tensors']} tensors, "
-                 f"ranks {rep['ranks']}, recipe {json.dumps(r) if r else 'unknown'}"))
+                 f"ranks {rep['ranks']}"))
+    m = rep["measured"]
+    c.print(Text(f"measured: {describe_mode(m)}"))
+    if m["kind"] != "whatif":
+        c.print(Text(f"recipe: {recipe_text(m['recipe'])}"))
+    if m["whatif_recipe"]:
+        c.print(Text(f"what-if recipe: {recipe_text(m['whatif_recipe'])}"))
     if rep.get("planted"):
         c.print(Text(f"planted (demo): {', '.join(rep['planted'])}"))
     e = rep["events"]["by_severity"]

@@ -16,7 +16,6 @@ scale could represent. Every name and message is escaped.
 from __future__ import annotations
 
 import html
-import json
 import math
 from typing import Any
 
@@ -25,6 +24,7 @@ import pandas as pd
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.rules import SEVERITY_RANK
 from fp8scope.schema import ROLES, base_role
+from fp8scope.store.manifest import describe_mode, measured_mode, recipe_text
 
 WARN = SEVERITY_RANK["warning"]
 
@@ -63,6 +63,7 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
         "steps": info["steps"], "first_step": info["first_step"], "last_step": info["last_step"],
         "ranks": info["ranks"], "tensors": info["tensors"],
         "recipe": manifest.get("recipe"),
+        "measured": measured_mode(manifest),
         "planted": meta.get("inject") or [],
         "events": {
             "total": int(len(ev)),
@@ -269,6 +270,8 @@ def _verdict(rep: dict, serious: pd.DataFrame) -> str:
     f = rep["first_anomaly"]
     where = f"{f['layer']} {f['tensor']}".strip() if f["layer"] else f["tensor"]
     s = f"first anomaly at step {f['step']}: {f['rule']} in {where}"
+    if (rep.get("measured") or {}).get("kind") == "whatif" and f["layer"]:
+        s += " (what-if: simulated FP8; training ran in high precision)"
     if rep["nan_origin"]:
         o = rep["nan_origin"]
         s += f"; NaN origin {o['layer']} {o['tensor']} at step {o['step']}"
@@ -336,7 +339,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;font-size:13px;vertical-align:top}}
 .warning td{{background:#ffe9cc}} code{{background:#f4f4f4}}</style></head><body>
 <h1>fp8scope report</h1>
 <p><b>run</b> {e(rep['run'])}<br><b>steps</b> {rep['steps']} ({rep['first_step']}..{rep['last_step']}),
-<b>tensors</b> {rep['tensors']}, <b>recipe</b> <code>{e(json.dumps(rep.get('recipe')))}</code>
+<b>tensors</b> {rep['tensors']}<br><b>measured</b> {e(describe_mode(rep['measured']))}<br><b>recipe</b> {e(recipe_text(rep['recipe']))}{('<br><b>what-if recipe</b> ' + e(recipe_text(rep['measured']['whatif_recipe']))) if rep['measured']['whatif_recipe'] else ''}
 {('<br><b>planted</b> ' + e(', '.join(rep['planted']))) if rep.get('planted') else ''}</p>
 <h2>Verdict</h2><p>{e(rep['verdict'])}</p>
 <p><b>First anomaly:</b> {e(fa['message']) + ' (step ' + str(fa['step']) + ', ' + e(fa['rule']) + ')' if fa else 'none'}<br>

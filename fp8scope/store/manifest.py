@@ -162,3 +162,43 @@ def update_manifest(run_dir: str | os.PathLike, **changes: Any) -> dict:
         m["meta"] = meta
     m.update(changes)
     return write_manifest(run_dir, m)
+
+
+def recipe_text(recipe: dict | None) -> str:
+    """``delayed (fp8_format=HYBRID, margin=0, ...)`` for a recipe's ``to_dict()``; ``-`` for none."""
+    if not recipe:
+        return "-"
+    rest = ", ".join(f"{k}={v}" for k, v in recipe.items() if k != "kind")
+    return f"{recipe.get('kind', 'recipe')} ({rest})" if rest else str(recipe.get("kind", "recipe"))
+
+
+def measured_mode(manifest: dict) -> dict:
+    """What a run's FP8 numbers are, from the layers the monitor attached to (``meta.sources``):
+
+    - ``"fp8"``: every monitored layer ran FP8 (emulated, torchao, Transformer Engine);
+    - ``"whatif"``: none did: the model trained in high precision and every FP8 number is what
+      the what-if recipe would have done to its tensors;
+    - ``"mixed"``: some of each; ``"unknown"``: a run that recorded no sources."""
+    meta = manifest.get("meta") or {}
+    sources = {str(k): int(v) for k, v in (meta.get("sources") or {}).items()}
+    whatif = sources.get("whatif", 0)
+    fp8 = sum(v for k, v in sources.items() if k != "whatif")
+    kind = ("mixed" if fp8 and whatif else "fp8" if fp8 else "whatif" if whatif else "unknown")
+    return {"kind": kind, "fp8_layers": fp8, "whatif_layers": whatif, "sources": sources,
+            "recipe": manifest.get("recipe"), "whatif_recipe": meta.get("whatif_recipe") if whatif else None}
+
+
+def describe_mode(mode: dict) -> str:
+    """One sentence saying what was measured, for ``info`` and the report (the recipes are shown
+    beside it, with :func:`recipe_text`)."""
+    kind = mode["kind"]
+    if kind == "whatif":
+        return (f"what-if: the model trained without FP8 ({mode['whatif_layers']} layers in high precision); the FP8 "
+                "statistics and events are what the what-if recipe would have done, not what training computed")
+    fp8 = ", ".join(f"{n} {k}" for k, n in mode["sources"].items() if k != "whatif")
+    if kind == "fp8":
+        return f"FP8: {mode['fp8_layers']} layers ran FP8 ({fp8})"
+    if kind == "mixed":
+        return (f"mixed: {mode['fp8_layers']} layers ran FP8 ({fp8}); {mode['whatif_layers']} high-precision layers "
+                "measured what-if")
+    return "unknown: the run does not say which layers ran FP8"
