@@ -1,5 +1,8 @@
 """fp8scope with a Hugging Face Trainer: a tiny GPT-2 built from a config (no download), on CPU.
 
+Every projection is monitored with what-if stats, GPT-2's Conv1D layers included (9 layers, 27
+tensors); loss, lr and grad norm are logged for every optimizer step, whatever logging_steps is.
+
     pip install "fp8scope[hf]"; python examples/hf_trainer.py && fp8scope info runs/hf_tiny
 """
 
