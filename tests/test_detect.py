@@ -129,7 +129,7 @@ def test_online_logs_and_calls_back(tmp_path, caplog):
     torch.manual_seed(0)
     m = MLP()
     with caplog.at_level("WARNING", logger="fp8scope.detect"):
-        mon = Monitor(m, tmp_path / "r", every=1, on_event=got.append, detect=DetectConfig(warmup_steps=0))
+        mon = Monitor(m, tmp_path / "r", every=1, on_event=got.append, detect=DetectConfig(warmup_rows=0))
         train(m, mon, 18, poison=poison)
         mon.close()
     origin = [e for e in got if e["rule"] == "nan_origin"]
@@ -281,8 +281,9 @@ def test_bad_input_one_line_errors(runs, tmp_path):
         assert len(err.strip().splitlines()) == 1 and "Traceback" not in err, (args, err)
 
 
-def test_background_detector_catches_up_and_runs_niced():
-    """A backlog is processed in one go (every step examined, one events write); the thread is niced."""
+def test_background_detector_catches_up_at_the_training_priority():
+    """A backlog is processed in one go (every step examined, one events write) and said once; the
+    thread keeps the process's priority (a niced detector fell behind under load)."""
     import os
     import threading
     import time
@@ -304,14 +305,15 @@ def test_background_detector_catches_up_and_runs_niced():
 
     writes = []
     bg = BackgroundDetector(det, lambda table, batch: writes.append(batch.num_rows), max_queue=1024)
-    for s in range(50):
-        bg(s, 0, None, None)
-    gate.set()
-    bg.close()
-    assert seen == list(range(50)) and bg.skipped == 0
+    with pytest.warns(RuntimeWarning, match=r"fell (49|50) steps behind"):
+        for s in range(50):
+            bg(s, 0, None, None)
+        gate.set()
+        bg.close()
+    assert seen == list(range(50)) and bg.skipped == 0 and bg.max_lag >= 49
     assert sum(writes) == 50 and len(writes) <= 3  # step 0, then the backlog in one or two writes
-    if nice and os.getpriority(os.PRIO_PROCESS, 0) < 10:
-        assert nice[0] >= 10
+    if nice:
+        assert nice[0] == os.getpriority(os.PRIO_PROCESS, 0)
 
 
 @pytest.mark.parametrize("name", ["outlier", "nan"])

@@ -148,8 +148,9 @@ def _window_reference(rows: dict, cfg: DetectConfig) -> dict:
         v = [x for x in v if x == x]
         return max(v) if v else float("nan")
 
+    T, dev = cfg.trend_window, rows["dev"]
     out: dict = {k: [] for k in ("prev_max", "n_prev", "prev_bad_amax", "prev_scale_inv", "si_old", "si_max", "n_si",
-                                 "max_jump", "n_sat", "n_rate")}
+                                 "max_jump", "n_sat", "n_rate", "dev_old", "dev_jump")}
     for j in range(len(a)):
         out["prev_max"].append(fmax(a[max(0, j - W):j]))
         out["n_prev"].append(int(np.sum(~np.isnan(a[max(0, j - W):j]))))
@@ -161,6 +162,8 @@ def _window_reference(rows: dict, cfg: DetectConfig) -> dict:
         out["max_jump"].append(fmax([si[i] / si[i - 1] for i in range(max(1, j - K + 1), j + 1)]))
         out["n_sat"].append(int(np.sum(rows["sat_hit"][max(0, j - R + 1):j + 1] != 0)))
         out["n_rate"].append(min(j + 1, R))
+        out["dev_old"].append(dev[j - T] if j >= T else float("nan"))
+        out["dev_jump"].append(fmax([dev[i] - dev[i - 1] for i in range(max(1, j - T + 1), j + 1)]))
     return out
 
 
@@ -170,11 +173,13 @@ def _window_inputs(counts, rng) -> tuple[np.ndarray, dict]:
     amax, si = rng.lognormal(size=n), rng.lognormal(size=n)
     amax[rng.random(n) < 0.1] = np.nan
     si[rng.random(n) < 0.1] = np.nan
+    dev = rng.normal(size=n)
+    dev[rng.random(n) < 0.1] = np.nan
     return key, {"amax_f": amax, "scale_inv_f": si, "sat_hit": (rng.random(n) < 0.3).astype(np.int64),
-                 "bad_amax": rng.random(n) < 0.1}
+                 "bad_amax": rng.random(n) < 0.1, "dev": dev}
 
 
-CFG_SMALL = DetectConfig(spike_window=7, collapse_window=4, sat_rate_window=5)
+CFG_SMALL = DetectConfig(spike_window=7, collapse_window=4, sat_rate_window=5, trend_window=6)
 
 
 @pytest.mark.parametrize("counts", [[30, 30, 30], [1, 40, 3, 0, 12], [9]], ids=["same-rows", "ragged", "one"])

@@ -19,7 +19,10 @@ def register(sub) -> None:
     p.add_argument("--run-dir", default="runs/demo", help="where to write the run (replaced if it exists)")
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--inject", action="append", default=None,
-                   help=f"planted failure spec, repeatable (default {DEFAULT_INJECT[0]}); 'none' for a clean run")
+                   help=f"planted failure spec, repeatable (default {DEFAULT_INJECT[0]}); 'none' for a clean run. "
+                        "Kinds: outlier:LAYER:STEP[:FACTOR[:DURATION]], nan:LAYER:STEP, gradscale:LAYER:STEP[:FACTOR], "
+                        "lr:STEP[:FACTOR], grow:LAYER:STEP[:FACTOR[:DURATION]], reset:LAYER:STEP, batch:STEP[:DURATION] "
+                        "(fp8scope/demo/inject.py)")
     p.add_argument("--every", type=int, default=10, help="full stats every N steps")
     p.set_defaults(func=run)
 

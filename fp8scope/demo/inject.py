@@ -33,6 +33,19 @@ being told about it:
     stays there; grad clipping keeps it finite), so the monitor can show it happens
     in BF16 too (signatures 8 and 9).
 
+``grow:LAYER:STEP[:FACTOR[:DURATION]]``
+    From STEP on, multiply the same few input channels of LAYER by a factor that grows
+    geometrically to FACTOR (default 8) over DURATION steps (default 70), then stays: a
+    slowly growing outlier feature (the SwiGLU amplification of signature 4). Its peers stay
+    flat; the layer saturates only once the growth outruns the amax history.
+``reset:LAYER:STEP``
+    At STEP, reset LAYER's FP8 scaling state (an emulated ``Fp8Linear``): scale 1 and an empty
+    amax history, what a checkpoint resumed without its FP8 state does. Under delayed scaling the
+    next steps quantize with scale 1: small gradients underflow E5M2 until the history refills.
+``batch:STEP[:DURATION]``
+    At STEP (for DURATION steps, default 1) the batch is replaced by uniformly random tokens: a
+    bad batch. The loss jumps in any precision; FP8 is not to blame.
+
 Steps are 0-based optimizer-step indices: the training loop sets ``Injector.step``
 before each forward pass. Hooks are registered with ``prepend=True`` so they run
 before any hook a monitor puts on the same module: the monitor sees the modified tensor.
@@ -49,11 +62,13 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
-KINDS = ("outlier", "nan", "gradscale", "lr")
-_DEFAULT_FACTOR = {"outlier": 1000.0, "gradscale": 1e-8, "lr": 100.0}
+KINDS = ("outlier", "nan", "gradscale", "lr", "grow", "reset", "batch")
+_DEFAULT_FACTOR = {"outlier": 1000.0, "gradscale": 1e-8, "lr": 100.0, "grow": 8.0}
+_DEFAULT_DURATION = {"outlier": 1, "grow": 70}
 _USAGE = (
     "expected one of: outlier:LAYER:STEP[:FACTOR[:DURATION]], nan:LAYER:STEP, "
-    "gradscale:LAYER:STEP[:FACTOR], lr:STEP[:FACTOR]  (e.g. outlier:blocks.2.mlp.down:150:1000)"
+    "gradscale:LAYER:STEP[:FACTOR], lr:STEP[:FACTOR], grow:LAYER:STEP[:FACTOR[:DURATION]], reset:LAYER:STEP, "
+    "batch:STEP[:DURATION]  (e.g. outlier:blocks.2.mlp.down:150:1000)"
 )
 N_OUTLIER_CHANNELS = 4
 
@@ -72,7 +87,16 @@ class Injection:
         """Whether this injection acts at ``step``."""
         if step < self.step:
             return False
+        if self.kind == "grow":  # grows for ``duration`` steps, then stays
+            return True
         return self.duration is None or step < self.step + self.duration
+
+    def multiplier(self, step: int) -> float:
+        """The channel factor at ``step``: ``factor`` for an outlier, the geometric ramp of ``grow``."""
+        if self.kind != "grow":
+            return self.factor
+        frac = min(1.0, (step - self.step + 1) / max(1, self.duration or 1))
+        return float(self.factor ** frac)
 
     @property
     def spec(self) -> str:
@@ -83,7 +107,11 @@ class Injection:
             return f"nan:{self.layer}:{self.step}"
         if self.kind == "gradscale":
             return f"gradscale:{self.layer}:{self.step}:{self.factor:g}"
-        return f"outlier:{self.layer}:{self.step}:{self.factor:g}:{self.duration or 0}"
+        if self.kind == "reset":
+            return f"reset:{self.layer}:{self.step}"
+        if self.kind == "batch":
+            return f"batch:{self.step}:{self.duration}"
+        return f"{self.kind}:{self.layer}:{self.step}:{self.factor:g}:{self.duration or 0}"
 
 
 def _parse_int(text: str, what: str, spec: str) -> int:
@@ -124,20 +152,26 @@ def parse_spec(spec: str) -> Injection:
             raise ValueError(f"inject spec {spec!r}: lr FACTOR must be positive")
         return Injection("lr", _parse_int(args[0], "STEP", spec), None, factor, None)
 
-    max_args = {"outlier": 4, "nan": 2, "gradscale": 3}[kind]
+    if kind == "batch":
+        if not 1 <= len(args) <= 2:
+            raise ValueError(f"inject spec {spec!r}: batch takes STEP[:DURATION]; {_USAGE}")
+        duration = _parse_int(args[1], "DURATION", spec) if len(args) == 2 else 1
+        return Injection("batch", _parse_int(args[0], "STEP", spec), None, 1.0, max(1, duration))
+
+    max_args = {"outlier": 4, "nan": 2, "gradscale": 3, "grow": 4, "reset": 2}[kind]
     if not 2 <= len(args) <= max_args:
         raise ValueError(f"inject spec {spec!r}: wrong number of fields for {kind}; {_USAGE}")
     layer = args[0]
     if not layer:
         raise ValueError(f"inject spec {spec!r}: LAYER is empty; {_USAGE}")
     step = _parse_int(args[1], "STEP", spec)
-    if kind == "nan":
-        return Injection("nan", step, layer, 1.0, 1)
+    if kind in ("nan", "reset"):
+        return Injection(kind, step, layer, 1.0, 1)
     factor = _parse_factor(args[2], spec) if len(args) >= 3 else _DEFAULT_FACTOR[kind]
     if kind == "gradscale":
         return Injection("gradscale", step, layer, factor, None)
-    duration = _parse_int(args[3], "DURATION", spec) if len(args) == 4 else 1
-    return Injection("outlier", step, layer, factor, duration or None)
+    duration = _parse_int(args[3], "DURATION", spec) if len(args) == 4 else _DEFAULT_DURATION[kind]
+    return Injection(kind, step, layer, factor, duration or None)
 
 
 def outlier_channels(n_features: int, n: int = N_OUTLIER_CHANNELS) -> list[int]:
@@ -194,7 +228,7 @@ class Injector:
         """Register the hooks on ``model``'s named modules; unknown layer names raise ValueError."""
         modules = dict(model.named_modules())
         for inj in self.injections:
-            if inj.kind == "lr":
+            if inj.kind in ("lr", "batch"):
                 continue
             if inj.layer not in modules:
                 linears = [n for n, m in modules.items() if n and type(m).__name__.endswith("Linear")]
@@ -203,6 +237,9 @@ class Injector:
                     f"linear layers are: {', '.join(linears)}"
                 )
             module = modules[inj.layer]
+            if inj.kind == "reset" and not callable(getattr(module, "reset_scaling", None)):
+                raise ValueError(f"inject spec {inj.spec!r}: {inj.layer} has no FP8 scaling state to reset "
+                                 f"(an emulated Fp8Linear has; this is a {type(module).__name__})")
             if inj.kind == "gradscale":
                 h = module.register_full_backward_pre_hook(self._grad_hook(inj), prepend=True)
             else:
@@ -218,14 +255,30 @@ class Injector:
 
     # --- hooks -----------------------------------------------------------------------------
 
+    def corrupt_batch(self, x: torch.Tensor, y: torch.Tensor, vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch of the current step: replaced by uniformly random tokens while a ``batch``
+        injection is active (seeded by the step, so a rerun plants the same batch)."""
+        for inj in self.injections:
+            if inj.kind == "batch" and inj.active(self.step):
+                g = torch.Generator().manual_seed(1_000_003 + self.step)
+                self._record(inj)
+                x = torch.randint(0, vocab, x.shape, generator=g).to(x.device)
+                y = torch.randint(0, vocab, y.shape, generator=g).to(y.device)
+        return x, y
+
     def _input_hook(self, inj: Injection):
         def hook(module: nn.Module, args: tuple):
             if not inj.active(self.step) or not args or not torch.is_tensor(args[0]):
                 return None
+            if inj.kind == "reset":
+                if not self.fired or self.fired[-1] != (self.step, inj.spec):  # once per step
+                    module.reset_scaling()
+                    self._record(inj)
+                return None
             x = args[0].clone()  # never modify the caller's tensor in place (autograd, residuals)
-            if inj.kind == "outlier":
+            if inj.kind in ("outlier", "grow"):
                 ch = outlier_channels(x.shape[-1])
-                x[..., ch] = x[..., ch] * inj.factor
+                x[..., ch] = x[..., ch] * inj.multiplier(self.step)
             else:  # nan: one element, the first of the flattened input
                 x.view(-1)[0] = float("nan")
             self._record(inj)

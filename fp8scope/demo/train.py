@@ -272,7 +272,7 @@ def train_step(setup: Setup, step: int, monitor: Any = None, shadow: Any = None,
         group["lr"] = lr
     mark = marks.append if marks is not None else _no_mark
     mark(time.perf_counter())
-    x, y = setup.batches.next()
+    x, y = setup.injector.corrupt_batch(*setup.batches.next(), vocab=setup.cfg.vocab)
     if shadow is not None:
         loss = shadow.loss_fn(model, (x, y))
         mark(time.perf_counter())

@@ -17,8 +17,9 @@ from fp8scope.errors import UsageError
 class DetectConfig:
     """Thresholds of the detection rules. ``DetectConfig(spike_factor=20)`` changes one."""
 
-    # steps before this are early training: spike-type rules report at most "info"
-    warmup_steps: int = 50
+    # a tensor with fewer logged rows of its own than this is warming up: its spike-type events are
+    # "info" (clipping by sat_critical_ratio or more, non-finite values and NaN origins never are)
+    warmup_rows: int = 50
     # rows of a tensor's own history a rule needs before it judges (windows are logged steps)
     min_history: int = 10
 
@@ -40,6 +41,10 @@ class DetectConfig:
     # stale_scale: the scale still comes from an amax >= stale_ratio x today's amax (delayed scaling,
     # after a spike that sits in the amax history)
     stale_ratio: float = 30.0
+
+    # scale_mismatch: the scale in use comes from an amax >= mismatch_factor x the largest amax the tensor
+    # logged in its spike_window (and today): a reset or corrupted scale, seen on cheap rows too
+    mismatch_factor: float = 16.0
 
     # underflow: share of the non-zero values flushed to zero by the cast (full-stats rows)
     underflow_warn: float = 0.02  # activations / weights (E4M3): 2% of non-zeros
@@ -63,18 +68,44 @@ class DetectConfig:
     outlier_warn_binades: float = 7.0  # >= 128x the median of its kind: "warning"
     outlier_min_layers: int = 3
 
-    # loss_spike: loss > loss_spike_factor x mean of the previous loss_window values
-    loss_spike_factor: float = 2.0
-    loss_window: int = 10
-    # grad_norm_spike: grad_norm > grad_spike_factor x mean of the previous grad_window values
-    grad_spike_factor: float = 5.0
-    grad_window: int = 20
+    # amax_trend: a tensor's log2 amax above its kind's median (as for layer_outlier) rose by trend_binades
+    # or more over its last trend_window logged rows, no single row adding more than trend_max_jump_share
+    # of that rise (a climb, not one jump: amax_spike's case), and sits at least 2x above the median
+    trend_window: int = 50
+    trend_binades: float = 1.5
+    trend_max_jump_share: float = 0.6
+
+    # Optimizer-side rules (detect/scalar_rules.py), over each scalar series of the run.
+    # loss_spike / grad_norm_spike: log(value) is loss_spike_z / grad_spike_z robust z-scores above the median of the
+    # previous scalar_window values (spread = 1.4826 MAD, at least the noise floor) and the value is at
+    # least loss_spike_factor / grad_spike_factor x that median; a series is judged once it has
+    # scalar_min_history values, and an excursion is one event
+    scalar_window: int = 50
+    scalar_min_history: int = 20
+    loss_spike_z: float = 6.0
+    grad_spike_z: float = 8.0  # grad norms are spikier than losses in healthy training
+    loss_spike_factor: float = 1.25
+    grad_spike_factor: float = 2.0
+    loss_noise_floor: float = 0.02  # in log space: 2 %
+    grad_noise_floor: float = 0.05
+    # lr_change: one step's lr ratio is >= lr_jump_factor and >= lr_pace_factor x (in log) the largest
+    # step-to-step change of the previous scalar_window steps (warm-up and decay move smoothly);
+    # judged after lr_min_history changes. Rises are warnings, drops info.
+    lr_jump_factor: float = 2.0
+    lr_pace_factor: float = 4.0
+    lr_min_history: int = 5
     loss_name: str = "loss"
     grad_norm_name: str = "grad_norm"
+    lr_name: str = "lr"
 
-    # fp8_vs_bf16: shadow_compare relative error of a layer's output or weight gradient
-    shadow_rel_err: float = 0.01
-    shadow_critical_rel_err: float = 0.1
+    # fp8_vs_bf16 (detect/shadow_rule.py): a compare's relative error of a layer's output or weight
+    # gradient is >= shadow_factor x the median of that layer's earlier compares (its own FP8 noise;
+    # the first shadow_min_compares compares form the baseline) and >= shadow_rel_err; critical at
+    # shadow_critical_factor x
+    shadow_rel_err: float = 0.02
+    shadow_factor: float = 3.0
+    shadow_critical_factor: float = 10.0
+    shadow_min_compares: int = 2
 
     # cross_rank_scale: the same tensor's scale differs across ranks at the same step
     rank_scale_tol: float = 1e-3

@@ -8,8 +8,10 @@ become python dicts, where the one-line messages are written. A 10,000-step x 50
 (5M rows) takes ~2 s in ~0.4 GiB.
 
 The rule predicates, the event construction (:func:`emit_row_events`, :func:`nan_events`) and the
-scalar rules (:class:`ScalarState`) are shared with the online detector, which evaluates the
-same functions over one step's rows, so both produce the same events for the same run.
+scalar rules (:mod:`fp8scope.detect.scalar_rules`) are shared with the online detector, which
+evaluates the same functions over one step's rows, so both produce the same events for the same
+run. Events are built by :mod:`fp8scope.detect.events`; FP8-vs-BF16 compares are judged in
+:mod:`fp8scope.detect.shadow_rule` (offline only: shadow tables are written after their step).
 """
 
 from __future__ import annotations
@@ -28,21 +30,10 @@ from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.features import (TENSOR_COLUMNS, KeyMap, NumpyColumns, WindowCarry, edges_sorted, floats,
                                       group_features, last_evaluable, row_features)
 from fp8scope.detect.rules import NONFINITE, SEVERITY_RANK, RowRule, _fmt, _where, row_rules
-from fp8scope.schema import EVENT_SCHEMA
-
-EVENT_COLUMNS = list(EVENT_SCHEMA.names)
-SHADOW_TABLE = "shadow_compare"
-
-
-def empty_events() -> pd.DataFrame:
-    return EVENT_SCHEMA.empty_table().to_pandas()
-
-
-def _connect():
-    import duckdb
-
-    con = duckdb.connect()
-    return con
+from fp8scope.detect.events import (EVENT_COLUMNS, empty_events, event, events_batch, events_batch_from_records,
+                                    nan_value, none_if_nan, rows_of, sort_events, to_frame)
+from fp8scope.detect.scalar_rules import ScalarState
+from fp8scope.detect.shadow_rule import SHADOW_TABLE, shadow_events
 
 
 # ---- shared evaluation (offline and online) ---------------------------------------------------
@@ -75,7 +66,7 @@ def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: li
             continue
         idx = np.flatnonzero(m)
         sub = {k: v[idx] for k, v in c.items()}
-        rows = _rows(sub, km)
+        rows = rows_of(sub, km)
         if rule is NONFINITE:
             if nan_rows is not None:
                 nan_rows.extend(rows)
@@ -85,20 +76,9 @@ def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: li
             thr = np.broadcast_to(np.asarray(rule.threshold(sub), float), idx.shape)
             sev = np.broadcast_to(np.asarray(rule.severity(sub)), idx.shape)
         for r, v, t, s in zip(rows, val.tolist(), thr.tolist(), sev.tolist()):
-            r["value"], r["threshold"] = _none(v), _none(t)
-            out.append(_event(r, rule.name, s, v, t, rule.message(r)))
+            r["value"], r["threshold"] = none_if_nan(v), none_if_nan(t)
+            out.append(event(r, rule.name, s, v, t, rule.message(r)))
     return out
-
-
-def _none(v):
-    return None if isinstance(v, float) and v != v else v
-
-
-def _rows(sub: dict, km) -> list[dict]:
-    cols = {k: [_none(x) for x in v.tolist()] for k, v in sub.items()}
-    cols.update(km.names(sub["key"].tolist()))
-    names = list(cols)
-    return [dict(zip(names, vals)) for vals in zip(*cols.values())]
 
 
 def nan_events(rows: list[dict], state: dict) -> list[dict]:
@@ -115,114 +95,12 @@ def nan_events(rows: list[dict], state: dict) -> list[dict]:
             state[rank] = origin = {"step": int(r["step"]), "layer": r["layer"], "tensor": r["tensor"]}
             msg = (f"{_where(r)} produced the first non-finite value of the run at step {int(r['step'])} "
                    f"({what}; first in execution order): NaN origin")
-            out.append(_event(r, "nan_origin", "critical", _nan_value(r), 0.0, msg))
+            out.append(event(r, "nan_origin", "critical", nan_value(r), 0.0, msg))
         else:
             msg = (f"{_where(r)}: {what}, propagated from {origin['layer']} {origin['tensor']} "
                    f"(first non-finite at step {origin['step']})")
-            out.append(_event(r, "nonfinite", "warning", _nan_value(r), 0.0, msg))
+            out.append(event(r, "nonfinite", "warning", nan_value(r), 0.0, msg))
     return out
-
-
-def _isnull(v) -> bool:
-    if v is None or v is pd.NA or v is pd.NaT:
-        return True
-    try:
-        return isinstance(v, float) and np.isnan(v)
-    except TypeError:
-        return False
-
-
-def _nan_value(r: dict) -> float:
-    n = r.get("nonfinite")
-    if n is not None:
-        return float(n)
-    return float("nan")
-
-
-def _event(r: dict, rule: str, severity: str, value, threshold, message: str) -> dict:
-    return {
-        "step": int(r["step"]), "rank": int(r["rank"]), "rule": rule, "severity": severity,
-        "layer": r.get("layer") or "", "tensor": r.get("tensor") or "",
-        "value": float("nan") if value is None else float(value),
-        "threshold": float("nan") if threshold is None else float(threshold),
-        "message": message, "_order": int(r.get("order") or 0),
-    }
-
-
-class ScalarState:
-    """Loss / grad-norm rules, one value at a time (the online detector feeds each step, the
-    offline engine the whole series in step order): loss_spike, grad_norm_spike, loss_nonfinite."""
-
-    def __init__(self, cfg: DetectConfig):
-        self.cfg = cfg
-        self.hist: dict[tuple, deque] = {}
-        self.bad: dict[tuple, bool] = {}
-
-    def update(self, step: int, rank: int, name: str, value) -> list[dict]:
-        cfg = self.cfg
-        if name == cfg.grad_norm_name:
-            w, need, factor, rule, what = int(cfg.grad_window), int(cfg.min_history), float(cfg.grad_spike_factor), \
-                "grad_norm_spike", "grad norm"
-        elif name == cfg.loss_name:
-            w, need, factor, rule, what = int(cfg.loss_window), int(cfg.loss_window), float(cfg.loss_spike_factor), \
-                "loss_spike", "loss"
-        else:
-            return []
-        key = (rank, name)
-        dq = self.hist.get(key)
-        if dq is None:
-            dq = self.hist[key] = deque(maxlen=w)
-        vals = [v for v in dq if v == v]
-        n_prev = len(vals)
-        prev_mean = sum(vals) / n_prev if n_prev else float("nan")
-        v = float("nan") if value is None else float(value)
-        fin = math.isfinite(v)
-        dq.append(v if fin else float("nan"))
-        was_bad, self.bad[key] = self.bad.get(key, False), (not fin and value is not None)
-        out = []
-        base = {"step": step, "rank": rank, "layer": "", "tensor": name, "order": -1}
-        sev = "info" if step < int(cfg.warmup_steps) else "warning"
-        if fin and n_prev >= need and prev_mean > 0 and v > factor * prev_mean and rule not in cfg.disabled:
-            ratio = v / prev_mean
-            if rule == "loss_spike":
-                msg = (f"loss {_fmt(v)} is {_fmt(ratio)}x the mean of the previous {n_prev} "
-                       f"steps ({_fmt(prev_mean)})")
-            else:
-                msg = (f"grad norm {_fmt(v)} is {_fmt(ratio)}x its moving average over "
-                       f"{n_prev} steps ({_fmt(prev_mean)})")
-            out.append(_event(base, rule, sev, ratio, factor, msg))
-        if self.bad[key] and not was_bad and "loss_nonfinite" not in cfg.disabled:
-            out.append(_event(base, "loss_nonfinite", "critical", v, float("nan"),
-                              f"{name} became non-finite ({_fmt(_none(v))}) at step {step}"))
-        return out
-
-
-def to_frame(events: list[dict]) -> pd.DataFrame:
-    if not events:
-        return empty_events()
-    df = pd.DataFrame(events)
-    df["_sev"] = df["severity"].map(SEVERITY_RANK)
-    df = df.sort_values(["step", "rank", "_order", "rule"], kind="stable").reset_index(drop=True)
-    df = df[EVENT_COLUMNS]
-    return df.astype({"step": "int64", "rank": "int32", "value": "float64", "threshold": "float64"})
-
-
-def sort_events(events: list[dict]) -> list[dict]:
-    """Events in the frame's order (step, rank, execution order, rule), EVENT_COLUMNS keys only."""
-    ev = sorted(events, key=lambda e: (e["step"], e["rank"], e["_order"], e["rule"]))
-    return [{k: e[k] for k in EVENT_COLUMNS} for e in ev]
-
-
-def events_batch_from_records(records: list[dict]) -> pa.RecordBatch:
-    """Event dicts (EVENT_COLUMNS keys) -> RecordBatch with EVENT_SCHEMA, without pandas."""
-    return pa.RecordBatch.from_pylist(records, schema=EVENT_SCHEMA)
-
-
-def events_batch(df: pd.DataFrame) -> pa.RecordBatch:
-    """Events DataFrame -> RecordBatch with EVENT_SCHEMA (for the store)."""
-    t = pa.Table.from_pandas(df[EVENT_COLUMNS], schema=EVENT_SCHEMA, preserve_index=False).combine_chunks()
-    batches = t.to_batches()
-    return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=EVENT_SCHEMA)
 
 
 # ---- offline -------------------------------------------------------------------------------
@@ -304,11 +182,7 @@ def _run_rules(run, cfg: DetectConfig, tick: Callable[[str], None]) -> list[dict
             events += _scalar_events(s, cfg)
     if SHADOW_TABLE in names and "fp8_vs_bf16" not in cfg.disabled:
         tick("shadow rules")
-        con = _connect()
-        try:
-            events += _shadow_events(con, run.table(SHADOW_TABLE), cfg)
-        finally:
-            con.close()
+        events += shadow_events(run.table(SHADOW_TABLE), cfg)
     tick("done")
     return events
 
@@ -429,14 +303,13 @@ def _numeric_columns(t: pa.Table) -> tuple[dict, dict]:
 
 
 def _scalar_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
-    names = pa.array([cfg.loss_name, cfg.grad_norm_name])
+    st = ScalarState(cfg)
     # one chunk per logged step of a few rows each (zero-copy read): per-chunk overhead would dominate
     table = table.combine_chunks()
-    t = table.filter(pc.is_in(table["name"], value_set=names))
+    t = table.filter(pc.is_in(table["name"], value_set=pa.array(list(st.names))))
     if not t.num_rows:
         return []
     t = t.sort_by([("rank", "ascending"), ("name", "ascending"), ("step", "ascending")])
-    st = ScalarState(cfg)
     out: list[dict] = []
     for step, rank, name, value in zip(*(t[c].to_pylist() for c in ("step", "rank", "name", "value"))):
         out += st.update(int(step), int(rank), name, value)
@@ -467,40 +340,3 @@ def _ranks_at_least(rank, lowest: int) -> int:
     """Number of distinct ranks >= ``lowest`` in a rank column."""
     ranks = pc.unique(rank)
     return len(pc.filter(ranks, pc.greater_equal(ranks, lowest)))
-
-
-def _has(con, name: str) -> bool:
-    try:
-        con.execute(f"select 1 from {name} limit 0")
-        return True
-    except Exception:
-        return False
-
-
-def _shadow_events(con, table: pa.Table, cfg: DetectConfig) -> list[dict]:
-    """FP8-vs-BF16 divergence from the shadow tables (skipped silently when absent or unexpected)."""
-    cols = set(table.column_names)
-    errs = [c for c in ("output_rel_err", "wgrad_rel_err") if c in cols]
-    if not errs or not {"step", "layer"} <= cols or table.num_rows == 0:
-        return []
-    rank = "rank" if "rank" in cols else "0"
-    con.register("shadow_raw", table)
-    worst = "greatest(" + ", ".join(f"coalesce({c}, 0)" for c in errs) + ")" if len(errs) > 1 else f"coalesce({errs[0]}, 0)"
-    thr, crit = float(cfg.shadow_rel_err), float(cfg.shadow_critical_rel_err)
-    q = f"""
-    with s as (select step, {rank} as rank, layer, {', '.join(errs)}, {worst} as err from shadow_raw),
-    f as (select *, err > {thr!r} as bad from s),
-    e as (select *, bad and not coalesce(lag(bad) over (partition by rank, layer order by step), false) as fire from f)
-    select * from e where fire order by step, rank, layer
-    """
-    out = []
-    for r in con.execute(q).df().to_dict("records"):
-        r = {k: (None if _isnull(v) else v) for k, v in r.items()}
-        which = max(errs, key=lambda c: r.get(c) or 0)
-        r["tensor"] = "output" if which == "output_rel_err" else "wgrad"
-        sev = "critical" if r["err"] > crit else "warning"
-        out.append(_event(r, "fp8_vs_bf16", sev, r["err"], thr,
-                          f"{r['layer']}: FP8 {r['tensor']} differs from the BF16 shadow by {_fmt(100 * r['err'])}% "
-                          f"relative error (threshold {_fmt(100 * thr)}%): FP8 is to blame here"))
-    con.unregister("shadow_raw")
-    return out

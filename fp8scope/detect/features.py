@@ -320,7 +320,7 @@ def window_features_numpy(key, cols: dict, cfg: DetectConfig) -> dict:
     out: dict = {}
     if n == 0:
         return out
-    lay = _Padded(key, max(W, K, R) + 2)
+    lay = _Padded(key, max(W, K, R, int(cfg.trend_window)) + 2)
     rel = lay.rel
 
     def count_window(valid, width, include_current):
@@ -351,6 +351,15 @@ def window_features_numpy(key, cols: dict, cfg: DetectConfig) -> dict:
     out["max_jump"] = max_window(jump, K, True)
     out["n_sat"] = count_window(cols["sat_hit"].astype(bool), R, True)
     out["n_rate"] = np.minimum(rel + 1, R).astype(np.int64)
+    # amax_trend: this tensor's distance above its kind's median (dev, binades) now against T rows ago,
+    # and the largest one-row rise of it over those rows (a steady climb, not one jump)
+    T = int(cfg.trend_window)
+    dev = cols["dev"]
+    padded = lay.place(dev, np.nan)
+    out["dev_old"] = np.where(rel >= T, lay.take(padded, T), np.nan)
+    prev_dev = np.r_[np.nan, dev[:-1]]
+    prev_dev[first] = np.nan
+    out["dev_jump"] = max_window(dev - prev_dev, T, True)
     return out
 
 
@@ -363,11 +372,12 @@ class WindowCarry:
     same history as in one pass over the run.
     """
 
-    INPUTS = ("amax_f", "scale_inv_f", "sat_hit", "bad_amax")
+    INPUTS = ("amax_f", "scale_inv_f", "sat_hit", "bad_amax", "dev")
 
     def __init__(self, cfg: DetectConfig):
         self.cfg = cfg
-        self.keep = max(int(cfg.spike_window), int(cfg.collapse_window) + 1, int(cfg.sat_rate_window)) + 1
+        self.keep = max(int(cfg.spike_window), int(cfg.collapse_window) + 1, int(cfg.sat_rate_window),
+                        int(cfg.trend_window) + 1) + 1
         self.key = np.zeros(0, np.int64)
         self.cols: dict = {}
 

@@ -7,14 +7,14 @@ detection are one code path and give the same events. Events are returned as
 ``{"events": RecordBatch}`` (the writer stores them), logged with :mod:`logging` (logger
 ``fp8scope.detect``) and passed to ``on_event(event_dict)`` if given.
 
-Why batches: a pass carries each tensor's last window rows (101) and costs about the same for 1
-step as for 20, and the detection thread shares the interpreter lock with the training loop.
-``BackgroundDetector`` therefore hands the detector the steps that arrived within ``max_delay``
-seconds (2 s by default) of the first, at most 64. CPU per step (benchmarks/report_speed.py
---online, demo run): 63 tensors 1.3 ms one step per pass, 0.22 ms ten per pass; 1,008 tensors
-13.5 ms one per pass, 2.2 ms ten per pass, 1.1 ms fifty per pass. A fast loop (the tiny GPT, 10
-steps/s) gets ~20 steps per pass; a slow one (a large model at one step a second) 2-3, where the
-cost is small beside the step. Events arrive at most ``max_delay`` after their step.
+Steps are examined as soon as they arrive, at the training process's own priority: events for
+step t must reach the run and ``on_event`` before step t+2 ends, also when every core is busy
+(a detector at lower priority fell tens of steps behind under load, after the very blow-up it
+should report). A pass carries each tensor's last window rows (101) and costs about as much for
+one step as for twenty (benchmarks/report_speed.py --online, demo run: 63 tensors 1.3 ms for one
+step, 1,008 tensors 13.5 ms), small beside a training step. When steps queue up anyway (a slow
+machine, a burst), the backlog is examined in one batch (at most ``max_batch`` steps), so the
+detector catches up instead of drifting; falling more than ``lag_warn`` steps behind is said once.
 """
 
 from __future__ import annotations
@@ -30,8 +30,9 @@ import pandas as pd
 import pyarrow as pa
 
 from fp8scope.detect.config import DetectConfig
-from fp8scope.detect.engine import (ScalarState, TensorPass, events_batch_from_records, in_step_order, nan_events,
-                                    sort_events, to_frame)
+from fp8scope.detect.engine import TensorPass, in_step_order, nan_events
+from fp8scope.detect.events import events_batch_from_records, sort_events, to_frame
+from fp8scope.detect.scalar_rules import ScalarState
 from fp8scope.detect.features import TENSOR_COLUMNS
 
 log = logging.getLogger("fp8scope.detect")
@@ -109,9 +110,8 @@ class OnlineDetector:
 
     # ---- scalars ---------------------------------------------------------------------------
     def _scalar_step(self, batch: pa.RecordBatch) -> list[dict]:
-        cfg = self.cfg
         names = batch.column("name").to_pylist()
-        want = (cfg.loss_name, cfg.grad_norm_name)
+        want = self._scalar.names
         if not any(n in want for n in names):
             return []
         out: list[dict] = []
@@ -122,16 +122,6 @@ class OnlineDetector:
         return out
 
 
-def _lower_priority() -> None:
-    """Nice the calling thread (Linux: per-thread niceness) so detection yields to training."""
-    import os
-
-    try:
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 10)
-    except (AttributeError, OSError, ValueError):
-        pass
-
-
 _FLUSH = object()  # queued by flush(): examine what is queued now, do not wait for more
 
 
@@ -140,26 +130,24 @@ class BackgroundDetector:
 
     Installed by ``Monitor(detect=...)``: as a step listener it only queues the step's record
     batches (the writer thread returns at once); the detection thread writes its events through
-    ``submit(table, batch)`` (``Monitor.log_table``). The thread runs at a lower OS priority (nice +10)
-    so it never competes with training. It examines steps in batches: those that arrived within
-    ``max_delay`` seconds of the first (at most ``max_batch``), in one pass and one events write; a
-    backlog is caught up the same way. Only beyond ``max_queue`` queued steps are steps skipped for
+    ``submit(table, batch)`` (``Monitor.log_table``). It examines each step as it arrives, and a
+    backlog in one pass and one events write (at most ``max_batch`` steps); more than ``lag_warn``
+    steps queued is warned about once. Only beyond ``max_queue`` queued steps are steps skipped for
     detection (warned once); the statistics themselves are always written. ``flush()`` and
     ``close()`` examine everything queued at once. Attribute access falls through to the detector
     (``.events``, ``.frame()``). ``detector`` may also be any per-step listener callable.
     """
 
     def __init__(self, detector: OnlineDetector, submit: Callable[[str, pa.RecordBatch], Any], max_queue: int = 1024,
-                 max_delay: float = 2.0, max_batch: int = 64):
+                 max_batch: int = 64, lag_warn: int = 8):
         self.detector = detector
         self._submit = submit
-        self.max_delay = float(max_delay)
+        self.lag_warn = int(lag_warn)
+        self.max_lag = 0  # the largest backlog seen, in steps
         self.max_batch = max(1, int(max_batch))
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
-        self._hurry = threading.Event()  # set by flush() / close(): stop waiting for more steps
-        self._urgent = 0  # flush / close markers queued and not yet taken
-        self._urgent_lock = threading.Lock()
         self.skipped = 0
+        self._lag_warned = False
         self._failed = False
         self._thread = threading.Thread(target=self._run, name="fp8scope-detect", daemon=True)
         self._thread.start()
@@ -182,25 +170,21 @@ class BackgroundDetector:
         return None
 
     def _collect(self) -> list:
-        """The next batch: a first item, then whatever arrives within ``max_delay`` (a flush or the
-        close sentinel ends the wait at once; a backlog of ``max_batch`` steps is taken at once).
-
-        The thread sleeps out the delay rather than waking for every step that arrives: on a small
-        machine each wake-up takes a core from the training's own threads."""
+        """The next batch: the first item queued, then whatever else is queued already (a backlog, up to
+        ``max_batch``); a flush or the close sentinel ends it."""
         items = [self._q.get()]
-        if items[-1] is not None and items[-1] is not _FLUSH:
-            if self._urgent == 0 and self._q.qsize() < self.max_batch - 1:
-                self._hurry.wait(self.max_delay)
-            while len(items) < self.max_batch and items[-1] is not None and items[-1] is not _FLUSH:
-                try:
-                    items.append(self._q.get_nowait())
-                except queue.Empty:
-                    break
-        if items[-1] is None or items[-1] is _FLUSH:
-            with self._urgent_lock:
-                self._urgent -= 1
-                if self._urgent == 0:
-                    self._hurry.clear()
+        while len(items) < self.max_batch and items[-1] is not None and items[-1] is not _FLUSH:
+            try:
+                items.append(self._q.get_nowait())
+            except queue.Empty:
+                break
+        lag = sum(1 for it in items if it is not None and it is not _FLUSH) + self._q.qsize()
+        if lag > self.max_lag:
+            self.max_lag = lag
+            if lag > self.lag_warn and not self._lag_warned:
+                self._lag_warned = True
+                warnings.warn(f"fp8scope: online detection fell {lag} steps behind the run; it examines the backlog in "
+                              "batches to catch up (events may arrive late)", RuntimeWarning, stacklevel=2)
         return items
 
     def _examine(self, steps: list) -> dict[str, list]:
@@ -213,7 +197,6 @@ class BackgroundDetector:
         return outs
 
     def _run(self) -> None:
-        _lower_priority()
         while True:
             items = self._collect()
             try:
@@ -239,15 +222,12 @@ class BackgroundDetector:
                 return
 
     def flush(self) -> None:
-        """Wait until every queued step has been examined (without waiting out ``max_delay``)."""
+        """Wait until every queued step has been examined."""
         self._put_marker(_FLUSH)
         self._q.join()
 
     def _put_marker(self, marker) -> None:
-        with self._urgent_lock:
-            self._urgent += 1
         self._q.put(marker)
-        self._hurry.set()
 
     def close(self, timeout: float = 60.0) -> None:
         self._put_marker(None)

@@ -75,6 +75,7 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     rep["first_anomaly"] = _ev(first)
     nan = ev[ev["rule"] == "nan_origin"] if not ev.empty else ev
     rep["nan_origin"] = _ev(nan.iloc[0]) if not nan.empty else None
+    rep["attribution"] = attribution(serious)
     rep["top_layers"] = _top_layers(serious)
     rep["scalars"] = _scalar_context(run, cfg, rep["first_anomaly"])
     rep["shadow"] = _shadow_verdict(run, cfg)
@@ -160,20 +161,26 @@ def _mean_per_step(t, names: list[str]) -> pd.DataFrame:
 
 
 def _shadow_verdict(run, cfg: DetectConfig) -> dict | None:
+    from fp8scope.detect.shadow_rule import departures
+
     names = set(run.table_names())
     if "shadow_compare" not in names:
         return None
-    t = run.table("shadow_compare").to_pandas()
-    errs = [c for c in ("output_rel_err", "wgrad_rel_err") if c in t.columns]
-    if t.empty or not errs or "layer" not in t.columns:
+    d = departures(run.table("shadow_compare"), cfg)
+    if d.empty:
         return None
-    t["err"] = t[errs].max(axis=1)
-    per_layer = t.groupby("layer")["err"].agg(["max", "mean"]).sort_values("max", ascending=False)
-    over = per_layer[per_layer["max"] > cfg.shadow_rel_err]
+    judged = d[d["baseline"].notna()]
+    # where FP8 hurts: layers ranked by their worst departure from their own baseline, not by raw error
+    per_layer = (judged.groupby("layer").agg(max_departure=("departure", "max"), max_rel_err=("err", "max"),
+                                             baseline=("baseline", "median"), departs=("departs", "sum"))
+                 .sort_values("max_departure", ascending=False)) if not judged.empty else pd.DataFrame()
+    over = per_layer[per_layer["departs"] > 0] if not per_layer.empty else per_layer
     out: dict[str, Any] = {
-        "steps_compared": int(t["step"].nunique()),
-        "threshold": cfg.shadow_rel_err,
-        "worst_layers": [{"layer": k, "max_rel_err": _clean(float(r["max"])), "mean_rel_err": _clean(float(r["mean"]))}
+        "steps_compared": int(d["step"].nunique()),
+        "baseline_steps": sorted(int(x) for x in d.loc[d["baseline"].isna(), "step"].unique()),
+        "factor": cfg.shadow_factor,
+        "worst_layers": [{"layer": k, "max_departure": _clean(float(r["max_departure"])),
+                          "max_rel_err": _clean(float(r["max_rel_err"])), "baseline_rel_err": _clean(float(r["baseline"]))}
                          for k, r in per_layer.head(5).iterrows()],
         "layers_over_threshold": over.index.tolist(),
     }
@@ -194,18 +201,66 @@ def _shadow_verdict(run, cfg: DetectConfig) -> dict | None:
     out["loss"] = loss_note
     if loss_note and loss_note["bf16_nonfinite"]:
         out["verdict"] = "BF16 from the same state also blows up: FP8 is probably NOT to blame (look at lr, data, optimizer)."
+    elif judged.empty:
+        out["verdict"] = "too few compares per layer to judge FP8 against its own baseline yet"
     elif over.empty:
-        out["verdict"] = (f"FP8 tracks BF16 within {100 * cfg.shadow_rel_err:g}% in every compared layer: "
-                          "FP8 is probably not to blame.")
+        out["verdict"] = (f"FP8 stays within {cfg.shadow_factor:g}x its own usual distance from BF16 in every compared "
+                          "layer: FP8 is probably not to blame.")
     else:
-        out["verdict"] = (f"FP8 departs from BF16 by more than {100 * cfg.shadow_rel_err:g}% in "
-                          f"{len(over)} layer(s), worst {over.index[0]}: FP8 is to blame there.")
+        w = per_layer.iloc[0]
+        out["verdict"] = (f"FP8 departs from BF16 by more than {cfg.shadow_factor:g}x its usual error in {len(over)} "
+                          f"layer(s), worst {over.index[0]} ({_short(w['max_departure'])}x its usual "
+                          f"{_short(100 * w['baseline'])}%): FP8 hurts there.")
     return out
+
+
+# What FP8 does to tensors (the damage FP8 can cause), and what the optimizer side shows.
+FP8_DAMAGE = frozenset({"saturation", "saturation_rate", "underflow", "nan_origin", "nonfinite", "stale_scale",
+                        "scale_mismatch", "scale_kept", "scale_collapse", "fp8_vs_bf16"})
+OPTIMIZER_SIDE = frozenset({"lr_change", "loss_spike", "grad_norm_spike"})
+
+
+def attribution(serious: pd.DataFrame) -> dict:
+    """Which side moved first. An lr change, loss spike or grad-norm spike at a step before any FP8
+    saturation, underflow, stale or mismatched scale, NaN or BF16 departure points away from FP8
+    (events of the same step do not count as earlier: a step's loss, grad norm and applied lr come
+    after its tensors). ``side``: "optimizer", "fp8" or None; ``event``: the first event of that side;
+    ``fp8_event``: the first FP8 one, if any."""
+    if serious.empty:
+        return {"side": None, "event": None, "fp8_event": None}
+    ordered = serious.sort_values(["step", "rank"], kind="stable")
+    opt = ordered[ordered["rule"].isin(OPTIMIZER_SIDE)]
+    fp8 = ordered[ordered["rule"].isin(FP8_DAMAGE)]
+    first_opt = _ev(opt.iloc[0]) if not opt.empty else None
+    first_fp8 = _ev(fp8.iloc[0]) if not fp8.empty else None
+    if first_opt is not None and (first_fp8 is None or first_opt["step"] < first_fp8["step"]):
+        return {"side": "optimizer", "event": first_opt, "fp8_event": first_fp8}
+    if first_fp8 is not None:
+        return {"side": "fp8", "event": first_fp8, "fp8_event": first_fp8}
+    return {"side": None, "event": None, "fp8_event": None}
+
+
+def _optimizer_advice(rep: dict) -> list[str]:
+    a = rep["attribution"]
+    e, f = a["event"], a["fp8_event"]
+    after = (f"; FP8 trouble only follows at step {f['step']} ({f['rule']} in {f['layer']} {f['tensor']})" if f
+             else "; no FP8 saturation, underflow or NaN at all")
+    if e["rule"] == "lr_change":
+        first = (f"The learning rate changed abruptly at step {e['step']} ({e['message']}){after}. Check the "
+                 "schedule and the optimizer / scheduler state (a resumed scheduler, a wrong lr multiplier); changing "
+                 "the FP8 recipe will not fix it.")
+    else:
+        what = "loss" if e["rule"] == "loss_spike" else "grad norm"
+        first = (f"The {what} spiked at step {e['step']} before any FP8 symptom{after}. Look at the batch of that "
+                 "step and at the learning rate; confirm with a BF16 shadow fork that BF16 does the same.")
+    return [first]
 
 
 def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
     if serious.empty:
         return ["Nothing at warning level or above: the FP8 numerics look healthy with these thresholds."]
+    if rep.get("attribution", {}).get("side") == "optimizer":
+        return _optimizer_advice(rep)
     recipe = rep.get("recipe") or {}
     delayed = recipe.get("kind") == "delayed"
     hist = recipe.get("amax_history_len")
@@ -257,8 +312,7 @@ def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
                    "optimizer). Confirm with a BF16 shadow run (fp8scope shadow steps).")
     if "fp8_vs_bf16" in rules:
         ls = layers_of("fp8_vs_bf16")
-        adv.append(f"FP8 differs from BF16 by more than {100 * cfg.shadow_rel_err:g}% in {', '.join(ls)}: "
-                   "keep those in BF16.")
+        adv.append(f"FP8 departs from BF16 well beyond its own usual error in {', '.join(ls)}: keep those in BF16.")
     return adv
 
 
@@ -270,6 +324,12 @@ def _verdict(rep: dict, serious: pd.DataFrame) -> str:
     f = rep["first_anomaly"]
     where = f"{f['layer']} {f['tensor']}".strip() if f["layer"] else f["tensor"]
     s = f"first anomaly at step {f['step']}: {f['rule']} in {where}"
+    att = rep.get("attribution") or {}
+    if att.get("side") == "optimizer":
+        e, x = att["event"], att["fp8_event"]
+        s += (f"; the optimizer side moved first ({e['rule']} at step {e['step']}, "
+              + (f"before FP8's first symptom at step {x['step']}" if x else "with no FP8 symptom") + "): FP8 is unlikely "
+              "the cause")
     if (rep.get("measured") or {}).get("kind") == "whatif" and f["layer"]:
         s += " (what-if: simulated FP8; training ran in high precision)"
     if rep["nan_origin"]:
@@ -278,6 +338,10 @@ def _verdict(rep: dict, serious: pd.DataFrame) -> str:
     if rep.get("shadow") and rep["shadow"].get("verdict"):
         s += f"; shadow: {rep['shadow']['verdict']}"
     return s
+
+
+def _short(v) -> str:
+    return f"{float(v):.3g}"
 
 
 def short_value(v):

@@ -12,8 +12,9 @@ Rule kinds:
 * :class:`RowRule` - a predicate per tensor row. ``edge=True`` fires only on the first row of a
   run of rows where the predicate holds (per tensor), so a condition that lasts 100 steps is one
   event, not 100. Predicates on full-stats columns are missing (NaN) on cheap rows and then skipped.
-* scalar rules (loss / grad-norm spikes: :class:`fp8scope.detect.engine.ScalarState`), NaN
-  provenance, cross-rank and shadow rules are built in :mod:`fp8scope.detect.engine`.
+* optimizer-side rules (loss / grad-norm spikes, lr changes: :mod:`fp8scope.detect.scalar_rules`),
+  FP8-vs-BF16 compares (:mod:`fp8scope.detect.shadow_rule`), NaN provenance and cross-rank rules
+  (:mod:`fp8scope.detect.engine`).
 """
 
 from __future__ import annotations
@@ -80,8 +81,10 @@ class RowRule:
 
 
 def _early(cfg: DetectConfig, c: dict, sev):
-    """Severity that drops to 'info' during warm-up."""
-    return np.where(c["step"] < int(cfg.warmup_steps), "info", sev)
+    """Severity that drops to 'info' while the tensor warms up: fewer than ``warmup_rows`` logged rows of
+    its own before this one (per tensor, not a fixed step: a layer first seen late, or a run resumed,
+    warms up on its own history)."""
+    return np.where(c["n_prev"] < int(cfg.warmup_rows), "info", sev)
 
 
 def _nn(x):
@@ -106,6 +109,8 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
     ufw, ufg, ufc = float(cfg.underflow_warn), float(cfg.underflow_grad_warn), float(cfg.underflow_critical)
     dre, cw, cf, cj = float(cfg.dynamic_range_excess), int(cfg.collapse_window), float(cfg.collapse_factor), float(cfg.collapse_max_jump)
     oz, ob, ow, om = float(cfg.outlier_z), float(cfg.outlier_min_binades), float(cfg.outlier_warn_binades), int(cfg.outlier_min_layers)
+    mm = float(cfg.mismatch_factor)
+    tb, tj = float(cfg.trend_binades), float(cfg.trend_max_jump_share)
 
     def uf_thr(c):
         return np.where(c["is_grad"], ufg, ufw)
@@ -129,7 +134,9 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             cond=lambda c: (c["sat_ratio"] > 1 + tol) & ((c["sat_ratio"] >= sw) | (_z(c["ovf_frac"]) >= sf)),
             value=lambda c: c["sat_ratio"],
             threshold=lambda c: sw,
-            severity=lambda c: _early(cfg, c, np.where(c["sat_ratio"] >= sc, "critical", "warning")),
+            # clipping by a large factor (sat_warn_ratio and up) is never muted by warm-up
+            severity=lambda c: np.where(c["sat_ratio"] >= sc, "critical",
+                                        np.where(c["sat_ratio"] >= sw, "warning", _early(cfg, c, "warning"))),
             message=lambda r: (
                 f"{_where(r)}: amax {_fmt(r['amax'])} is {_fmt(r['value'])}x the largest value the scale in use "
                 f"can represent ({_fmt(r['rng'])} = fp8_max x scale_inv): values were clipped"
@@ -159,6 +166,27 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
                 f"{_where(r)}: the scale still comes from amax {_fmt(r['expected_amax'])}, {_fmt(r['value'])}x "
                 f"today's amax {_fmt(r['amax'])} (a past spike sits in the amax history)"
                 + (f"; {_pct(r['uf_frac'])} of non-zeros underflow" if r.get("uf_frac") is not None else "")
+            ),
+        ),
+        RowRule(
+            # The scale comes from an amax this tensor never had in its window (nor today): a reset scale (a
+            # checkpoint resumed without its FP8 state gives scale 1), a corrupted or foreign amax history, or
+            # a spike older than the window. Read from a cheap row's scale and amax alone, so it is seen on
+            # every step, not only on full-stats steps.
+            "scale_mismatch",
+            evaluable=lambda c: _nn(c["expected_amax"]) & (c["expected_amax"] > 0) & (c["amax_f"] > 0),
+            cond=lambda c: ((c["n_prev"] >= 1) & (c["amax_f"] > 0)
+                            & (c["expected_amax"] >= mm * np.fmax(c["prev_max"], c["amax_f"]))),
+            value=lambda c: _div(c["expected_amax"], np.fmax(c["prev_max"], c["amax_f"])),
+            threshold=lambda c: mm,
+            severity=lambda c: "warning",
+            message=lambda r: (
+                f"{_where(r)}: the scale in use (scale {_fmt(r['scale'])}) comes from an amax of "
+                f"{_fmt(r['expected_amax'])}, {_fmt(r['value'])}x anything this tensor logged in its last "
+                f"{int(r['n_prev'])} steps (today {_fmt(r['amax'])}): a reset scale, a corrupted or foreign amax "
+                f"history, or a spike older than that; its values sit {_fmt(math.log2(max(r['value'], 1.0)))} "
+                f"binades below the format's range, so small ones flush to zero"
+                + (f" ({_pct(r['uf_frac'])} of non-zeros underflow)" if r.get("uf_frac") is not None else "")
             ),
         ),
         RowRule(
@@ -210,6 +238,26 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             ),
         ),
         RowRule(
+            # A slowly growing outlier (SwiGLU amplification, ../shared/fp8-reference.md §4): the tensor climbs
+            # away from the layers of its kind step after step. No spike rule sees it; it saturates only once it
+            # outruns the amax history. Fires while it grows.
+            "amax_trend",
+            # forward tensors only: gradients wander relative to their peers in healthy training (measured
+            # on clean runs: 4-13x over 50 steps), outlier features are an activation's
+            evaluable=lambda c: _nn(c["dev"]) & _nn(c["dev_old"]) & ~c["is_grad"],
+            cond=lambda c: ((c["n_kind"] >= om) & (c["dev"] - c["dev_old"] >= tb)
+                            & (c["dev_jump"] <= tj * (c["dev"] - c["dev_old"])) & (c["dev"] >= 1.0)),
+            value=lambda c: np.exp2(c["dev"] - c["dev_old"]),
+            threshold=lambda c: 2.0 ** tb,
+            severity=lambda c: _early(cfg, c, "warning"),
+            message=lambda r: (
+                f"{_where(r)}: amax {_fmt(r['amax'])} grew {_fmt(r['value'])}x relative to the {int(r['n_kind'])} "
+                f"layers of its kind over its last {int(cfg.trend_window)} logged steps, steadily (at most "
+                f"{_fmt(2 ** r['dev_jump'])}x in one step), now {_fmt(2 ** r['dev'])}x their median: a growing "
+                "outlier feature, which saturates once it outruns the amax history"
+            ),
+        ),
+        RowRule(
             "layer_outlier",
             evaluable=lambda c: _nn(c["l2"]),
             cond=lambda c: (c["n_kind"] >= om) & (c["z"] >= oz) & (c["dev"] >= ob),
@@ -231,7 +279,7 @@ NONFINITE = RowRule("nonfinite", cond=lambda c: c["bad"], value=lambda c: c["non
 
 
 # Rules that are not RowRules, for `--rule` validation and docs.
-OTHER_RULES = ("nan_origin", "nonfinite", "loss_spike", "grad_norm_spike", "loss_nonfinite",
+OTHER_RULES = ("nan_origin", "nonfinite", "loss_spike", "grad_norm_spike", "lr_change", "loss_nonfinite",
                "fp8_vs_bf16", "cross_rank_scale_mismatch")
 
 

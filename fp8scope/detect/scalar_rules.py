@@ -1,0 +1,130 @@
+"""Optimizer-side rules, one scalar value at a time: loss and grad-norm spikes judged against the
+run's own variability, learning-rate changes the schedule does not explain, non-finite losses.
+
+The online detector feeds each step's scalars; the offline engine feeds each series in step order.
+Both call :meth:`ScalarState.update`, so a run gets the same events either way.
+
+Why these shapes:
+
+- A fixed "2x the mean" misses what matters on real runs (a 30x learning-rate jump raised the loss
+  1.59x and the grad norm 3.7x) and cries wolf on noisy ones. A spike is judged in log space
+  against the median of the previous values and their spread (MAD): ``z = (log v - median) /
+  spread``. It fires when z is large *and* the value is a minimum factor above the median, so a run
+  with almost no noise does not flag a 2 % wobble.
+- One event per excursion: a loss that jumps and stays up is one event, the next one fires after
+  it came back (z below half the threshold).
+- A learning rate moves every step under warm-up and decay. The rule compares each step's change
+  with the largest change of the previous steps (the schedule's own pace): a linear warm-up's
+  early doublings and a cosine decay never fire; a jump of several times the pace does (upward:
+  warning; a drop: info, a step schedule is a normal thing).
+- Warm-up is per series: a rule judges once its series has ``scalar_min_history`` values, not
+  after a fixed step number.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+
+import numpy as np
+
+from fp8scope.detect.config import DetectConfig
+from fp8scope.detect.events import event
+from fp8scope.detect.rules import _fmt
+
+SCALAR_RULES = ("loss_spike", "grad_norm_spike", "lr_change", "loss_nonfinite")
+SCALAR_ORDER = 1 << 30
+
+
+class _Series:
+    __slots__ = ("values", "in_spike", "bad", "ratios", "last")
+
+    def __init__(self, window: int):
+        self.values: deque = deque(maxlen=window)  # finite values, log space for spikes
+        self.ratios: deque = deque(maxlen=window)  # |log(lr_t / lr_t-1)| for the lr rule
+        self.in_spike = False
+        self.bad = False
+        self.last: float | None = None
+
+
+class ScalarState:
+    """Per (rank, name) series state; :meth:`update` returns the events of one value."""
+
+    def __init__(self, cfg: DetectConfig):
+        self.cfg = cfg
+        self.series: dict[tuple, _Series] = {}
+
+    @property
+    def names(self) -> tuple[str, ...]:
+        c = self.cfg
+        return (c.loss_name, c.grad_norm_name, c.lr_name)
+
+    def update(self, step: int, rank: int, name: str, value) -> list[dict]:
+        cfg = self.cfg
+        if name not in self.names:
+            return []
+        key = (rank, name)
+        s = self.series.get(key)
+        if s is None:
+            s = self.series[key] = _Series(int(cfg.scalar_window))
+        v = float("nan") if value is None else float(value)
+        # a step's scalars come after its tensors (the loss and grad norm of step t are computed from
+        # them, the lr of step t is applied after them): at equal steps events sort tensors first
+        base = {"step": step, "rank": rank, "layer": "", "tensor": name, "order": SCALAR_ORDER}
+        if name == cfg.lr_name:
+            return self._lr(s, v, base)
+        out: list[dict] = []
+        fin = math.isfinite(v)
+        was_bad, s.bad = s.bad, (not fin and value is not None)
+        if s.bad and not was_bad and "loss_nonfinite" not in cfg.disabled:
+            out.append(event(base, "loss_nonfinite", "critical", v, float("nan"),
+                             f"{name} became non-finite ({'NaN' if v != v else _fmt(v)}) at step {step}"))
+        if fin and v > 0:
+            out += self._spike(s, v, name, base)
+        return out
+
+    def _spike(self, s: _Series, v: float, name: str, base: dict) -> list[dict]:
+        cfg = self.cfg
+        is_loss = name == cfg.loss_name
+        rule = "loss_spike" if is_loss else "grad_norm_spike"
+        lv = math.log(v)
+        hist = np.fromiter(s.values, float)
+        s.values.append(lv)
+        if len(hist) < int(cfg.scalar_min_history) or rule in cfg.disabled:
+            return []
+        med = float(np.median(hist))
+        spread = max(1.4826 * float(np.median(np.abs(hist - med))),
+                     float(cfg.loss_noise_floor if is_loss else cfg.grad_noise_floor))
+        z = (lv - med) / spread
+        ratio = math.exp(lv - med)
+        min_ratio = float(cfg.loss_spike_factor if is_loss else cfg.grad_spike_factor)
+        min_z = float(cfg.loss_spike_z if is_loss else cfg.grad_spike_z)
+        if s.in_spike:
+            s.in_spike = z >= min_z / 2
+            return []
+        if z < min_z or ratio < min_ratio:
+            return []
+        s.in_spike = True
+        what = "loss" if is_loss else "grad norm"
+        msg = (f"{what} {_fmt(v)} is {_fmt(ratio)}x the median of its previous {len(hist)} steps "
+               f"({_fmt(math.exp(med))}), {_fmt(z)} times their usual spread")
+        return [event(base, rule, "warning", ratio, min_ratio, msg)]
+
+    def _lr(self, s: _Series, v: float, base: dict) -> list[dict]:
+        cfg = self.cfg
+        prev, s.last = s.last, v
+        if not (math.isfinite(v) and v > 0 and prev is not None and math.isfinite(prev) and prev > 0):
+            return []
+        r = math.log(v / prev)
+        pace = max(s.ratios, default=None)
+        s.ratios.append(abs(r))
+        if pace is None or len(s.ratios) <= int(cfg.lr_min_history) or "lr_change" in cfg.disabled:
+            return []
+        jump, factor = abs(r), float(cfg.lr_jump_factor)
+        if jump < math.log(factor) or jump < float(cfg.lr_pace_factor) * pace:
+            return []
+        up = r > 0
+        msg = (f"learning rate {'rose' if up else 'fell'} {_fmt(math.exp(jump))}x in one step ({_fmt(prev)} -> "
+               f"{_fmt(v)}); the schedule's largest step over the previous {len(s.ratios) - 1} was "
+               f"{_fmt(math.exp(pace))}x")
+        return [event(base, "lr_change", "warning" if up else "info", math.exp(r), factor, msg)]

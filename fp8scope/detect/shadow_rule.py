@@ -1,0 +1,81 @@
+"""FP8 against its BF16 shadow, judged against each layer's own FP8 noise (``fp8_vs_bf16``).
+
+A compare step measures, per layer, how far the FP8 step's output and weight gradient are from the
+same step re-run in BF16. Healthy FP8 is not within 1 % of BF16: on a clean run the output's
+relative error has a median of a few percent and the weight gradient's up to ~20 %, depending on
+the layer, its recipe and its data. So a layer is judged against *its own* earlier compares:
+
+- its baseline is the median of the errors of its previous compares (the first
+  ``shadow_min_compares`` compares of a layer only form the baseline and are labelled so: the
+  first of them is often step 0, where delayed scaling has no amax history yet);
+- a compare *departs* when its error is ``shadow_factor`` times that baseline and above the
+  absolute floor ``shadow_rel_err``; every compare is judged, and a departure is one event per
+  excursion (it fires again after the layer came back), so a fault late in a run is not hidden
+  by an early one;
+- "where FP8 hurts" ranks layers by departure (error / baseline), not by raw error.
+
+:func:`departures` is the one definition; the offline engine turns its rows into events and the
+report ranks layers with it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pandas as pd
+import pyarrow as pa
+
+from fp8scope.detect.config import DetectConfig
+from fp8scope.detect.events import event
+from fp8scope.detect.rules import _fmt
+
+SHADOW_TABLE = "shadow_compare"
+METRICS = {"output_rel_err": "output", "wgrad_rel_err": "wgrad"}
+
+
+def departures(table: pa.Table | pd.DataFrame, cfg: DetectConfig) -> pd.DataFrame:
+    """One row per (compare step, rank, layer, metric): ``err``, ``baseline`` (median of the layer's
+    earlier errors of that metric; NaN while it forms), ``n_prev``, ``departure`` (err / baseline),
+    ``departs`` (bool) and ``fires`` (first departure of an excursion)."""
+    df = table.to_pandas() if isinstance(table, pa.Table) else table
+    cols = [c for c in METRICS if c in df.columns]
+    if df.empty or not cols or not {"step", "layer"} <= set(df.columns):
+        return pd.DataFrame(columns=["step", "rank", "layer", "metric", "err", "baseline", "n_prev", "departure",
+                                     "departs", "fires"])
+    if "rank" not in df.columns:
+        df = df.assign(rank=0)
+    long = df.melt(id_vars=["step", "rank", "layer"], value_vars=cols, var_name="metric", value_name="err")
+    long["metric"] = long["metric"].map(METRICS)
+    long = long.dropna(subset=["err"]).sort_values(["rank", "layer", "metric", "step"], kind="stable")
+    need, factor, floor = int(cfg.shadow_min_compares), float(cfg.shadow_factor), float(cfg.shadow_rel_err)
+    parts = []
+    for _, g in long.groupby(["rank", "layer", "metric"], sort=False):
+        err = g["err"].to_numpy(float)
+        base = np.full(len(err), np.nan)
+        for i in range(need, len(err)):
+            base[i] = np.median(err[:i])
+        departs = (err >= factor * base) & (err >= floor)  # NaN baseline: False
+        fires = departs & ~np.r_[False, departs[:-1]]
+        parts.append(g.assign(baseline=base, n_prev=np.arange(len(err)),
+                              departure=np.divide(err, base, out=np.full(len(err), np.nan), where=base > 0),
+                              departs=departs, fires=fires))
+    out = pd.concat(parts, ignore_index=True)
+    return out.sort_values(["step", "rank", "layer", "metric"], kind="stable").reset_index(drop=True)
+
+
+def shadow_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
+    """``fp8_vs_bf16`` events: the first compare of each excursion of a layer above its own baseline."""
+    if "fp8_vs_bf16" in cfg.disabled:
+        return []
+    d = departures(table, cfg)
+    if d.empty:
+        return []
+    crit = float(cfg.shadow_critical_factor)
+    out = []
+    for r in d[d["fires"]].to_dict("records"):
+        sev = "critical" if r["departure"] >= crit else "warning"
+        msg = (f"{r['layer']}: FP8 {r['metric']} differs from the BF16 shadow by {_fmt(100 * r['err'])}% relative "
+               f"error, {_fmt(r['departure'])}x this layer's usual {_fmt(100 * r['baseline'])}% (median of its "
+               f"{int(r['n_prev'])} earlier compares): FP8 hurts this layer here")
+        out.append(event({**r, "tensor": r["metric"], "order": 0}, "fp8_vs_bf16", sev, r["departure"],
+                         float(cfg.shadow_factor), msg))
+    return out
