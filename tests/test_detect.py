@@ -215,14 +215,34 @@ def test_whatif_replay_matches_scaling_state(runs):
 def test_cli_whatif_compare(runs):
     rc, out, err = _cli("whatif", runs["outlier"], "--compare", "logged,delayed:16:0,delayed:16:1,current", "--json")
     assert rc == 0, err
-    rows = pd.DataFrame(json.loads(out))
+    doc = json.loads(out)
+    rows = pd.DataFrame(doc["rows"])
     tot = rows.groupby("recipe")[["sat_steps", "risk_steps"]].sum()
     # the run used delayed:16:0, so the replay equals what was logged; current never saturates
     assert tot.loc["logged"].tolist() == tot.loc["delayed:16:0"].tolist()
     assert tot.loc["current", "sat_steps"] == 0
-    assert tot.loc["delayed:16:1", "sat_steps"] < tot.loc["delayed:16:0", "sat_steps"]
+    assert tot.loc["delayed:16:1", "sat_steps"] <= tot.loc["delayed:16:0", "sat_steps"]
+    rec = doc["recommendation"]
+    assert set(rec["scores"]) == {"logged", "delayed:16:0", "delayed:16:1", "current"}
+    if rec["recipe"] is not None:  # a recommendation beats the logged recipe by a margin, and says so
+        assert rec["scores"][rec["recipe"]]["score"] <= rec["scores"]["logged"]["score"] / 2 and "against" in rec["why"]
     rc, out, err = _cli("whatif", runs["outlier"], "--recipe", "delayed", "--amax-history-len", "16", "--margin", "1")
     assert rc == 0 and "delayed:16:1" in out
+
+
+def test_whatif_recommends_only_what_measurably_helps():
+    from fp8scope.detect.whatif import recommend
+
+    def res(rows):
+        return pd.DataFrame([{"recipe": r, "steps": 1000, "sat_steps": s, "risk_steps": k} for r, s, k in rows])
+
+    # a healthy run: a few clipped steps, current would remove them but the gain is below 1 % of the steps
+    assert recommend(res([("logged", 0, 5), ("current", 0, 0), ("delayed:16:1", 0, 9)]))["recipe"] is None
+    # a run that clips often: the best alternative wins, with the numbers that make it win
+    r = recommend(res([("logged", 40, 100), ("delayed:16:1", 2, 30), ("current", 0, 0)]))
+    assert r["recipe"] == "current" and "40 clipped" in r["why"] and "amax pass" in r["why"]
+    r = recommend(res([("logged", 40, 100), ("delayed:16:1", 0, 10)]))
+    assert r["recipe"] == "delayed:16:1"
 
 
 def test_cli_diff_finds_the_planted_step(runs):

@@ -53,7 +53,7 @@ def recipes_from_args(args):
 def run(args) -> int:
     from fp8scope.cli.output import print_frame, print_json
     from fp8scope.cli.progress import items
-    from fp8scope.detect.whatif import pivot, replay
+    from fp8scope.detect.whatif import SAT_WEIGHT, pivot, recommend, replay
     from fp8scope.run import load_run
 
     recipes = recipes_from_args(args)
@@ -70,12 +70,15 @@ def run(args) -> int:
                     d[k] = v.item()
                 if isinstance(d[k], float) and d[k] != d[k]:
                     d[k] = None
-        print_json(rows)
+        print_json({"rows": rows, "recommendation": recommend(res)})
         return 0
     table = pivot(res, by_layer=args.by_layer)
     print_frame(table, title=f"{args.run}: saturation steps / underflow-risk steps (>= {args.risk_binades:g} binades "
                              "of headroom) per recipe")
-    tot = res.groupby("recipe", sort=False)[["sat_steps", "risk_steps"]].sum()
-    best = tot.assign(score=tot["sat_steps"] * 10 + tot["risk_steps"]).sort_values("score")
-    print(f"fewest problems: {best.index[0]}  (saturation counts 10x an underflow-risk step)")
+    rec = recommend(res)
+    if rec["recipe"] is None:
+        print(rec["why"])
+    else:
+        print(f"recommended: {rec['recipe']} ({rec['why']}; a clipped step counts {SAT_WEIGHT}x an underflow-risk "
+              "step)")
     return 0

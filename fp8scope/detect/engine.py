@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from fp8scope.detect.config import DetectConfig
-from fp8scope.detect.features import (TENSOR_COLUMNS, KeyMap, NumpyColumns, WindowCarry, edges_sorted, floats,
+from fp8scope.detect.features import (TENSOR_COLUMNS, KeyMap, NumpyColumns, RunMax, WindowCarry, edges_sorted, floats,
                                       group_features, last_evaluable, row_features)
 from fp8scope.detect.rules import NONFINITE, SEVERITY_RANK, RowRule, _fmt, _where, row_rules
 from fp8scope.detect.events import (EVENT_COLUMNS, empty_events, event, events_batch, events_batch_from_records,
@@ -249,6 +249,7 @@ class TensorPass:
     def __init__(self, cfg: DetectConfig):
         self.cfg, self.rules, self.km = cfg, row_rules(cfg), KeyMap()
         self.windows = WindowCarry(cfg)
+        self.run_max = RunMax()
         self.edge_state = {r: np.zeros(0, bool) for r in edge_rules(self.rules)}  # per tensor key
         self.nan_rows: list[dict] = []
 
@@ -262,6 +263,7 @@ class TensorPass:
         del cols, nulls
         group_features(c, self.km.group_of)
         c.update(self.windows.features(c["key"], c))
+        c["ever_max"] = self.run_max.before(c["key"], c["amax_f"])
         f, ev = flags(c, self.rules)
         fired = {r: (self._edges(r, c["key"], f[r], ev[r]) if r in ev else f[r]) for r in f}
         return emit_row_events(c, fired, self.rules, self.km, self.nan_rows)

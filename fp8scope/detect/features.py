@@ -363,6 +363,41 @@ def window_features_numpy(key, cols: dict, cfg: DetectConfig) -> dict:
     return out
 
 
+class RunMax:
+    """Per tensor, the largest finite amax of every row before this one, over the whole run (slices and
+    online batches carry it in one float per tensor). What ``scale_mismatch`` compares a scale with:
+    a delayed scale may legitimately come from an amax older than any window (TE keeps 1,024 steps of
+    history), never from one the tensor never had."""
+
+    def __init__(self) -> None:
+        self.best = np.zeros(0)
+
+    def before(self, key: np.ndarray, amax_f: np.ndarray) -> np.ndarray:
+        """For rows sorted by (key, step) coming after every row seen so far: the max amax of each
+        tensor's earlier rows (NaN where there is none); then remembers these rows."""
+        n = len(key)
+        if n == 0:
+            return np.zeros(0)
+        top = int(key.max()) + 1
+        if len(self.best) < top:
+            self.best = np.r_[self.best, np.full(top - len(self.best), -np.inf)]
+        start = np.r_[True, key[1:] != key[:-1]]
+        seg = np.cumsum(start) - 1
+        # a segmented running max: log2 values shifted by segment so one accumulate never crosses tensors
+        with np.errstate(divide="ignore", invalid="ignore"):
+            lv = np.where(np.isfinite(amax_f) & (amax_f > 0), np.log2(amax_f), -1e4)
+        shift = seg * 1e5
+        run = np.maximum.accumulate(lv + shift) - shift
+        prev = np.r_[-np.inf, run[:-1]]
+        prev[start] = -np.inf
+        with np.errstate(over="ignore"):
+            mine = np.where(prev > -1e3, np.exp2(prev), -np.inf)
+        out = np.fmax(mine, self.best[key])
+        last = np.flatnonzero(np.r_[key[1:] != key[:-1], True])
+        self.best[key[last]] = np.fmax(self.best[key[last]], np.where(run[last] > -1e3, np.exp2(run[last]), -np.inf))
+        return np.where(np.isneginf(out), np.nan, out)
+
+
 class WindowCarry:
     """Window features of a run read slice by slice (rows in step order, a slice of whole steps at a time)
     equal to :func:`window_features_numpy` over the whole run, in memory bounded by the slice.

@@ -64,7 +64,7 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
         "ranks": info["ranks"], "tensors": info["tensors"],
         "recipe": manifest.get("recipe"),
         "measured": measured_mode(manifest),
-        "planted": meta.get("inject") or [],
+        "planted": _planted(meta),
         "events": {
             "total": int(len(ev)),
             "by_severity": {s: int((ev["severity"] == s).sum()) for s in ("critical", "warning", "info")},
@@ -82,6 +82,15 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     rep["advice"] = _advice(rep, serious, cfg)
     rep["verdict"] = _verdict(rep, serious)
     return rep
+
+
+def _planted(meta: dict) -> list[str]:
+    """The failures the demo planted (``fp8scope.demo`` marks its runs); a user's own ``meta["inject"]``
+    is the user's business, not a plant."""
+    if meta.get("planted_by") != "fp8scope.demo":
+        return []
+    specs = meta.get("inject") or []
+    return [specs] if isinstance(specs, str) else [str(s) for s in specs if isinstance(s, str)]
 
 
 def _top_layers(serious: pd.DataFrame, n: int = 5) -> list[dict]:
@@ -295,9 +304,20 @@ def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
         if not g.empty:
             adv.append(f"Gradients underflow E5M2 in {', '.join(ls)}: check loss / gradient scaling; current scaling "
                        "for gradients adapts at once; or keep those layers in BF16.")
-        else:
+        elif not set(ls) <= set(layers_of("scale_mismatch", "stale_scale")):
             adv.append(f"Values underflow in {', '.join(ls)}: the scale is set by a few large values; "
                        "per-channel / block scaling (MXFP8) or BF16 for those layers.")
+    if "scale_mismatch" in rules:
+        ls = layers_of("scale_mismatch")
+        adv.append(f"The scale of {', '.join(ls)} comes from an amax those tensors never had: a scale reset (a checkpoint "
+                   "resumed without the FP8 scaling state: TE keeps it in the module's extra state / fp8_meta), or a "
+                   "corrupted or foreign amax history. Restore the recipe state with the checkpoint; until the history "
+                   "refills, small values flush to zero.")
+    if "amax_trend" in rules:
+        ls = layers_of("amax_trend")
+        adv.append(f"A growing outlier in {', '.join(ls)}: it climbs away from its peers and will saturate once it outruns "
+                   "the amax history. Keep it in BF16, use current scaling for it, or tame it (Smooth-SwiGLU for an MLP "
+                   "down-projection input).")
     if "scale_collapse" in rules:
         adv.append("Scale collapsing (scale_inv rising step after step): the run fights growing values; "
                    "lower the learning rate or add warm-up, then check which layer grows first.")

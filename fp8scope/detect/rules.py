@@ -87,6 +87,14 @@ def _early(cfg: DetectConfig, c: dict, sev):
     return np.where(c["n_prev"] < int(cfg.warmup_rows), "info", sev)
 
 
+def _early_window(cfg: DetectConfig, c: dict, sev, window: int):
+    """As :func:`_early` for a rule over a window of rows: the window must lie past the warm-up too
+    (a fresh model's tensors drift fast relative to each other and their scales), as far as the
+    row count reaches (``n_prev`` counts at most ``spike_window`` rows)."""
+    need = min(int(cfg.warmup_rows) + int(window), int(cfg.spike_window))
+    return np.where(c["n_prev"] < need, "info", sev)
+
+
 def _nn(x):
     """Not missing."""
     return ~np.isnan(x)
@@ -134,9 +142,8 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             cond=lambda c: (c["sat_ratio"] > 1 + tol) & ((c["sat_ratio"] >= sw) | (_z(c["ovf_frac"]) >= sf)),
             value=lambda c: c["sat_ratio"],
             threshold=lambda c: sw,
-            # clipping by a large factor (sat_warn_ratio and up) is never muted by warm-up
-            severity=lambda c: np.where(c["sat_ratio"] >= sc, "critical",
-                                        np.where(c["sat_ratio"] >= sw, "warning", _early(cfg, c, "warning"))),
+            # clipping by a large factor (sat_critical_ratio and up) is never muted by warm-up
+            severity=lambda c: np.where(c["sat_ratio"] >= sc, "critical", _early(cfg, c, "warning")),
             message=lambda r: (
                 f"{_where(r)}: amax {_fmt(r['amax'])} is {_fmt(r['value'])}x the largest value the scale in use "
                 f"can represent ({_fmt(r['rng'])} = fp8_max x scale_inv): values were clipped"
@@ -161,7 +168,14 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             cond=lambda c: (c["n_prev"] >= 1) & (c["stale_r"] >= st) & (c["prev_max"] >= 0.5 * c["expected_amax"]),
             value=lambda c: c["stale_r"],
             threshold=lambda c: st,
-            severity=lambda c: _early(cfg, c, "warning"),
+            # E4M3 (17.8 binades) has little room to waste: stale_ratio (30x, 5 binades) already underflows a
+            # few % of an activation. E5M2 has 31.8: a fresh model's large early gradients kept by a long history
+            # (TE's default 1,024) waste 5-7 binades harmlessly, so a wide format warns only when half its range
+            # is idle (65,536x: a broken loss scale); below that it is info and the underflow rule flags what
+            # it measures
+            severity=lambda c: np.where(
+                np.log2(np.where(c["stale_r"] > 0, c["stale_r"], 1.0)) >= np.where(c["binades"] > 20, c["binades"] / 2, 0),
+                _early(cfg, c, "warning"), "info"),
             message=lambda r: (
                 f"{_where(r)}: the scale still comes from amax {_fmt(r['expected_amax'])}, {_fmt(r['value'])}x "
                 f"today's amax {_fmt(r['amax'])} (a past spike sits in the amax history)"
@@ -169,22 +183,22 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             ),
         ),
         RowRule(
-            # The scale comes from an amax this tensor never had in its window (nor today): a reset scale (a
-            # checkpoint resumed without its FP8 state gives scale 1), a corrupted or foreign amax history, or
-            # a spike older than the window. Read from a cheap row's scale and amax alone, so it is seen on
-            # every step, not only on full-stats steps.
+            # The scale comes from an amax this tensor never had (in the whole run, nor today): a reset scale (a
+            # checkpoint resumed without its FP8 state gives scale 1), a corrupted or foreign amax history.
+            # Read from a cheap row's scale and amax alone, so it is seen on every step, not only on
+            # full-stats steps.
             "scale_mismatch",
             evaluable=lambda c: _nn(c["expected_amax"]) & (c["expected_amax"] > 0) & (c["amax_f"] > 0),
             cond=lambda c: ((c["n_prev"] >= 1) & (c["amax_f"] > 0)
-                            & (c["expected_amax"] >= mm * np.fmax(c["prev_max"], c["amax_f"]))),
-            value=lambda c: _div(c["expected_amax"], np.fmax(c["prev_max"], c["amax_f"])),
+                            & (c["expected_amax"] >= mm * np.fmax(c["ever_max"], c["amax_f"]))),
+            value=lambda c: _div(c["expected_amax"], np.fmax(c["ever_max"], c["amax_f"])),
             threshold=lambda c: mm,
             severity=lambda c: "warning",
             message=lambda r: (
                 f"{_where(r)}: the scale in use (scale {_fmt(r['scale'])}) comes from an amax of "
-                f"{_fmt(r['expected_amax'])}, {_fmt(r['value'])}x anything this tensor logged in its last "
-                f"{int(r['n_prev'])} steps (today {_fmt(r['amax'])}): a reset scale, a corrupted or foreign amax "
-                f"history, or a spike older than that; its values sit {_fmt(math.log2(max(r['value'], 1.0)))} "
+                f"{_fmt(r['expected_amax'])}, {_fmt(r['value'])}x anything this tensor logged before (today "
+                f"{_fmt(r['amax'])}): a reset scale, a corrupted or foreign amax history; its values sit "
+                f"{_fmt(math.log2(max(r['value'], 1.0)))} "
                 f"binades below the format's range, so small ones flush to zero"
                 + (f" ({_pct(r['uf_frac'])} of non-zeros underflow)" if r.get("uf_frac") is not None else "")
             ),
@@ -231,7 +245,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
                             & (c["scale_inv_f"] >= c["si_max"]) & (c["max_jump"] <= cj)),
             value=lambda c: _div(c["scale_inv_f"], c["si_old"]),
             threshold=lambda c: cf,
-            severity=lambda c: _early(cfg, c, "warning"),
+            severity=lambda c: _early_window(cfg, c, "warning", cw),
             message=lambda r: (
                 f"{_where(r)}: scale_inv rose {_fmt(r['value'])}x over the last {int(cfg.collapse_window)} logged "
                 f"steps, at most {_fmt(r['max_jump'])}x in one step (scale {_fmt(r['scale'])}): the scale is collapsing toward zero"
@@ -249,7 +263,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
                             & (c["dev_jump"] <= tj * (c["dev"] - c["dev_old"])) & (c["dev"] >= 1.0)),
             value=lambda c: np.exp2(c["dev"] - c["dev_old"]),
             threshold=lambda c: 2.0 ** tb,
-            severity=lambda c: _early(cfg, c, "warning"),
+            severity=lambda c: _early_window(cfg, c, "warning", int(cfg.trend_window)),
             message=lambda r: (
                 f"{_where(r)}: amax {_fmt(r['amax'])} grew {_fmt(r['value'])}x relative to the {int(r['n_kind'])} "
                 f"layers of its kind over its last {int(cfg.trend_window)} logged steps, steadily (at most "

@@ -106,11 +106,20 @@ def _range_sql(r: WhatIfRecipe, src: str) -> str:
     """
 
 
-def replay(run, recipes: list[WhatIfRecipe], risk_binades: float = 4.0, progress=None) -> pd.DataFrame:
+def replay(run, recipes: list[WhatIfRecipe], risk_binades: float = 4.0, progress=None,
+           sat_min_ratio: float | None = None) -> pd.DataFrame:
     """Per (rank, layer, tensor) and recipe: steps, saturation steps, underflow-risk steps, worst clip.
 
+    A saturation step clips by at least ``sat_min_ratio`` (default: the detection rules'
+    ``DetectConfig.sat_rate_min_ratio``, 1.25x): an amax a hair over the range (the float rounding of
+    a dynamic scale, a weight creeping up by 1 %) is not a problem worth a recipe change.
     Columns: recipe, rank, layer, tensor, order, steps, sat_steps, risk_steps, max_over, first_sat_step.
     """
+    if sat_min_ratio is None:
+        from fp8scope.detect.config import DetectConfig
+
+        sat_min_ratio = DetectConfig().sat_rate_min_ratio
+    sat = repr(max(float(sat_min_ratio), 1.0 + SAT_TOL))
     import duckdb
 
     tick = progress or (lambda n=1: None)
@@ -127,10 +136,10 @@ def replay(run, recipes: list[WhatIfRecipe], risk_binades: float = 4.0, progress
         q = f"""
         with rr as ({_range_sql(r, 'tensors_raw')})
         select rank, layer, tensor, count(*) as steps,
-            count(*) filter (where isfinite(amax) and amax > rng * (1 + {SAT_TOL!r})) as sat_steps,
+            count(*) filter (where isfinite(amax) and amax >= rng * {sat}) as sat_steps,
             count(*) filter (where isfinite(amax) and amax > 0 and rng >= amax * {risk}) as risk_steps,
             max(case when isfinite(amax) and rng > 0 then amax / rng end) as max_over,
-            min(step) filter (where isfinite(amax) and amax > rng * (1 + {SAT_TOL!r})) as first_sat_step
+            min(step) filter (where isfinite(amax) and amax >= rng * {sat}) as first_sat_step
         from rr group by all
         """
         df = con.execute(q).df()
@@ -140,6 +149,43 @@ def replay(run, recipes: list[WhatIfRecipe], risk_binades: float = 4.0, progress
     con.close()
     res = pd.concat(out, ignore_index=True).merge(order, on=["rank", "layer", "tensor"], how="left")
     return res.sort_values(["order", "tensor", "rank"], kind="stable").reset_index(drop=True)
+
+
+SAT_WEIGHT = 10  # a clipped step weighs as much as 10 steps with 4+ idle binades
+
+
+def recommend(res: pd.DataFrame, min_gain: float = 0.5, min_share: float = 0.01) -> dict:
+    """The recipe to use, only where one measurably beats what the run logged.
+
+    Each recipe's problems = ``SAT_WEIGHT`` x saturation steps + underflow-risk steps, summed over
+    tensors. The best one is recommended when it removes at least ``min_gain`` of the logged
+    recipe's problems and at least ``min_share`` of all tensor-steps; otherwise the answer is to keep
+    the logged recipe. Returns ``{"recipe": label or None, "why": one sentence, "scores": {...}}``.
+    """
+    tot = res.groupby("recipe", sort=False)[["steps", "sat_steps", "risk_steps"]].sum()
+    tot["score"] = tot["sat_steps"] * SAT_WEIGHT + tot["risk_steps"]
+    scores = {k: {"sat_steps": int(r.sat_steps), "risk_steps": int(r.risk_steps), "score": int(r.score)}
+              for k, r in tot.iterrows()}
+    base = "logged" if "logged" in tot.index else tot.index[0]
+    b = tot.loc[base]
+    best_label = tot["score"].idxmin()
+    best = tot.loc[best_label]
+    steps = max(int(b["steps"]), 1)
+    gain = b["score"] - best["score"]
+
+    def desc(label, r):
+        return f"{label}: {int(r.sat_steps)} clipped and {int(r.risk_steps)} underflow-risk tensor-steps"
+
+    if best_label == base or gain < min_gain * max(b["score"], 1) or gain < min_share * steps:
+        return {"recipe": None, "scores": scores,
+                "why": f"keep the recipe the run used: no alternative does measurably better ({desc(base, b)}; "
+                       f"best alternative {desc(best_label, best)})" if best_label != base else
+                       f"keep the recipe the run used: it has the fewest problems ({desc(base, b)})"}
+    why = f"{desc(best_label, best)}, against {desc(base, b)}"
+    if best_label.startswith("current"):
+        why += ("; current scaling cannot clip by construction, at the cost of an amax pass before each cast "
+                "(and an amax all-reduce under tensor parallelism)")
+    return {"recipe": best_label, "scores": scores, "why": why}
 
 
 def replay_series(amax: np.ndarray, fp8_max: float, r: WhatIfRecipe) -> np.ndarray:

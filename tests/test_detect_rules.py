@@ -1,0 +1,92 @@
+"""The optimizer-side rules, the FP8-vs-BF16 baseline and the report's attribution, on series whose
+answer is known (the training runs that exercise them end to end: tests/test_detection_suite.py)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pandas as pd
+
+from fp8scope.detect.config import DetectConfig
+from fp8scope.detect.report import attribution
+from fp8scope.detect.scalar_rules import ScalarState
+from fp8scope.detect.shadow_rule import departures, shadow_events
+
+
+def feed(name, values, cfg=None):
+    st = ScalarState(cfg or DetectConfig())
+    return [e for s, v in enumerate(values) for e in st.update(s, 0, name, v)]
+
+
+def warmup_cosine(steps, peak=3e-3, warm=40):
+    return [peak * (s + 1) / warm if s < warm else
+            peak * (0.1 + 0.45 * (1 + math.cos(math.pi * (s - warm) / (steps - warm)))) for s in range(steps)]
+
+
+def test_a_schedule_is_not_an_lr_event_and_a_jump_is():
+    lr = warmup_cosine(400)
+    assert feed("lr", [0.0] + lr) == []  # warm-up from 0 (HF logs 0 at step 0), then cosine decay
+    jumped = list(lr)
+    for s in range(300, 400):
+        jumped[s] *= 30
+    ev = feed("lr", jumped)
+    assert [(e["step"], e["rule"], e["severity"]) for e in ev] == [(300, "lr_change", "warning")]
+    # a step schedule dropping 10x is told, not alarmed
+    step_drop = [1e-3] * 100 + [1e-4] * 100
+    assert [(e["step"], e["severity"]) for e in feed("lr", step_drop)] == [(100, "info")]
+
+
+def test_loss_spike_adapts_to_the_run_noise():
+    rng = np.random.default_rng(0)
+    quiet = list(2.0 * np.exp(rng.normal(0, 0.01, 200)))
+    noisy = list(2.0 * np.exp(rng.normal(0, 0.3, 200)))
+    assert feed("loss", quiet) == [] and feed("loss", noisy) == []
+    for s in range(150, 200):  # the loss steps up 1.3x and stays: one event, at the step
+        quiet[s] *= 1.3
+        noisy[s] *= 1.3
+    ev = feed("loss", quiet)
+    assert [(e["step"], e["rule"]) for e in ev] == [(150, "loss_spike")]
+    assert feed("loss", noisy) == []  # 1.3x is inside a noisy run's own variability
+    ev = feed("loss", quiet[:170] + [float("nan")])
+    assert ev[-1]["rule"] == "loss_nonfinite" and "(NaN)" in ev[-1]["message"]
+
+
+def test_grad_norm_needs_a_larger_excursion():
+    rng = np.random.default_rng(1)
+    g = list(np.exp(rng.normal(0, 0.1, 120)))
+    g[100] *= 2.5
+    assert [e["step"] for e in feed("grad_norm", g)] == [100]
+    g[100] /= 2.5
+    g[100] *= 1.8  # under grad_spike_factor
+    assert feed("grad_norm", g) == []
+
+
+def test_fp8_vs_bf16_is_judged_against_the_layers_own_noise():
+    rows = []
+    for step in range(0, 200, 10):
+        # a healthy layer whose FP8 wgrad error is always ~15 %, and one at ~2 % that departs twice
+        rows.append({"step": step, "rank": 0, "layer": "noisy", "output_rel_err": 0.03, "wgrad_rel_err": 0.15})
+        err = 0.02 if step not in (100, 110, 170) else 0.12
+        if step == 0:
+            err = 0.6  # step 0: delayed scaling has no history yet (scale 1)
+        rows.append({"step": step, "rank": 0, "layer": "hurt", "output_rel_err": 0.01, "wgrad_rel_err": err})
+    table = pd.DataFrame(rows)
+    d = departures(table, DetectConfig())
+    first = d[(d.layer == "hurt") & (d.metric == "wgrad")].iloc[0]
+    assert first.step == 0 and math.isnan(first.baseline) and not first.departs  # labelled, not flagged
+    ev = shadow_events(__import__("pyarrow").Table.from_pandas(table), DetectConfig())
+    assert [(e["step"], e["layer"], e["tensor"]) for e in ev] == [(100, "hurt", "wgrad"), (170, "hurt", "wgrad")]
+
+
+def test_attribution_orders_the_evidence():
+    def ev(step, rule, layer=""):
+        return {"step": step, "rank": 0, "rule": rule, "severity": "warning", "layer": layer,
+                "tensor": "lr" if not layer else "activation", "value": 1.0, "threshold": 1.0, "message": rule}
+
+    lr_first = pd.DataFrame([ev(300, "lr_change"), ev(301, "loss_spike"), ev(305, "stale_scale", "l1")])
+    assert attribution(lr_first)["side"] == "optimizer"
+    fp8_first = pd.DataFrame([ev(200, "saturation", "l1"), ev(201, "loss_spike")])
+    assert attribution(fp8_first)["side"] == "fp8"
+    same_step = pd.DataFrame([ev(200, "loss_spike"), ev(200, "saturation", "l1")])
+    assert attribution(same_step)["side"] == "fp8"  # the step's loss comes after its tensors

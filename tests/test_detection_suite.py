@@ -1,0 +1,40 @@
+"""A few small cases of the detection suite (benchmarks/detection_suite.py), as CI tests: real
+training runs of the tiny GPT and a transformers Llama with planted failures, scored the way the
+suite scores them (localization, attribution) and a clean run that must raise nothing."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers")
+
+_path = Path(__file__).resolve().parents[1] / "benchmarks" / "detection_suite.py"
+_spec = importlib.util.spec_from_file_location("detection_suite", _path)
+suite = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(suite)
+
+STEPS = 150
+CASES = [
+    # a checkpoint resumed without its FP8 state, on a cheap step (every=10): seen from the scale alone
+    suite.Case("gpt-scale-reset-cheap", "gpt", ["reset:blocks.1.mlp.up:125"], "blocks.1.mlp.up", "activation", 125, "fp8"),
+    # a learning-rate jump: the optimizer side moved first, FP8 is not blamed
+    suite.Case("gpt-lr-jump", "gpt", ["lr:115:30"], "", "lr", 115, "not-fp8"),
+    # a NaN entering one layer's input on a cheap step of a model we did not write
+    suite.Case("llama-nan-cheap", "llama", [f"nan:{suite.LLAMA.format(1)}.self_attn.o_proj:113"],
+               f"{suite.LLAMA.format(1)}.self_attn.o_proj", "activation", 113, "fp8"),
+    suite.Case("gpt-clean", "gpt"),
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_suite_case(case, tmp_path):
+    trained = suite.train(case, tmp_path / case.name, STEPS)
+    r = suite.score(case, tmp_path / case.name, trained["losses"])
+    assert r["ok"], r
+    if case.cause == "clean":
+        assert r["warnings"] == r["criticals"] == 0
+    else:
+        assert r["detected"]["step"] == case.step, r
