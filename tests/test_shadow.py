@@ -91,8 +91,13 @@ def test_fp8_only_fault_is_fp8_induced_and_localized(tmp_path):
     mon.close()
 
     (fork,) = shadow.forks
-    assert fork.start_step == S + 1 and fork.trigger == "event:saturation"
+    assert fork.start_step == S + 1 and fork.trigger == f"event:saturation@{S}"
     assert fork.verdict == FP8_INDUCED, fork.reason
+    from fp8scope.detect.report import build_report
+
+    rep = build_report(fp8scope.load_run(tmp_path / "run"))  # the report shows the fork, its trigger and evidence
+    assert [(f["trigger"], f["verdict"]) for f in rep["forks"]] == [(fork.trigger, FP8_INDUCED)]
+    assert "BF16 forks: fp8-induced" in rep["verdict"] and rep["forks"][0]["reason"] == fork.reason
     cmp = shadow.compares[-1]
     assert cmp.step == S + 1
     top = cmp.most_divergent(1)[0]
@@ -261,10 +266,20 @@ def test_fork_replica_is_independent_and_memory_reported():
 
 
 def test_verdict_rules():
+    """The curves against each other and against the pre-anomaly baseline (docs/shadow.md)."""
     assert verdict([2.0, float("nan")], [2.0, 2.1], 2.0, 1.5)[0] == FP8_INDUCED
-    assert verdict([2.0, 9.0], [2.0, 9.0], 2.0, 1.5)[0] == NOT_FP8
-    assert verdict([2.0, 2.1], [2.0, 2.0], 2.0, 1.5)[0] == "inconclusive"
+    assert verdict([2.0, float("nan")], [2.0, float("inf")], 2.0, 1.5)[0] == NOT_FP8
+    # an FP8-only fault: FP8 stuck at ln(vocab) while the BF16 replica trains on
+    stuck, trains = [3.8] * 12, [2.0 - 0.02 * i for i in range(12)]
+    assert verdict(stuck, trains, 2.0, 1.5)[0] == FP8_INDUCED
+    # a 30x learning-rate jump: FP8 and BF16 curves identical, both above the baseline -> not FP8
+    assert verdict([3.1, 3.0, 2.9, 3.0], [3.1, 3.0, 2.95, 3.02], 2.0, 1.5)[0] == NOT_FP8
+    # nothing happened: BF16 follows FP8 at the baseline
+    assert verdict([2.0, 2.05], [2.0, 2.0], 2.0, 1.5)[0] == NOT_FP8
+    # BF16 does worse than FP8: the data cannot blame FP8
     assert verdict([2.0, 2.1], [2.0, 9.0], 2.0, 1.5)[0] == "inconclusive"
+    # FP8 a bit worse than BF16 but back near its baseline
+    assert verdict([2.0, 2.4], [2.0, 2.0], 2.0, 1.5)[0] == "inconclusive"
 
 
 def test_tables_readable_without_importing_shadow(tmp_path):

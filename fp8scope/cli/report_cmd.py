@@ -100,6 +100,11 @@ def print_report(rep: dict) -> None:
             c.print(Text(f"  {name}: " + ", ".join(parts)))
     if rep.get("shadow"):
         c.print(Text(f"\nFP8 vs BF16 (shadow): {rep['shadow']['verdict']}", style="bold"))
+    if rep.get("forks"):
+        c.print(Text("\nBF16 forks:", style="bold"))
+        for f in rep["forks"]:
+            c.print(Text(f"  fork {f['fork_id']} ({f['trigger']}, steps {f['start_step']}..{f['last_step']}): "
+                         f"{f['verdict']}: {f['reason']}"))
     c.print(Text("\nwhat to try:", style="bold"))
     for a in rep["advice"]:
         c.print(Text(f"  - {a}"))

@@ -79,6 +79,7 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     rep["top_layers"] = _top_layers(serious)
     rep["scalars"] = _scalar_context(run, cfg, rep["first_anomaly"])
     rep["shadow"] = _shadow_verdict(run, cfg)
+    rep["forks"] = forks(run)
     rep["advice"] = _advice(rep, serious, cfg)
     rep["verdict"] = _verdict(rep, serious)
     return rep
@@ -167,6 +168,24 @@ def _mean_per_step(t, names: list[str]) -> pd.DataFrame:
     t = t.filter(pc.is_in(t["name"], value_set=pa.array(names, pa.string())))
     g = t.group_by(["step", "name"]).aggregate([("value", "mean")])
     return g.rename_columns({"value_mean": "value"}).select(["step", "name", "value"]).to_pandas()
+
+
+def forks(run) -> list[dict]:
+    """Every BF16 fork of the run (``shadow_fork``: the row of its last step holds the verdict): id,
+    trigger, steps, verdict, reason, final losses. Empty when the run has none."""
+    if "shadow_fork" not in set(run.table_names()):
+        return []
+    t = run.table("shadow_fork").to_pandas()
+    if t.empty or "fork_id" not in t.columns:
+        return []
+    out = []
+    for fid, g in t.sort_values(["fork_id", "step"], kind="stable").groupby("fork_id", sort=True):
+        last = g.iloc[-1]
+        out.append({"fork_id": int(fid), "trigger": str(last.get("trigger") or ""), "start_step": int(last["start_step"]),
+                    "last_step": int(last["step"]), "verdict": str(last["verdict"]), "reason": str(last.get("reason") or ""),
+                    "loss_fp8": _clean(float(last["loss_fp8"])), "loss_bf16": _clean(float(last["loss_bf16"])),
+                    "baseline": _clean(float(last["baseline"]))})
+    return out
 
 
 def _shadow_verdict(run, cfg: DetectConfig) -> dict | None:
@@ -355,6 +374,9 @@ def _verdict(rep: dict, serious: pd.DataFrame) -> str:
     if rep["nan_origin"]:
         o = rep["nan_origin"]
         s += f"; NaN origin {o['layer']} {o['tensor']} at step {o['step']}"
+    done = [f for f in rep.get("forks") or [] if f["verdict"] != "pending"]
+    if done:
+        s += "; BF16 forks: " + ", ".join(f"{f['verdict']} (from step {f['start_step']})" for f in done)
     if rep.get("shadow") and rep["shadow"].get("verdict"):
         s += f"; shadow: {rep['shadow']['verdict']}"
     return s
@@ -416,6 +438,11 @@ def render_html(rep: dict, run, events: pd.DataFrame, path, max_steps: int = 400
     sc = "".join(f"<li>{e(k)}: {e(', '.join(f'{a}={short_value(b)}' for a, b in v.items() if b is not None))}</li>"
                  for k, v in (rep.get("scalars") or {}).items())
     shadow = f"<h2>FP8 vs BF16</h2><p>{e(rep['shadow']['verdict'])}</p>" if rep.get("shadow") else ""
+    if rep.get("forks"):
+        shadow += ("<h2>BF16 forks</h2><table><tr><th>fork</th><th>trigger</th><th>steps</th><th>verdict</th>"
+                   "<th>evidence</th></tr>" + "".join(
+                       f"<tr><td>{f['fork_id']}</td><td>{e(f['trigger'])}</td><td>{f['start_step']}..{f['last_step']}</td>"
+                       f"<td>{e(f['verdict'])}</td><td>{e(f['reason'])}</td></tr>" for f in rep["forks"]) + "</table>")
     doc = f"""<!DOCTYPE html>
 <html><head><meta charset="utf-8"><title>fp8scope report: {e(rep['run'])}</title>
 <style>body{{font-family:system-ui,sans-serif;margin:2em;max-width:1400px}} table{{border-collapse:collapse}}

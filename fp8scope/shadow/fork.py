@@ -1,16 +1,22 @@
 """Fork mode: a BF16 (FP8 off) replica trained beside the FP8 run on the same batches.
 
-Divergence (documented in docs/shadow.md, "Verdict"):
+Verdict (docs/shadow.md, "Verdict"): the question is whether BF16, from the same state and on the
+same batches, would have done what FP8 did.
 
-* ``baseline`` = median of the FP8 run's last ``baseline_steps`` losses before the fork
-  step (the median ignores the spike that may have triggered the fork); without any
-  history, the first loss of the fork.
-* a curve (the FP8 losses or the BF16 losses over the fork's steps) *diverged* if any
-  of its losses is non-finite, or if the mean of its last ``max(1, n // 4)`` losses is
-  above ``diverge_factor x baseline`` (default 1.5).
-* verdict: FP8 diverged and BF16 did not -> ``fp8-induced``; both diverged ->
-  ``not-fp8`` (look at the learning rate and the data); otherwise ``inconclusive``
-  (neither diverged, or only the BF16 replica did).
+* ``baseline`` = median of the FP8 run's last ``baseline_steps`` losses *before the first anomaly*
+  (the first warning or critical event the Shadow heard of, else the fork's start): the steps just
+  before a fork are often broken already, since a fork starts after the event that asked for it.
+* Each curve is summarised by the mean of its last ``max(1, n // 4)`` losses (``f`` for FP8, ``g``
+  for BF16), or marked non-finite.
+* The decision compares the curves with each other and with the baseline, in log space:
+  - FP8 non-finite, BF16 finite -> ``fp8-induced``; both non-finite -> ``not-fp8``;
+  - |log f - log g| within ``agree`` (5 %): BF16 follows FP8 -> ``not-fp8`` (whatever happened,
+    BF16 from the same state does the same: a learning-rate jump, bad data);
+  - FP8 above BF16 by more than ``agree`` and above ``diverge_factor`` x the baseline: ``fp8-induced``
+    if BF16 stays within it (FP8 stays broken or diverges while BF16 recovers or trains on),
+    ``not-fp8`` if BF16 diverges too;
+  - otherwise ``inconclusive`` (BF16 does worse than FP8, or FP8 is worse than BF16 but back at
+    its baseline), with the numbers in the reason.
 """
 
 from __future__ import annotations
@@ -32,30 +38,44 @@ NOT_FP8 = "not-fp8"
 INCONCLUSIVE = "inconclusive"
 
 
-def diverged(losses: list[float], baseline: float, factor: float) -> tuple[bool, str]:
-    if not losses:
-        return False, "no steps"
-    for i, v in enumerate(losses):
-        if not math.isfinite(v):
-            return True, f"non-finite loss at fork step {i}"
+AGREE = 0.05  # the two curves' final losses within 5 % of each other: BF16 follows FP8
+
+
+def _tail_mean(losses: list[float]) -> float:
+    if not losses or not all(math.isfinite(v) for v in losses):
+        return math.nan
     tail = losses[-max(1, len(losses) // 4):]
-    mean = sum(tail) / len(tail)
-    if math.isfinite(baseline) and mean > factor * baseline:
-        return True, f"final loss {mean:.4g} > {factor:g} x baseline {baseline:.4g}"
-    return False, f"final loss {mean:.4g} <= {factor:g} x baseline {baseline:.4g}"
+    return sum(tail) / len(tail)
 
 
-def verdict(fp8: list[float], bf16: list[float], baseline: float, factor: float) -> tuple[str, str]:
-    """(verdict, reason) for the two loss curves of a fork."""
-    d8, r8 = diverged(fp8, baseline, factor)
-    d16, r16 = diverged(bf16, baseline, factor)
-    if d8 and not d16:
-        return FP8_INDUCED, f"FP8 diverged ({r8}); BF16 did not ({r16})"
-    if d8 and d16:
-        return NOT_FP8, f"both diverged (FP8: {r8}; BF16: {r16}): look at the learning rate / data"
-    if d16:
-        return INCONCLUSIVE, f"only BF16 diverged ({r16})"
-    return INCONCLUSIVE, f"neither diverged (FP8: {r8}; BF16: {r16})"
+def verdict(fp8: list[float], bf16: list[float], baseline: float, factor: float,
+            agree: float = AGREE) -> tuple[str, str]:
+    """(verdict, reason) for the two loss curves of a fork against the pre-anomaly ``baseline``."""
+    if not fp8 or not bf16:
+        return INCONCLUSIVE, "no fork steps"
+    f, g = _tail_mean(fp8), _tail_mean(bf16)
+    bad8, bad16 = not math.isfinite(f), not math.isfinite(g)
+    if bad8 and not bad16:
+        return FP8_INDUCED, f"FP8 went non-finite; BF16 from the same state did not (final loss {g:.4g})"
+    if bad8 and bad16:
+        return NOT_FP8, "FP8 and BF16 both went non-finite from the same state: look at the learning rate / data"
+    if bad16:
+        return INCONCLUSIVE, f"only BF16 went non-finite (FP8 final loss {f:.4g})"
+    base = f" (pre-anomaly baseline {baseline:.4g})" if math.isfinite(baseline) else ""
+    gap = math.log(f / g) if f > 0 and g > 0 else 0.0
+    if abs(gap) <= math.log1p(agree):
+        return NOT_FP8, (f"BF16 follows FP8: final losses {f:.4g} (FP8) and {g:.4g} (BF16) within {100 * agree:g} %"
+                         f"{base}: BF16 from the same state does the same, so FP8 is not the cause")
+    if gap > 0 and math.isfinite(baseline) and f > factor * baseline:
+        if g <= factor * baseline:
+            return FP8_INDUCED, (f"FP8 stays at {f:.4g}, {f / baseline:.3g}x its baseline {baseline:.4g}, while BF16 "
+                                 f"from the same state reaches {g:.4g}")
+        return NOT_FP8, (f"BF16 from the same state diverges too ({g:.4g}, {g / baseline:.3g}x the baseline "
+                         f"{baseline:.4g}; FP8 {f:.4g}): look at the learning rate / data")
+    if gap > 0:
+        return INCONCLUSIVE, (f"FP8 ends {100 * (f / g - 1):.3g} % above BF16 ({f:.4g} vs {g:.4g}) but within "
+                              f"{factor:g}x its baseline{base}")
+    return INCONCLUSIVE, f"BF16 ends worse than FP8 ({g:.4g} vs {f:.4g}){base}"
 
 
 def baseline_of(history: list[float], first: float) -> float:

@@ -123,7 +123,9 @@ class Shadow:
         self._wrapper_depth = 0
         self._rng = None
         self._last_loss: torch.Tensor | None = None
-        self._history: deque[torch.Tensor] = deque(maxlen=self.baseline_steps)
+        # (step, loss) of recent steps, long enough to reach back before an anomaly that a fork follows
+        self._history: deque[tuple[int, torch.Tensor]] = deque(maxlen=max(self.baseline_steps, 256))
+        self._anomaly_step: int | None = None  # the first warning / critical event heard of
         self._capture: FP8Capture | None = None
         self._armed_opt_steps = 0
         self._opt_steps = 0
@@ -195,10 +197,14 @@ class Shadow:
                     return value
             return None
 
-        rule, severity = field("rule"), field("severity")
+        rule, severity, step = field("rule"), field("severity"), field("step")
         self.compare_next()
         if severity != "info":  # info events only get a compare; warnings and critical ones a fork too
-            self.fork(f"event:{rule}" if rule else "event")
+            if step is not None:
+                with self._lock:
+                    if self._anomaly_step is None or int(step) < self._anomaly_step:
+                        self._anomaly_step = int(step)
+            self.fork(f"event:{rule}" + (f"@{int(step)}" if step is not None else "") if rule else "event")
 
     @property
     def fork_running(self) -> bool:
@@ -231,7 +237,7 @@ class Shadow:
                 self._finish_compare(step, batch, loss_t)
             self._advance_fork(step, batch, loss_t)
             if loss_t is not None:
-                self._history.append(loss_t.reshape(()).float())
+                self._history.append((step, loss_t.reshape(()).float()))
             self._arm_if_due(step + 1)
         except Exception as exc:  # fail open: the user's training goes on
             self._disarm()
@@ -344,7 +350,10 @@ class Shadow:
             self._log_fork(f, len(f.step_ids) - 1)
 
     def _start_fork(self, step: int, trigger: str) -> None:
-        history = torch.stack(list(self._history)).tolist() if self._history else []
+        # the baseline comes from before the first anomaly (the steps just before the fork may be broken)
+        cut = self._anomaly_step if self._anomaly_step is not None else step
+        before = [t for s, t in self._history if s < cut][-self.baseline_steps:]
+        history = torch.stack(before).tolist() if before else []
         replica, opt, uses_te = make_replica(self.model, self.optimizer)
         f = Fork(len(self.forks), step, self.fork_steps, trigger, history, replica, opt, uses_te)
         self.forks.append(f)
