@@ -22,8 +22,10 @@ and says what a correct answer is. A run is scored offline (``fp8scope.detect`` 
   steps before the plant, or non-finite); positive = seen before the loss moved;
 - clean runs: the number of warning and critical events (must be 0).
 
-Not yet in the suite (see the issue's note): shadow compares and forks on the failures that need them,
-and the online detector's lag under load.
+Cases with ``forks`` run a ``fp8scope.Shadow`` whose forks start on warning events (the report's fork
+verdicts are scored); ``shadow_every`` adds BF16 compare steps; ``loaded`` runs two CPU-burning
+processes beside training and requires every warning event to reach ``on_event`` before the step
+after next ends ("online lag": the training step at arrival minus the event's step, at most 2).
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ class Case:
     fp8: str = "delayed"
     history: int = 16
     seed: int = 0
+    shadow_every: int = 0  # BF16 compare steps every N steps (0: none)
+    forks: bool = False  # warning / critical events start a BF16 fork (Shadow.on_event)
+    expect_fork: str | None = None  # the verdict its first fork must reach
+    loaded: bool = False  # two CPU-burning processes run beside training (the online lag is measured)
 
 
 def cases(steps: int) -> list[Case]:
@@ -73,7 +79,7 @@ def cases(steps: int) -> list[Case]:
         Case("gpt-scale-reset-cheap", "gpt", ["reset:blocks.1.mlp.up:125"], "blocks.1.mlp.up", "activation", 125, "fp8"),
         Case("gpt-nan-cheap-late", "gpt", [f"nan:blocks.2.attn.proj:{late + 13}"], "blocks.2.attn.proj", "activation",
              late + 13, "fp8"),
-        Case("gpt-growing-outlier", "gpt", [f"grow:{GPT_DOWN.format(2)}:150:64:100"], GPT_DOWN.format(2), "activation", 150,
+        Case("gpt-growing-outlier", "gpt", [f"grow:{GPT_DOWN.format(2)}:150:256:100"], GPT_DOWN.format(2), "activation", 150,
              "fp8", until=260),
         Case("gpt-gradscale-cheap", "gpt", [f"gradscale:{GPT_DOWN.format(3)}:205:1e-8"], GPT_DOWN.format(3), "gradient", 205,
              "fp8"),
@@ -85,14 +91,20 @@ def cases(steps: int) -> list[Case]:
              f"{LLAMA.format(1)}.self_attn.o_proj", "activation", late - 15, "fp8"),
         Case("llama-scale-reset-cheap", "llama", [f"reset:{LLAMA.format(2)}.mlp.down_proj:215"],
              f"{LLAMA.format(2)}.mlp.down_proj", "activation", 215, "fp8"),
-        Case("llama-growing-outlier", "llama", [f"grow:{LLAMA.format(1)}.mlp.down_proj:120:64:100"],
+        Case("llama-growing-outlier", "llama", [f"grow:{LLAMA.format(1)}.mlp.down_proj:120:256:100"],
              f"{LLAMA.format(1)}.mlp.down_proj", "activation", 120, "fp8", until=230),
         # not FP8
         Case("gpt-lr-jump-late", "gpt", [f"lr:{late + 10}:30"], "", "lr", late + 10, "not-fp8"),
         Case("gpt-bad-batch", "gpt", ["batch:220"], "", "loss", 220, "not-fp8"),
         Case("llama-lr-jump-early", "llama", ["lr:45:30"], "", "lr", 45, "not-fp8"),
         Case("llama-data-spike-late", "llama", [f"batch:{late + 20}:3"], "", "loss", late + 20, "not-fp8"),
+        # with BF16 shadows: forks that must answer the question, on a machine whose cores are busy
+        Case("gpt-lr-jump-loaded-fork", "gpt", [f"lr:{late + 10}:30"], "", "lr", late + 10, "not-fp8", forks=True,
+             expect_fork="not-fp8", loaded=True),
+        Case("gpt-poisoned-history-fork", "gpt", [f"outlier:{GPT_DOWN.format(3)}:{late - 20}:1e6"], GPT_DOWN.format(3),
+             "activation", late - 20, "fp8", forks=True, expect_fork="fp8-induced", shadow_every=25),
         # clean
+        Case("gpt-clean-shadow", "gpt", shadow_every=25, forks=True),
         Case("gpt-clean", "gpt"),
         Case("gpt-clean-current-seed1", "gpt", fp8="current", seed=1),
         Case("llama-clean", "llama"),
@@ -146,23 +158,55 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10) -> dict:
         setup.args.inject = list(case.inject)
         setup = _llama_setup(setup)
     losses: list[float] = []
+    now = [0]  # the step being trained
+    lags: list[int] = []  # per warning+ event: the step training was at when on_event saw it, minus its step
+    shadow_box: list = []
+
+    def on_event(ev: dict) -> None:
+        if ev.get("severity") != "info":
+            lags.append(now[0] - int(ev["step"]))
+        if shadow_box:
+            shadow_box[0].on_event(ev)
+
+    burners = _burn_cpus(2) if case.loaded else []
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        mon = fp8scope.Monitor(setup.model, run_dir, every=every, recipe=setup.recipe,
+        mon = fp8scope.Monitor(setup.model, run_dir, every=every, recipe=setup.recipe, on_event=on_event,
                                meta={**setup.meta(), "model": case.arch, "suite_case": case.name})
+    shadow = None
+    if case.shadow_every or case.forks:
+        from fp8scope.demo.train import demo_loss
+        from fp8scope.shadow import Shadow
+
+        shadow = Shadow(mon, setup.model, lambda m, b: demo_loss(m, b, setup), setup.optimizer,
+                        compare_every=case.shadow_every, fork_steps=20, max_grad_norm=setup.args.clip)
+        if case.forks:
+            shadow_box.append(shadow)
     bad = None
     for step in range(steps):
-        loss, _, _ = train_step(setup, step, monitor=mon)
+        now[0] = step
+        loss, _, _ = train_step(setup, step, monitor=mon, shadow=shadow)
         value = float(loss)
         losses.append(value)
         if not math.isfinite(value):
             bad = step if bad is None else bad
         if bad is not None and step >= bad + 5:  # a NaN run: a few steps more, then stop
             break
+    if shadow is not None:
+        shadow.close()
     mon.close()
+    for b in burners:
+        b.kill()
     del torch
-    return {"losses": losses, "seconds": time.perf_counter() - t0}
+    return {"losses": losses, "seconds": time.perf_counter() - t0, "max_lag": max(lags, default=None)}
+
+
+def _burn_cpus(n: int) -> list:
+    """``n`` processes spinning on a core each (a busy training node: data loader workers)."""
+    import subprocess
+
+    return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
 def _logged_losses(run_dir: Path) -> list[float]:
@@ -201,6 +245,7 @@ def score(case: Case, run_dir: Path, losses: list[float]) -> dict:
            "verdict": rep["verdict"]}
     if case.cause == "clean":
         out["ok"] = out["warnings"] + out["criticals"] == 0
+        out["forks"] = [(f["trigger"], f["verdict"]) for f in rep.get("forks") or []]
         return out
     if case.cause == "fp8":
         tensor_ev = serious[serious["layer"] != ""].sort_values(["step", "rank"], kind="stable")
@@ -220,18 +265,24 @@ def score(case: Case, run_dir: Path, losses: list[float]) -> dict:
     out["loss_moved"] = moved
     out["lead"] = None if (moved is None or first is None) else int(moved - first["step"])
     out["ok"] = out["localized"] and out["attributed"]
+    out["forks"] = [(f["trigger"], f["verdict"]) for f in rep.get("forks") or []]
+    if case.expect_fork is not None:
+        out["ok"] = out["ok"] and bool(out["forks"]) and out["forks"][0][1] == case.expect_fork
     return out
 
 
 def markdown(results: list[dict], steps: int, seconds: float) -> str:
-    rows = ["| case | planted | expected | detected (first warning+) | verdict side | lead (steps) | warn / crit | ok |",
-            "|---|---|---|---|---|---|---|---|"]
+    header = ("| case | planted | expected | detected (first warning+) | verdict side | forks | lead (steps) | "
+              "online lag | warn / crit | ok |")
+    rows = [header, "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         det = r.get("detected")
         det_s = "-" if not det else f"{det['rule']} {det.get('layer', '')} {det['tensor']} @ {det['step']}".replace("  ", " ")
         exp = "0 warnings" if r["cause"] == "clean" else r["cause"]
-        rows.append(f"| {r['case']} | {', '.join(r['inject']) or '-'} | {exp} | {det_s} | {r['side'] or '-'} | "
-                    f"{'-' if r.get('lead') is None else r['lead']} | {r['warnings']} / {r['criticals']} | "
+        forks = ", ".join(v for _, v in r.get("forks") or []) or "-"
+        lag = "-" if r.get("max_lag") is None else r["max_lag"]
+        rows.append(f"| {r['case']} | {', '.join(r['inject']) or '-'} | {exp} | {det_s} | {r['side'] or '-'} | {forks} | "
+                    f"{'-' if r.get('lead') is None else r['lead']} | {lag} | {r['warnings']} / {r['criticals']} | "
                     f"{'yes' if r['ok'] else '**no**'} |")
     ok = sum(r["ok"] for r in results)
     rows.append("")
@@ -266,9 +317,12 @@ def main(argv: list[str] | None = None) -> int:
                 trained = train(case, run_dir, args.steps)
             r = score(case, run_dir, trained["losses"])
             r["seconds"] = round(trained["seconds"], 1)
+            r["max_lag"] = trained.get("max_lag")
+            if case.loaded:  # the events of step t reached on_event before step t + 2 ended
+                r["ok"] = r["ok"] and r["max_lag"] is not None and r["max_lag"] <= 2
             results.append(r)
-            print(json.dumps({k: r[k] for k in ("case", "ok", "detected", "side", "lead", "warnings", "criticals",
-                                                "seconds")}, default=str), flush=True)
+            print(json.dumps({k: r.get(k) for k in ("case", "ok", "detected", "side", "lead", "warnings", "criticals",
+                                                    "forks", "max_lag", "seconds")}, default=str), flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)

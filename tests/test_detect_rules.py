@@ -54,7 +54,7 @@ def test_loss_spike_adapts_to_the_run_noise():
 
 def test_grad_norm_needs_a_larger_excursion():
     rng = np.random.default_rng(1)
-    g = list(np.exp(rng.normal(0, 0.1, 120)))
+    g = list(np.exp(rng.normal(0, 0.05, 120)))
     g[100] *= 2.5
     assert [e["step"] for e in feed("grad_norm", g)] == [100]
     g[100] /= 2.5
