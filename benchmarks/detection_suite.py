@@ -24,8 +24,9 @@ and says what a correct answer is. A run is scored offline (``fp8scope.detect`` 
 
 Cases with ``forks`` run a ``fp8scope.Shadow`` whose forks start on warning events (the report's fork
 verdicts are scored); ``shadow_every`` adds BF16 compare steps; ``loaded`` runs two CPU-burning
-processes beside training and requires every warning event to reach ``on_event`` before the step
-after next ends ("online lag": the training step at arrival minus the event's step, at most 2).
+processes beside training from 30 steps before the plant on, and requires every warning event to
+reach ``on_event`` before the step after next ends ("online lag": the training step at arrival
+minus the event's step, at most 2).
 """
 
 from __future__ import annotations
@@ -99,8 +100,9 @@ def cases(steps: int) -> list[Case]:
         Case("llama-lr-jump-early", "llama", ["lr:45:30"], "", "lr", 45, "not-fp8"),
         Case("llama-data-spike-late", "llama", [f"batch:{late + 20}:3"], "", "loss", late + 20, "not-fp8"),
         # with BF16 shadows: forks that must answer the question, on a machine whose cores are busy
-        Case("gpt-lr-jump-loaded-fork", "gpt", [f"lr:{late + 10}:30"], "", "lr", late + 10, "not-fp8", forks=True,
-             expect_fork="not-fp8", loaded=True),
+        Case("gpt-lr-jump-fork", "gpt", [f"lr:{late + 10}:30"], "", "lr", late + 10, "not-fp8", forks=True,
+             expect_fork="not-fp8"),
+        Case("gpt-lr-jump-loaded", "gpt", [f"lr:{late - 5}:30"], "", "lr", late - 5, "not-fp8", loaded=True),
         Case("gpt-poisoned-history-fork", "gpt", [f"outlier:{GPT_DOWN.format(3)}:{late - 20}:1e6"], GPT_DOWN.format(3),
              "activation", late - 20, "fp8", forks=True, expect_fork="fp8-induced", shadow_every=25),
         # clean
@@ -168,7 +170,7 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10) -> dict:
         if shadow_box:
             shadow_box[0].on_event(ev)
 
-    burners = _burn_cpus(2) if case.loaded else []
+    burners: list = []  # started 30 steps before the plant: the lag that matters is around the blow-up
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -186,6 +188,8 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10) -> dict:
     bad = None
     for step in range(steps):
         now[0] = step
+        if case.loaded and not burners and step >= (case.step or 0) - 30:
+            burners = _burn_cpus(2)
         loss, _, _ = train_step(setup, step, monitor=mon, shadow=shadow)
         value = float(loss)
         losses.append(value)

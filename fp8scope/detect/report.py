@@ -242,9 +242,10 @@ def _shadow_verdict(run, cfg: DetectConfig) -> dict | None:
     return out
 
 
-# What FP8 does to tensors (the damage FP8 can cause), and what the optimizer side shows.
+# What FP8 does to tensors (the damage FP8 can cause, and a growing outlier that leads there), and what the
+# optimizer side shows.
 FP8_DAMAGE = frozenset({"saturation", "saturation_rate", "underflow", "nan_origin", "nonfinite", "stale_scale",
-                        "scale_mismatch", "scale_kept", "scale_collapse", "fp8_vs_bf16"})
+                        "scale_mismatch", "scale_kept", "scale_collapse", "fp8_vs_bf16", "amax_trend"})
 OPTIMIZER_SIDE = frozenset({"lr_change", "loss_spike", "grad_norm_spike"})
 
 

@@ -11,7 +11,8 @@ the layer, its recipe and its data. So a layer is judged against *its own* earli
 - a compare *departs* when its error is ``shadow_factor`` times that baseline and above the
   absolute floor ``shadow_rel_err``; every compare is judged, and a departure is one event per
   excursion (it fires again after the layer came back), so a fault late in a run is not hidden
-  by an early one;
+  by an early one. The event is a warning when the excursion lasts two compares or more, critical
+  when it reaches ``shadow_critical_factor``, info for a single compare (one step's FP8 noise);
 - "where FP8 hurts" ranks layers by departure (error / baseline), not by raw error.
 
 :func:`departures` is the one definition; the offline engine turns its rows into events and the
@@ -55,9 +56,17 @@ def departures(table: pa.Table | pd.DataFrame, cfg: DetectConfig) -> pd.DataFram
             base[i] = np.median(err[:i])
         departs = (err >= factor * base) & (err >= floor)  # NaN baseline: False
         fires = departs & ~np.r_[False, departs[:-1]]
-        parts.append(g.assign(baseline=base, n_prev=np.arange(len(err)),
-                              departure=np.divide(err, base, out=np.full(len(err), np.nan), where=base > 0),
-                              departs=departs, fires=fires))
+        departure = np.divide(err, base, out=np.full(len(err), np.nan), where=base > 0)
+        # each excursion (consecutive departing compares): its length and worst departure, on its first row
+        run_id = np.cumsum(fires)
+        length = np.zeros(len(err), np.int64)
+        worst = np.full(len(err), np.nan)
+        for r in np.unique(run_id[departs]):
+            m = departs & (run_id == r)
+            first = np.flatnonzero(m)[0]
+            length[first], worst[first] = int(m.sum()), float(np.nanmax(departure[m]))
+        parts.append(g.assign(baseline=base, n_prev=np.arange(len(err)), departure=departure, departs=departs,
+                              fires=fires, excursion=length, worst=worst))
     out = pd.concat(parts, ignore_index=True)
     return out.sort_values(["step", "rank", "layer", "metric"], kind="stable").reset_index(drop=True)
 
@@ -72,10 +81,16 @@ def shadow_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
     crit = float(cfg.shadow_critical_factor)
     out = []
     for r in d[d["fires"]].to_dict("records"):
-        sev = "critical" if r["departure"] >= crit else "warning"
+        # one compare off its baseline is FP8 noise of that step (a fresh model's gradients overrun their
+        # delayed scales at the end of the lr warm-up: every layer's wgrad error 4-10x for one compare);
+        # a departure that lasts, or a huge one, is FP8 hurting the layer
+        lasting = r["excursion"] >= 2
+        sev = "critical" if r["worst"] >= crit else "warning" if lasting else "info"
         msg = (f"{r['layer']}: FP8 {r['metric']} differs from the BF16 shadow by {_fmt(100 * r['err'])}% relative "
                f"error, {_fmt(r['departure'])}x this layer's usual {_fmt(100 * r['baseline'])}% (median of its "
-               f"{int(r['n_prev'])} earlier compares): FP8 hurts this layer here")
+               f"{int(r['n_prev'])} earlier compares)"
+               + (f", for {int(r['excursion'])} compares in a row: FP8 hurts this layer here" if lasting
+                  else "" if sev == "critical" else ", at this compare only"))
         out.append(event({**r, "tensor": r["metric"], "order": 0}, "fp8_vs_bf16", sev, r["departure"],
                          float(cfg.shadow_factor), msg))
     return out
