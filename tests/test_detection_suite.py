@@ -5,6 +5,7 @@ suite scores them (localization, attribution) and a clean run that must raise no
 from __future__ import annotations
 
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -14,6 +15,7 @@ pytest.importorskip("transformers")
 _path = Path(__file__).resolve().parents[1] / "benchmarks" / "detection_suite.py"
 _spec = importlib.util.spec_from_file_location("detection_suite", _path)
 suite = importlib.util.module_from_spec(_spec)
+sys.modules["detection_suite"] = suite  # dataclasses look their module up there
 _spec.loader.exec_module(suite)
 
 STEPS = 150

@@ -410,7 +410,7 @@ def test_step_writes_keep_order_with_concurrent_table_writes(tmp_path, monkeypat
     assert mon.logging_failed is None and mon._writer.dropped == 0
 
 
-def test_background_detector_examines_steps_in_batches_and_flush_does_not_wait():
+def test_background_detector_examines_a_backlog_in_batches_and_flush_does_not_wait():
     from fp8scope.detect.online import BackgroundDetector
 
     calls = []
@@ -420,12 +420,12 @@ def test_background_detector_examines_steps_in_batches_and_flush_does_not_wait()
             calls.append([s[0] for s in steps])
             return None
 
-    bg = BackgroundDetector(Det(), lambda table, batch: None, max_delay=60.0, max_batch=8)
+    bg = BackgroundDetector(Det(), lambda table, batch: None, max_batch=8, lag_warn=1000)
     t0 = time.monotonic()
     for s in range(20):
         bg(s, 0, None, None)
     bg.flush()
-    assert time.monotonic() - t0 < 30  # flushed at once, not after max_delay
+    assert time.monotonic() - t0 < 30  # flushed at once
     assert [s for c in calls for s in c] == list(range(20))
-    assert all(len(c) <= 8 for c in calls) and len(calls) <= 4
+    assert all(len(c) <= 8 for c in calls)
     bg.close()
