@@ -42,17 +42,24 @@ def test_checkpointed_forwards_are_counted_once(tmp_path, reentrant, emulated):
 
 
 # ---- torchao -----------------------------------------------------------------------------
-def test_torchao_rowwise_with_gw_hp_and_scales_match_torchao(tmp_path):
+def _torchao_mlp(recipe: str):
+    """An MLP converted by torchao with one of its named recipes (emulated casts: runs on the CPU), and
+    torchao's own ``tensor_to_scale`` to check scales against."""
     pytest.importorskip("torchao")
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         from torchao.float8 import Float8LinearConfig, convert_to_float8_training
         from torchao.float8.float8_utils import tensor_to_scale
-    cfg = Float8LinearConfig.from_recipe_name("rowwise_with_gw_hp")
+    cfg = Float8LinearConfig.from_recipe_name(recipe)
     cfg = Float8LinearConfig(**{**cfg.__dict__, "emulate": True})
     torch.manual_seed(0)
     m = MLP(d=16, h=32, out=16)
     convert_to_float8_training(m, config=cfg)
+    return m, cfg, tensor_to_scale
+
+
+def test_torchao_rowwise_with_gw_hp_and_scales_match_torchao(tmp_path):
+    m, cfg, tensor_to_scale = _torchao_mlp("rowwise_with_gw_hp")
     x = torch.randn(8, 16)
     with fp8scope.Monitor(m, tmp_path, every=1) as mon:
         m(x).pow(2).mean().backward()
@@ -82,16 +89,7 @@ def test_torchao_rowwise_with_gw_hp_and_scales_match_torchao(tmp_path):
 def test_torchao_rowwise_logs_each_cast_of_a_role(tmp_path, every):
     """rowwise: torchao casts each role twice, along the two axes, with scales of their own
     (torchao/float8/float8_linear.py); each cast is a row, and its scale is torchao's."""
-    pytest.importorskip("torchao")
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
-        from torchao.float8.float8_utils import tensor_to_scale
-    cfg = Float8LinearConfig.from_recipe_name("rowwise")
-    cfg = Float8LinearConfig(**{**cfg.__dict__, "emulate": True})
-    torch.manual_seed(0)
-    m = MLP(d=16, h=32, out=16)
-    convert_to_float8_training(m, config=cfg)
+    m, cfg, tensor_to_scale = _torchao_mlp("rowwise")
     seen = {}
     m.down.register_full_backward_hook(lambda mod, gi, go: seen.__setitem__("g", go[0].detach().clone()))
     with fp8scope.Monitor(m, tmp_path, every=every) as mon:
