@@ -471,3 +471,27 @@ def test_scale_is_a_true_float32_division():
     got = torch.tensor([st_.begin(a.reshape(1)).scale.item() for a in amaxes])
     want = torch.from_numpy(np.float32(448.0) / amaxes.numpy())
     assert bool((got == want).all()), int((got != want).sum())
+
+
+def test_current_scaling_scales_the_gradient_by_its_own_amax(tmp_path):
+    """TE's current scaling quantizes each tensor with a scale from that tensor's own amax: the gradient
+    too, although its scale cannot be known at forward time (the delayed-scaling path prepares it there)."""
+    import fp8scope
+    from fp8scope.emulate import CurrentScaling, Fp8Linear
+
+    torch.manual_seed(0)
+    layer = Fp8Linear(16, 8, recipe=CurrentScaling())
+    model = torch.nn.Sequential(layer)
+    seen = []
+    layer.register_full_backward_hook(lambda m, gi, go: seen.append(go[0].detach().clone()))
+    with fp8scope.Monitor(model, tmp_path, every=1) as mon:
+        for step in range(3):
+            x = torch.randn(4, 16, requires_grad=True)
+            (layer(x) * (10.0 ** -step)).sum().backward()  # gradients of very different sizes
+            mon.step()
+    g = fp8scope.load_run(tmp_path).tensors(tensor="gradient").sort_values("step")
+    assert len(g) == len(seen) == 3
+    fmax = layer.recipe.backward_format.max
+    for (_, row), grad in zip(g.iterrows(), seen):
+        assert row.scale == pytest.approx(fmax / float(grad.abs().max()), rel=1e-6)
+        assert row.overflow == 0 and row.underflow / row.numel < 0.01

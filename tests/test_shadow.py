@@ -278,8 +278,10 @@ def test_verdict_rules():
     assert verdict([2.0, 2.05], [2.0, 2.0], 2.0, 1.5)[0] == NOT_FP8
     # BF16 does worse than FP8: the data cannot blame FP8
     assert verdict([2.0, 2.1], [2.0, 9.0], 2.0, 1.5)[0] == "inconclusive"
-    # FP8 a bit worse than BF16 but back near its baseline
+    # FP8 a bit worse than BF16, both at the baseline: nothing to blame
     assert verdict([2.0, 2.4], [2.0, 2.0], 2.0, 1.5)[0] == "inconclusive"
+    # FP8 stays above its baseline while BF16 trains on below it (a poisoned amax history): 12 % worse
+    assert verdict([0.74] * 8, [0.66] * 8, 0.72, 1.5)[0] == FP8_INDUCED
 
 
 def test_tables_readable_without_importing_shadow(tmp_path):

@@ -31,6 +31,7 @@ from fp8scope.detect.rules import _fmt
 
 SHADOW_TABLE = "shadow_compare"
 METRICS = {"output_rel_err": "output", "wgrad_rel_err": "wgrad"}
+COMPARE_ORDER = 1 << 29  # after a step's tensor events, before its scalar ones
 
 
 def departures(table: pa.Table | pd.DataFrame, cfg: DetectConfig) -> pd.DataFrame:
@@ -91,6 +92,8 @@ def shadow_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
                f"{int(r['n_prev'])} earlier compares)"
                + (f", for {int(r['excursion'])} compares in a row: FP8 hurts this layer here" if lasting
                   else "" if sev == "critical" else ", at this compare only"))
-        out.append(event({**r, "tensor": r["metric"], "order": 0}, "fp8_vs_bf16", sev, r["departure"],
+        # a compare is judged after the step's own tensors: at equal steps they sort first (the report's
+        # first anomaly is the tensor that moved, not the downstream layers whose BF16 pass differs with it)
+        out.append(event({**r, "tensor": r["metric"], "order": COMPARE_ORDER}, "fp8_vs_bf16", sev, r["departure"],
                          float(cfg.shadow_factor), msg))
     return out

@@ -41,7 +41,7 @@ from ..formats import Fp8Format
 from .quantize import quantize_dequantize
 from .recipes import CurrentScaling, DelayedScaling
 from .amax import amax_pair
-from .scaling import Scales, ScalingState
+from .scaling import Scales, ScalingState, current_scales
 
 ROLES = ("activation", "weight", "gradient")
 
@@ -95,6 +95,9 @@ class _Fp8LinearFn(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             fmt = layer._formats[1]
+            if layer._current_gradient:  # current scaling: the gradient's own amax, as TE's current quantizer
+                _, recorded = amax_pair(grad_out)
+                g_scale, g_scale_inv, g_expected, _ = current_scales(recorded, layer.gradient_state._scaled_max_t)
             _, g_deq = quantize_dequantize(grad_out, g_scale, g_scale_inv, fmt)
             layer._gradient_done(grad_out, g_deq, g_scale, g_scale_inv, g_expected)
             if ctx.needs_input_grad[0]:
@@ -138,6 +141,7 @@ class Fp8Linear(nn.Linear):
         self.recipe = recipe if recipe is not None else DelayedScaling()
         self._formats = (self.recipe.forward_format, self.recipe.backward_format)  # looked up once
         dev = self.weight.device
+        self._current_gradient = isinstance(self.recipe, CurrentScaling)
         self.activation_state = ScalingState(self.recipe, self.recipe.forward_format, dev)
         self.weight_state = ScalingState(self.recipe, self.recipe.forward_format, dev)
         self.gradient_state = ScalingState(self.recipe, self.recipe.backward_format, dev)

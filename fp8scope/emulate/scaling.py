@@ -87,6 +87,15 @@ def scale_from_amax(amax: torch.Tensor, scaled_max: torch.Tensor,
     return sf, valid
 
 
+def current_scales(recorded: torch.Tensor, scaled_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                              torch.Tensor]:
+    """Current scaling from a tensor's own (TE-recorded, NaN-ignoring) amax: ``(scale, scale_inv,
+    expected_amax, kept)``; NaN/Inf/0 give scale 1, as TE. Pure tensor math (a compiled backward
+    traces it)."""
+    scale, valid = scale_from_amax(recorded, scaled_max, torch.ones_like(recorded))
+    return scale, 1.0 / scale, recorded, ~valid
+
+
 def delayed_update(history: torch.Tensor, last: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor,
                    expected: torch.Tensor, most_recent: bool) -> tuple[torch.Tensor, ...]:
     """:func:`delayed_update_eager`, compiled ahead into one fused kernel per (device type, algo,
@@ -248,10 +257,8 @@ class ScalingState:
         logged, recorded = amax_pair(x)
         self._last_amax = logged
         if not self.delayed:
-            scale, valid = scale_from_amax(recorded, self._scaled_max_t, torch.ones_like(recorded))
-            self._scale, self._scale_inv = scale, 1.0 / scale
-            self._expected, self._kept = recorded, ~valid
-            return Scales(self._scale, self._scale_inv, recorded)
+            self._scale, self._scale_inv, self._expected, self._kept = current_scales(recorded, self._scaled_max_t)
+            return Scales(self._scale, self._scale_inv, self._expected)
         out = self.prepare()
         if record:
             self.record(recorded)
@@ -260,7 +267,9 @@ class ScalingState:
     def prepare(self) -> Scales:
         """Apply a pending update and return the scales the next quantization will use, without
         measuring anything: the emulated layer asks this of its gradient state at forward time, so
-        its backward reads no state (then :meth:`observe` records the gradient's amax)."""
+        its backward reads no state (then :meth:`observe` records the gradient's amax). Delayed
+        scaling only: under current scaling the scale comes from the tensor itself
+        (:func:`current_scales`, which the emulated backward applies to the gradient)."""
         self.update()
         return Scales(self._scale, self._scale_inv, self._expected)
 

@@ -13,8 +13,9 @@ same batches, would have done what FP8 did.
   - |log f - log g| within ``agree`` (5 %): BF16 follows FP8 -> ``not-fp8`` (whatever happened,
     BF16 from the same state does the same: a learning-rate jump, bad data);
   - FP8 above BF16 by more than ``agree`` and above ``diverge_factor`` x the baseline: ``fp8-induced``
-    if BF16 stays within it (FP8 stays broken or diverges while BF16 recovers or trains on),
-    ``not-fp8`` if BF16 diverges too;
+    if BF16 stays within it (FP8 diverges while BF16 recovers), ``not-fp8`` if BF16 diverges too;
+  - FP8 above BF16 by more than ``agree``, FP8 above its baseline and BF16 below it: ``fp8-induced``
+    (FP8 stays broken while BF16 trains on);
   - otherwise ``inconclusive`` (BF16 does worse than FP8, or FP8 is worse than BF16 but back at
     its baseline), with the numbers in the reason.
 """
@@ -72,6 +73,9 @@ def verdict(fp8: list[float], bf16: list[float], baseline: float, factor: float,
                                  f"from the same state reaches {g:.4g}")
         return NOT_FP8, (f"BF16 from the same state diverges too ({g:.4g}, {g / baseline:.3g}x the baseline "
                          f"{baseline:.4g}; FP8 {f:.4g}): look at the learning rate / data")
+    if gap > 0 and math.isfinite(baseline) and f > baseline > g:
+        return FP8_INDUCED, (f"FP8 stays above its baseline ({f:.4g} vs {baseline:.4g}) while BF16 from the same state "
+                             f"trains on below it ({g:.4g}): FP8 ends {100 * (f / g - 1):.3g} % worse")
     if gap > 0:
         return INCONCLUSIVE, (f"FP8 ends {100 * (f / g - 1):.3g} % above BF16 ({f:.4g} vs {g:.4g}) but within "
                               f"{factor:g}x its baseline{base}")
