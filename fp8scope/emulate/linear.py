@@ -23,7 +23,8 @@ the tap is swallowed (with one warning per layer) so monitoring never breaks tra
 
 Under ``torch.compile`` the layer traces without graph breaks: its scales are tensors, the
 activation and weight states update in the forward, the gradient's scales are prepared at
-forward time, and the backward records the gradient's amax through one opaque op
+forward time (delayed scaling; current scaling derives them from the gradient in backward), and
+the backward records the gradient's amax through one opaque op
 (``fp8scope.graph_taps``).
 """
 
