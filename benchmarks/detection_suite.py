@@ -1,8 +1,12 @@
 """Detection suite: planted failures and clean runs on two architectures, scored against what each
 plant expects (layer, role, step, cause).
 
-    .venv/bin/python benchmarks/detection_suite.py [--steps 400] [--only NAME,...] [--out results.json]
+    .venv/bin/python benchmarks/detection_suite.py [--steps 400] [--jobs 2] [--only NAME,...] [--out results.json]
         [--markdown]                      # the table for docs/detection.md
+
+Cases train two at a time by default (``--jobs``, one torch thread each: these small models are
+bound by Python overhead, so two processes get more done on two cores than one with two threads);
+a ``loaded`` case runs alone, after the others.
 
 Architectures: the demo's tiny GPT (fp8scope.demo, d128, 4 blocks) and a ``transformers`` Llama built
 from a small config (random weights, no download: hidden 128, SwiGLU 256, 4 layers, 4 heads, 2 KV
@@ -95,19 +99,16 @@ def cases(steps: int) -> list[Case]:
         Case("llama-growing-outlier", "llama", [f"grow:{LLAMA.format(1)}.mlp.down_proj:120:256:100"],
              f"{LLAMA.format(1)}.mlp.down_proj", "activation", 120, "fp8", until=230),
         # not FP8
-        Case("gpt-lr-jump-late", "gpt", [f"lr:{late + 10}:30"], "", "lr", late + 10, "not-fp8"),
         Case("gpt-bad-batch", "gpt", ["batch:220"], "", "loss", 220, "not-fp8"),
         Case("llama-lr-jump-early", "llama", ["lr:45:30"], "", "lr", 45, "not-fp8"),
         Case("llama-data-spike-late", "llama", [f"batch:{late + 20}:3"], "", "loss", late + 20, "not-fp8"),
         # with BF16 shadows: forks that must answer the question, on a machine whose cores are busy
-        Case("gpt-lr-jump-fork", "gpt", [f"lr:{late + 10}:30"], "", "lr", late + 10, "not-fp8", forks=True,
-             expect_fork="not-fp8"),
-        Case("gpt-lr-jump-loaded", "gpt", [f"lr:{late - 5}:30"], "", "lr", late - 5, "not-fp8", loaded=True),
+        Case("gpt-lr-jump-late-fork-loaded", "gpt", [f"lr:{late + 10}:30"], "", "lr", late + 10, "not-fp8", forks=True,
+             expect_fork="not-fp8", loaded=True),
         Case("gpt-poisoned-history-fork", "gpt", [f"outlier:{GPT_DOWN.format(3)}:{late - 20}:1e6"], GPT_DOWN.format(3),
              "activation", late - 20, "fp8", forks=True, expect_fork="fp8-induced", shadow_every=25),
         # clean
         Case("gpt-clean-shadow", "gpt", shadow_every=25, forks=True),
-        Case("gpt-clean", "gpt"),
         Case("gpt-clean-current-seed1", "gpt", fp8="current", seed=1),
         Case("llama-clean", "llama"),
     ]
@@ -294,6 +295,37 @@ def markdown(results: list[dict], steps: int, seconds: float) -> str:
     return "\n".join(rows)
 
 
+def _one_thread(jobs: int) -> None:
+    import os
+
+    import torch
+
+    torch.set_num_threads(max(1, (os.cpu_count() or 2) // jobs))
+
+
+def _run_case(job) -> dict:
+    """Train (or, with ``rescore``, reread) one case and score it: the unit of work of the pool."""
+    case, run_dir, steps, rescore = job
+    run_dir = Path(run_dir)
+    if rescore:
+        trained = {"losses": _logged_losses(run_dir), "seconds": float("nan")}
+    else:
+        shutil.rmtree(run_dir, ignore_errors=True)
+        trained = train(case, run_dir, steps)
+    r = score(case, run_dir, trained["losses"])
+    r["seconds"] = round(trained["seconds"], 1)
+    r["max_lag"] = trained.get("max_lag")
+    if case.loaded:  # the events of step t reached on_event before step t + 2 ended
+        r["ok"] = r["ok"] and r["max_lag"] is not None and r["max_lag"] <= 2
+    return r
+
+
+def _show(r: dict) -> dict:
+    print(json.dumps({k: r.get(k) for k in ("case", "ok", "detected", "side", "lead", "warnings", "criticals", "forks",
+                                            "max_lag", "seconds")}, default=str), flush=True)
+    return r
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--steps", type=int, default=400)
@@ -302,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--out", help="write the results as JSON")
     ap.add_argument("--markdown", action="store_true", help="print the table for docs/detection.md")
     ap.add_argument("--rescore", action="store_true", help="score the runs already in --keep (no training)")
+    ap.add_argument("--jobs", type=int, default=2, help="cases trained at once, one torch thread each (a loaded case "
+                                                          "always runs alone, after the others)")
     args = ap.parse_args(argv)
     chosen = cases(args.steps)
     if args.only:
@@ -310,26 +344,26 @@ def main(argv: list[str] | None = None) -> int:
     if args.rescore and not args.keep:
         ap.error("--rescore needs --keep DIR (the runs to score)")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fp8suite-"))
-    results, t0 = [], time.perf_counter()
+    results, t0 = {}, time.perf_counter()
+    jobs = [(c, str(root / c.name), args.steps, args.rescore) for c in chosen]
     try:
-        for case in chosen:
-            run_dir = root / case.name
-            if args.rescore:
-                trained = {"losses": _logged_losses(run_dir), "seconds": float("nan")}
-            else:
-                shutil.rmtree(run_dir, ignore_errors=True)
-                trained = train(case, run_dir, args.steps)
-            r = score(case, run_dir, trained["losses"])
-            r["seconds"] = round(trained["seconds"], 1)
-            r["max_lag"] = trained.get("max_lag")
-            if case.loaded:  # the events of step t reached on_event before step t + 2 ended
-                r["ok"] = r["ok"] and r["max_lag"] is not None and r["max_lag"] <= 2
-            results.append(r)
-            print(json.dumps({k: r.get(k) for k in ("case", "ok", "detected", "side", "lead", "warnings", "criticals",
-                                                    "forks", "max_lag", "seconds")}, default=str), flush=True)
+        parallel = [j for j in jobs if not j[0].loaded]
+        alone = [j for j in jobs if j[0].loaded]  # its lag is measured against a known load
+        if args.jobs > 1 and len(parallel) > 1 and not args.rescore:
+            import multiprocessing as mp
+
+            with mp.get_context("spawn").Pool(args.jobs, initializer=_one_thread, initargs=(args.jobs,)) as pool:
+                for r in pool.imap_unordered(_run_case, parallel):
+                    results[r["case"]] = _show(r)
+        else:
+            for j in parallel:
+                results[j[0].name] = _show(_run_case(j))
+        for j in alone:
+            results[j[0].name] = _show(_run_case(j))
     finally:
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
+    results = [results[c.name] for c in chosen]
     total = time.perf_counter() - t0
     if args.out:
         Path(args.out).write_text(json.dumps({"steps": args.steps, "seconds": total, "cases": [asdict(c) for c in chosen],

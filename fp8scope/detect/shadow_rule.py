@@ -87,6 +87,8 @@ def shadow_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
         # a departure that lasts, or a huge one, is FP8 hurting the layer
         lasting = r["excursion"] >= 2
         sev = "critical" if r["worst"] >= crit else "warning" if lasting else "info"
+        if r["step"] < int(cfg.shadow_warmup_steps) and sev != "critical":
+            sev = "info"  # early training: delayed scales still chase a fresh model's growing gradients
         msg = (f"{r['layer']}: FP8 {r['metric']} differs from the BF16 shadow by {_fmt(100 * r['err'])}% relative "
                f"error, {_fmt(r['departure'])}x this layer's usual {_fmt(100 * r['baseline'])}% (median of its "
                f"{int(r['n_prev'])} earlier compares)"
