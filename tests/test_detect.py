@@ -281,12 +281,12 @@ def test_shadow_rule_reads_shadow_table_when_present(tmp_path):
     # layer a's own FP8 noise is ~1 %; from step 4 on it is 5-6x that for two compares (a lasting excursion)
     errs = [0.01, 0.012, 0.011, 0.01, 0.05, 0.06, 0.011]
     w.write("shadow_compare", pa.RecordBatch.from_pylist(
-        [{"step": i, "rank": 0, "layer": "a", "output_rel_err": e, "output_cos": 1.0, "wgrad_rel_err": 0.0,
-          "wgrad_cos": 1.0} for i, e in enumerate(errs)], schema=schema))
+        [{"step": 100 + 10 * i, "rank": 0, "layer": "a", "output_rel_err": e, "output_cos": 1.0, "wgrad_rel_err": 0.0,
+          "wgrad_cos": 1.0} for i, e in enumerate(errs)], schema=schema))  # past shadow_warmup_steps
     w.close()
     ev = detect(d)
     s = ev[ev["rule"] == "fp8_vs_bf16"]
-    assert s["step"].tolist() == [4] and s["layer"].tolist() == ["a"] and s["severity"].tolist() == ["warning"]
+    assert s["step"].tolist() == [140] and s["layer"].tolist() == ["a"] and s["severity"].tolist() == ["warning"]
 
 
 def test_bad_input_one_line_errors(runs, tmp_path):

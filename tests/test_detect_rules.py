@@ -64,21 +64,21 @@ def test_grad_norm_needs_a_larger_excursion():
 
 def test_fp8_vs_bf16_is_judged_against_the_layers_own_noise():
     rows = []
-    for step in range(0, 200, 10):
+    for step in range(100, 300, 10):  # past shadow_warmup_steps
         # a healthy layer whose FP8 wgrad error is always ~15 %, and one at ~2 % that departs twice
         rows.append({"step": step, "rank": 0, "layer": "noisy", "output_rel_err": 0.03, "wgrad_rel_err": 0.15})
-        err = 0.02 if step not in (100, 110, 170) else 0.12
-        if step == 0:
-            err = 0.6  # step 0: delayed scaling has no history yet (scale 1)
+        err = 0.02 if step not in (200, 210, 270) else 0.12
+        if step == 100:
+            err = 0.6  # a layer's first compare (at step 0 delayed scaling has no history yet): baseline only
         rows.append({"step": step, "rank": 0, "layer": "hurt", "output_rel_err": 0.01, "wgrad_rel_err": err})
     table = pd.DataFrame(rows)
     d = departures(table, DetectConfig())
     first = d[(d.layer == "hurt") & (d.metric == "wgrad")].iloc[0]
-    assert first.step == 0 and math.isnan(first.baseline) and not first.departs  # labelled, not flagged
+    assert first.step == 100 and math.isnan(first.baseline) and not first.departs  # labelled, not flagged
     ev = shadow_events(__import__("pyarrow").Table.from_pandas(table), DetectConfig())
-    # two excursions: 100-110 lasts two compares (warning), 170 is one compare (info)
+    # two excursions: 200-210 lasts two compares (warning), 270 is one compare (info)
     assert [(e["step"], e["layer"], e["tensor"], e["severity"]) for e in ev] == [
-        (100, "hurt", "wgrad", "warning"), (170, "hurt", "wgrad", "info")]
+        (200, "hurt", "wgrad", "warning"), (270, "hurt", "wgrad", "info")]
 
 
 def test_attribution_orders_the_evidence():
