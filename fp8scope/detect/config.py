@@ -107,7 +107,7 @@ class DetectConfig:
     # lasts 2 compares, critical at shadow_critical_factor x, info for one compare (measured on the suite's
     # clean runs: at the end of the lr warm-up every layer's wgrad error jumped 4-11x for one compare)
     shadow_rel_err: float = 0.02
-    shadow_factor: float = 3.0
+    shadow_factor: float = 4.0
     shadow_critical_factor: float = 20.0
     shadow_min_compares: int = 3
     # compares before this step are told as info (unless critical): in the suite's clean runs the
