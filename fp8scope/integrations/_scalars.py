@@ -20,3 +20,13 @@ def as_scalar(value: Any) -> Any:
     if isinstance(value, (int, float)):
         return float(value)
     return None
+
+
+def device_grad_norm(params) -> Any:
+    """The global L2 norm of the gradients of ``params``, on their device (no sync), or None."""
+    import torch
+
+    grads = [p.grad.detach() for p in params if p.grad is not None]
+    if not grads:
+        return None
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))

@@ -37,7 +37,7 @@ from typing import Any
 
 from transformers import Trainer, TrainerCallback
 
-from fp8scope.integrations._scalars import as_scalar
+from fp8scope.integrations._scalars import as_scalar, device_grad_norm
 
 
 def _calling_trainer(depth: int = 12) -> Trainer | None:
@@ -54,16 +54,6 @@ def _calling_trainer(depth: int = 12) -> Trainer | None:
         return None
     finally:
         del frame
-
-
-def _device_grad_norm(model) -> Any:
-    """The global L2 norm of the model's gradients, on the device (no sync)."""
-    import torch
-
-    grads = [p.grad.detach() for p in model.parameters() if p.grad is not None]
-    if not grads:
-        return None
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
 
 
 class Fp8ScopeCallback(TrainerCallback):
@@ -140,7 +130,7 @@ class Fp8ScopeCallback(TrainerCallback):
             pass
         if self._trainer is not None and self._grad_norm is None:  # a Trainer path without clip_grad_norm_
             try:
-                self._grad_norm = _device_grad_norm(model if model is not None else self._model)
+                self._grad_norm = device_grad_norm((model if model is not None else self._model).parameters())
             except Exception:
                 pass
 

@@ -29,7 +29,7 @@ try:
 except ImportError:  # the standalone package name
     import pytorch_lightning as pl  # type: ignore[no-redef]
 
-from fp8scope.integrations._scalars import as_scalar
+from fp8scope.integrations._scalars import as_scalar, device_grad_norm
 
 
 class Fp8ScopeCallback(pl.Callback):
@@ -61,12 +61,7 @@ class Fp8ScopeCallback(pl.Callback):
             pass
         if not self.log_grad_norm:
             return
-        import torch
-
-        grads = [p.grad.detach() for p in pl_module.parameters() if p.grad is not None]
-        if grads:  # one fused norm on the device; stays a tensor
-            self._grad_norm = torch.linalg.vector_norm(
-                torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+        self._grad_norm = device_grad_norm(pl_module.parameters())  # on the device; stays a tensor
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if self.monitor is None:
