@@ -30,7 +30,10 @@ def main() -> int:
     ap.add_argument("--tensors", type=int, default=2000)
     args = ap.parse_args()
 
-    from dashboard import data as D
+    from dashboard import queries as Q
+    from dashboard import rollup as R
+    from dashboard import runstatus as S
+    from dashboard.runcache import RunCache
     from fp8scope.store import new_manifest, write_manifest
 
     work = Path(tempfile.mkdtemp(prefix="fp8live-"))
@@ -41,7 +44,7 @@ def main() -> int:
         writers = [subprocess.Popen([sys.executable, load, "--_writer", str(r), str(run), str(args.seconds), "100",
                                      str(args.tensors), str(work / f"w{r}.json")]) for r in range(args.writers)]
         time.sleep(5)
-        cache = D.RunCache(warm=False)
+        cache = RunCache(warm=False)
         t_end = time.time() + args.seconds - 6
         last = None
         print("cpu_s  rows        rollup")
@@ -49,10 +52,10 @@ def main() -> int:
             c0 = time.process_time()
             e = cache.get(run)
             cache.refresh(run, force=True)
-            D.run_status(run, cache)
-            D.heatmap_frame(e, "log2_amax", None)
-            D.scalars_frame(e)
-            r = D.rollup(e)
+            S.run_status(run, cache)
+            Q.heatmap_frame(e, "log2_amax", None)
+            Q.scalars_frame(e)
+            r = R.rollup(e)
             how = "built" if r is not last else f"updated ({r.updates})"
             last = r
             print(f"{time.process_time() - c0:5.2f}  {e.run.table('tensors').num_rows:10d}  {how}", flush=True)

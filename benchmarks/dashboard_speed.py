@@ -1,6 +1,12 @@
 """Dashboard speed on a big run: 10,000 steps x ~1,000 tensors (10M tensor rows).
 
     .venv/bin/python benchmarks/dashboard_speed.py [--steps 10000] [--layers 336] [--root /tmp/fp8scope-bench]
+    .venv/bin/python benchmarks/dashboard_speed.py --browser [--demo RUN] ...   # + times in real Chromium
+
+With ``--browser`` it also starts the real dashboard server and times, in headless Chromium
+(Playwright, Debian's /usr/bin/chromium), from navigation or click to the drawn figure or table:
+Overview on a cold and a warm visit (drawn = the loss figure and the verdict card are on screen), the
+card's analysis finishing, and each view switch through the top bar, on the big run and on a demo run.
 
 Generates the run (--reuse to keep an earlier one) with
 RunWriter and record batches matching schema.TENSOR_SCHEMA, then times, server side, what
@@ -132,6 +138,64 @@ def payload(children) -> int:
     return len(json.dumps(children, cls=PlotlyJSONEncoder))
 
 
+VIEW_READY = {"overview": "#overview-scalars .main-svg", "heatmap": "#heatmap-graph .main-svg",
+              "outliers": "#outliers-table", "tensor": "#tensor-amax .main-svg", "live": "#live-scalars .main-svg"}
+
+
+def browser_times(root: Path, runs: list[str]) -> dict:
+    """Seconds from navigation / click to drawn, per run and view, in headless Chromium."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    from playwright.sync_api import sync_playwright
+
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    srv = subprocess.Popen([sys.executable, "-m", "fp8scope", "dashboard", str(root), "--port", str(port)],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    out: dict[str, float] = {}
+    try:
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless=new", "--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+
+            def until(sel: str, timeout_s: float = 300) -> float:
+                t = time.perf_counter()
+                page.wait_for_selector(sel, state="visible", timeout=timeout_s * 1000)
+                return time.perf_counter() - t
+
+            for run in runs:
+                for visit in ("cold", "warm"):
+                    t = time.perf_counter()
+                    page.goto(f"{url}/?run={run}&view=overview")
+                    page.wait_for_selector(VIEW_READY["overview"], state="visible", timeout=300_000)
+                    page.wait_for_selector("#card", state="visible", timeout=300_000)
+                    out[f"{run}: overview {visit} visit, drawn_s"] = round(time.perf_counter() - t, 2)
+                    if visit == "cold":
+                        out[f"{run}: card analysis done after_s"] = round(until("#card-culprit", 900), 2)
+                for view in ("heatmap", "outliers", "tensor", "live", "overview", "heatmap"):
+                    t = time.perf_counter()
+                    page.click(f"#nav-{view}")
+                    page.wait_for_selector(VIEW_READY[view], state="visible", timeout=300_000)
+                    page.wait_for_load_state("networkidle")
+                    out[f"{run}: switch to {view}_s"] = round(time.perf_counter() - t, 2)
+            browser.close()
+    finally:
+        srv.terminate()
+        srv.wait(20)
+    return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=10000)
@@ -140,6 +204,8 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="reuse a run generated earlier; the live test then appends as a restarted job (new segment)")
     ap.add_argument("--json", help="also write results here")
+    ap.add_argument("--browser", action="store_true", help="also time views in headless Chromium (real server)")
+    ap.add_argument("--demo", help="with --browser: also time this run folder (copied under the root as 'demo')")
     args = ap.parse_args()
 
     root = Path(args.root)
@@ -155,7 +221,6 @@ def main() -> int:
         print(f"generated {args.steps} steps x {args.layers * 3} tensors in {t:.1f} s "
               f"({sum(f.stat().st_size for f in run_dir.rglob('*') if f.is_file()) / 2**20:.0f} MiB)")
 
-    from dashboard import data as D
     from dashboard.app import DashboardApp, parse
 
     res: dict[str, float | int | str] = {"steps": args.steps, "tensors": args.layers * 3,
@@ -205,6 +270,14 @@ def main() -> int:
     import resource
 
     res["max_rss_mib"] = round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024)
+    if args.browser:
+        shutil.rmtree(run_dir / "analysis", ignore_errors=True)  # the card's analysis timed cold
+        runs = ["big"]
+        if args.demo:
+            shutil.rmtree(root / "demo", ignore_errors=True)
+            shutil.copytree(args.demo, root / "demo", ignore=shutil.ignore_patterns("analysis"))
+            runs.insert(0, "demo")
+        res.update(browser_times(root, runs))
     width = max(len(k) for k in res)
     for k, v in res.items():
         print(f"{k:<{width}}  {v}")

@@ -98,15 +98,18 @@ def reader(kind: str, run: str, ctl: str, out: str) -> None:
             state["run"].info()
             return 0.5
         if kind == "dashboard":
-            from dashboard import data as D
+            from dashboard import queries as Q
+            from dashboard import rollup as R
+            from dashboard import runstatus as S
+            from dashboard.runcache import RunCache
 
-            cache = state.setdefault("cache", D.RunCache())
+            cache = state.setdefault("cache", RunCache())
             p = Path(run)
             e = cache.get(p)
             cache.refresh(p, force=True)
-            D.run_status(p, cache)
-            D.heatmap_frame(e, "log2_amax", None)
-            D.scalars_frame(e)
+            S.run_status(p, cache)
+            Q.heatmap_frame(e, "log2_amax", None)
+            Q.scalars_frame(e)
             return 2.0  # the dashboard's default refresh interval
         # cli: a fresh process each time, like a user typing
         for args in (["info", run], ["tensors", run, "--last", "1", "--csv"]):

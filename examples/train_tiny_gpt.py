@@ -67,6 +67,20 @@ def main(argv: list[str] | None = None) -> int:
         monitor = fp8scope.Monitor(model, args.run_dir, every=args.every, recipe=recipe,  # fp8scope
                                    meta={"example": "train_tiny_gpt", "inject": injector.specs})
 
+    def forward_loss(m, batch):  # one training step's forward, as a function: the BF16 shadow replays it
+        xb, yb = batch
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
+            logits = m(xb)
+        return F.cross_entropy(logits.float().view(-1, logits.size(-1)), yb.reshape(-1))
+
+    # Optional BF16 shadow (--shadow-every K: compare FP8 with BF16 every K steps; --fork-every K: BF16
+    # forks from the same state, which answer "would BF16 have survived from here?").
+    shadow = None
+    if monitor is not None and (args.shadow_every or args.fork_every):
+        shadow = fp8scope.Shadow(monitor, model, forward_loss, optimizer,  # fp8scope
+                                 compare_every=args.shadow_every, fork_every=args.fork_every,
+                                 fork_steps=args.fork_steps, max_grad_norm=args.clip)
+
     first_nan = None
     try:
         for step in range(args.steps):
@@ -75,11 +89,14 @@ def main(argv: list[str] | None = None) -> int:
             for group in optimizer.param_groups:
                 group["lr"] = lr
 
-            x, y = batches.next()
-            with torch.autocast(device.type, dtype=torch.bfloat16, enabled=args.dtype == "bfloat16"):
-                logits = model(x)
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), y.reshape(-1))
-            loss.backward()
+            x, y = injector.corrupt_batch(*batches.next(), vocab=tokenizer.vocab_size)  # demo: bad batches
+            if shadow is not None:
+                loss = shadow.loss_fn(model, (x, y))  # fp8scope: records what a replay needs
+                loss.backward()
+                shadow.after_step((x, y))  # fp8scope: compares / forks before the optimizer step
+            else:
+                loss = forward_loss(model, (x, y))
+                loss.backward()
             grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)  # a tensor: no sync
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
@@ -99,6 +116,8 @@ def main(argv: list[str] | None = None) -> int:
             if first_nan is not None and step - first_nan >= args.after_nan:
                 break
     finally:
+        if shadow is not None:
+            shadow.close()  # fp8scope: a running fork logs its verdict first
         if monitor is not None:
             monitor.close()  # fp8scope: flushes everything, also after a crash
 

@@ -26,20 +26,13 @@ from typing import Iterable
 import numpy as np
 import pandas as pd
 
+from fp8scope.derived import DERIVED
+
 SEVERITY_COLORS = {"info": "#1f77b4", "warning": "#ff7f0e", "critical": "#d62728"}
 
-# Stats a heatmap can show, as SQL expressions over the tensors table (per row).
-HEATMAP_STATS = {
-    "amax": "amax",
-    "log2_amax": "log2(greatest(amax, 1e-45))",
-    "overflow_pct": "100.0 * overflow / nullif(numel, 0)",
-    "underflow_pct": "100.0 * underflow / nullif(numel, 0)",
-    "saturated_pct": "100.0 * saturated / nullif(numel, 0)",
-    "nonfinite": "nonfinite",
-    "sqnr_db": "sqnr_db",
-    "headroom_log2": "log2(greatest(fp8_max * scale_inv, 1e-45) / greatest(amax, 1e-45))",
-    "amax_over_range": "amax / nullif(fp8_max * scale_inv, 0)",
-}
+# Stats a heatmap can show, as SQL expressions over the tensors table (per row): the raw amax and the
+# one table of derived statistics (fp8scope.derived).
+HEATMAP_STATS = {"amax": "amax", **{k: d.sql for k, d in DERIVED.items()}}
 
 
 def _go():
@@ -148,16 +141,40 @@ def heatmap(frame: pd.DataFrame, stat: str = "log2_amax", flagged: pd.DataFrame 
             f["x"] = steps[np.clip(idx, 0, len(steps) - 1)]
             sev = f["severity"] if "severity" in f else pd.Series("warning", index=f.index)
             text = (f["rule"].astype(str) if "rule" in f else sev.astype(str)) + " @ step " + f["step"].astype(str)
-            f = f.assign(_t=text.to_numpy(), _c=sev.map(SEVERITY_COLORS).fillna("#d62728").to_numpy())
-            f = f.drop_duplicates(["x", "layer", "_t"]).head(2000)
-            fig.add_trace(go.Scatter(x=f["x"], y=f["layer"], mode="markers", name="events",
-                                     marker={"symbol": "x", "size": 9, "color": f["_c"], "line": {"width": 1}},
-                                     text=f["_t"], hovertemplate="%{text}<br>%{y}<extra></extra>"))
+            f = f.assign(_t=text.to_numpy(), _s=sev.to_numpy())
+            _severity_markers(fig, f.drop_duplicates(["x", "layer", "_t"]), "layer", on_cells=True)
     fig.update_layout(title=title or f"{stat} per layer and step", xaxis_title="step",
                       yaxis={"autorange": "reversed", "type": "category"},
                       height=height or max(300, min(1200, 18 * len(layers) + 120)),
-                      margin={"l": 10, "r": 10, "t": 40, "b": 40}, showlegend=False)
+                      margin={"l": 10, "r": 10, "t": 40, "b": 40}, showlegend=True,
+                      legend={"orientation": "h", "y": 1.02, "x": 1, "xanchor": "right", "yanchor": "bottom"})
     return fig
+
+
+# Event markers: drawn info, then warning, then critical (last, so on top), each severity its own shape;
+# info is listed in the legend but hidden until clicked (it is context, not news).
+_MARKERS = {"info": ("circle-open", 7), "warning": ("x", 9), "critical": ("x", 13)}
+# on a heatmap the cells already use red and orange: markers are black with a white rim there
+_ON_CELLS = {"info": "#555555", "warning": "#444444", "critical": "#000000"}
+
+
+def _severity_markers(fig, f: pd.DataFrame, ycol: str, y=None, max_points: int = 2000, on_cells: bool = False) -> None:
+    go = _go()
+    for sev in ("info", "warning", "critical"):
+        g = f[f["_s"] == sev].head(max_points)
+        if g.empty:
+            continue
+        sym, size = _MARKERS[sev]
+        if on_cells:
+            sym = {"info": "circle-open", "warning": "diamond", "critical": "x"}[sev]
+        colour = (_ON_CELLS if on_cells else SEVERITY_COLORS)[sev]
+        rim = "#ffffff" if on_cells else colour
+        fig.add_trace(go.Scatter(
+            x=g["x"], y=g[ycol] if y is None else y(g), mode="markers", name=f"{sev} events",
+            visible="legendonly" if sev == "info" else True,
+            marker={"symbol": sym, "size": size, "color": colour,
+                    "line": {"width": 1.5 if on_cells and sev != "info" else 1, "color": rim}},
+            text=g["_t"], hovertemplate="%{text}<br>%{y}<extra>" + sev + "</extra>"))
 
 
 def amax_vs_range(frame: pd.DataFrame, layer: str = "", tensor: str = "", events: pd.DataFrame | None = None,
@@ -188,11 +205,12 @@ def amax_vs_range(frame: pd.DataFrame, layer: str = "", tensor: str = "", events
         for sev, grp in events.groupby("severity"):
             y = frame["amax"].max()
             fig.add_trace(go.Scatter(x=grp["step"], y=[y] * len(grp), mode="markers", name=f"{sev} events",
+                                     visible="legendonly" if sev == "info" else True,
                                      marker={"symbol": "line-ns-open", "size": 14,
                                              "color": SEVERITY_COLORS.get(sev, "#d62728")},
                                      text=grp["rule"] if "rule" in grp else None))
     fig.update_layout(title=title or f"{name}: amax vs representable range", xaxis_title="step",
-                      yaxis={"type": "log", "title": "|x|"}, height=320,
+                      yaxis={"type": "log", "title": "|x|", "dtick": 1, "exponentformat": "power"}, height=320,
                       margin={"l": 10, "r": 10, "t": 40, "b": 40})
     return fig
 
@@ -212,15 +230,23 @@ def scalars_with_events(frame: pd.DataFrame, events: pd.DataFrame | None = None,
     for i, n in enumerate(names, start=1):
         d = frame[frame["name"] == n]
         fig.add_trace(go.Scatter(x=d["step"], y=d["value"], mode="lines", name=n), row=i, col=1)
-        if events is not None and not events.empty:
-            ev = events.drop_duplicates("step").sort_values("step")
-            ys = np.interp(ev["step"], d["step"], d["value"].astype(float).fillna(0)) if len(d) else np.zeros(len(ev))
-            fig.add_trace(go.Scatter(x=ev["step"], y=ys, mode="markers", name="events", showlegend=i == 1,
-                                     marker={"color": ev["severity"].map(SEVERITY_COLORS).fillna("#d62728"),
-                                             "size": 8, "symbol": "diamond"},
-                                     text=ev["rule"] if "rule" in ev else None), row=i, col=1)
-        if log_y and (d["value"] > 0).all():
-            fig.update_yaxes(type="log", row=i, col=1)
-    fig.update_layout(title=title or "training scalars", height=220 * len(names) + 60, showlegend=False,
+        if events is not None and not events.empty and len(d):
+            ev = events.sort_values("step").assign(x=lambda t: t["step"])
+            ev = ev.assign(_s=ev["severity"].astype(str),
+                           _t=(ev["rule"].astype(str) if "rule" in ev else ev["severity"].astype(str))
+                           + " @ step " + ev["step"].astype(str)).drop_duplicates(["step", "_s"])
+            ys = d["value"].astype(float).fillna(0)
+            n0 = len(fig.data)
+            _severity_markers(fig, ev, "step", y=lambda g: np.interp(g["step"], d["step"], ys))
+            for tr in fig.data[n0:]:
+                tr.update(xaxis=f"x{'' if i == 1 else i}", yaxis=f"y{'' if i == 1 else i}", showlegend=i == 1,
+                          legendgroup=tr.name)
+        v = d["value"].astype(float)
+        if log_y and len(v) and (v > 0).all() and v.max() > 10 * v.min():  # log only across decades:
+            fig.update_yaxes(type="log", dtick=1, exponentformat="power", row=i, col=1)  # ticks 10^k, unambiguous
+        fig.update_yaxes(title_text=n, row=i, col=1)
+    fig.update_xaxes(title_text="step", row=len(names), col=1)
+    fig.update_layout(title=title or "training scalars", height=220 * len(names) + 60, showlegend=True,
+                      legend={"orientation": "h", "y": 1.05, "x": 1, "xanchor": "right", "yanchor": "bottom"},
                       margin={"l": 10, "r": 10, "t": 50, "b": 40})
     return fig

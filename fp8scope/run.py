@@ -258,14 +258,20 @@ def _sorted(t: pa.Table, keys: list[str]) -> pa.Table:
 
 
 def disk_usage(path: str | os.PathLike) -> tuple[int, float | None]:
-    """(bytes on disk, last modification time) of a run folder; files vanishing meanwhile are skipped."""
+    """(bytes on disk, last modification time) of a run folder; files vanishing meanwhile are skipped.
+    The cached analysis counts toward the size, not the time: writing it is not the run being written."""
+    from fp8scope.store.layout import analysis_dir
+
+    derived = os.path.abspath(analysis_dir(path))
     size, last = 0, None
     for root, _, files in os.walk(path):
+        written = os.path.abspath(root) != derived
         for f in files:
             try:
                 st = os.stat(os.path.join(root, f))
             except OSError:
                 continue
             size += st.st_size
-            last = st.st_mtime if last is None else max(last, st.st_mtime)
+            if written:
+                last = st.st_mtime if last is None else max(last, st.st_mtime)
     return size, last

@@ -36,7 +36,7 @@ if not os.path.exists(CHROMIUM):
 sync_api = pytest.importorskip("playwright.sync_api")
 pytest.importorskip("dash")
 
-TRAIN = ["-m", "fp8scope.demo.train", "--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--seq-len", "32",
+TRAIN = ["-m", "fp8scope.demo.train", "--n-layers", "4", "--d-model", "32", "--n-heads", "2", "--seq-len", "32",
          "--batch-size", "4", "--corpus-chars", "20000", "--every", "5", "--quiet", "--overwrite"]
 
 
@@ -64,9 +64,9 @@ def _xss_run(path: Path) -> None:
 
     write_manifest(path, new_manifest(meta={"model": "xss"}))
     with RunWriter(path) as w:
-        for step in range(12):
+        for step in range(40):
             n = 2
-            amax = np.array([1.0, 3.0 if step != 6 else 900.0])
+            amax = np.array([1.0 if step != 30 else 900.0, 3.0])
             cols = {f.name: pa.nulls(n, f.type) for f in TENSOR_SCHEMA}
             cols.update(step=pa.array([step] * n, pa.int64()), rank=pa.array([0] * n, pa.int32()),
                         layer=pa.array([XSS_LAYER, "blocks.1.fc"]), tensor=pa.array(["activation"] * n),
@@ -81,15 +81,33 @@ def _xss_run(path: Path) -> None:
              pa.array(["<script>window.__xss=2</script><b>bold</b>"])], schema=EVENT_SCHEMA))
 
 
+# every kind of fault the demo can plant (fp8scope/demo/inject.py), in the 4-layer model, 60 steps
+PLANTED = {"outlier": "outlier:blocks.2.mlp.down:40:1000:2", "nan": "nan:blocks.1.mlp.up:40",
+           "gradscale": "gradscale:blocks.1.attn.qkv:40", "lr": "lr:40:30", "grow": "grow:blocks.2.mlp.down:10",
+           "reset": "reset:blocks.1.mlp.up:40", "batch": "batch:40"}
+
+
+def _planted_runs(root: Path) -> None:
+    """One run per planted fault, written by two processes (each imports torch once)."""
+    common = [a for a in TRAIN[2:] if a != "--quiet"] + ["--quiet", "--steps", "60"]
+    jobs = [[*common, "--run-dir", str(root / f"planted-{k}"), "--inject", spec] for k, spec in PLANTED.items()]
+    code = ("import json, sys\nfrom fp8scope.demo.train import main\n"
+            "for argv in json.loads(sys.argv[1]):\n    main(argv)\n")
+    procs = [subprocess.Popen([PY, "-c", code, json.dumps(jobs[i::2])], env=_env(), cwd=ROOT_DIR) for i in range(2)]
+    for p in procs:
+        assert p.wait(timeout=600) == 0
+
+
 @pytest.fixture(scope="module")
 def env(tmp_path_factory):
     base = tmp_path_factory.mktemp("dash")
     root = base / "runs"
     root.mkdir()
     outside = base / "outside-run"
-    # the logged demo run, with an outlier planted in blocks.1.mlp.down at step 12
+    # the logged demo run, with an outlier planted in blocks.1.mlp.down at step 12 (1000x: clipped far beyond
+    # what warm-up may mute)
     subprocess.run([PY, *TRAIN, "--steps", "24", "--run-dir", str(root / "demo"),
-                    "--inject", "outlier:blocks.1.mlp.down:12:200:2"], check=True, env=_env(), cwd=ROOT_DIR,
+                    "--inject", "outlier:blocks.1.mlp.down:12:1000:2"], check=True, env=_env(), cwd=ROOT_DIR,
                    timeout=240)
     shutil.copytree(root / "demo", outside)  # a real run outside the root
     os.symlink(outside, root / "escape")  # symlink out of the root: must be refused
@@ -100,6 +118,7 @@ def env(tmp_path_factory):
     s = root / "torn" / "streams" / "tensors-r00000-s0000.arrows"
     s.write_bytes(s.read_bytes()[:-1000])  # crashed mid-write: torn tail
     _xss_run(root / "xss")
+    _planted_runs(root)
     port = _free_port()
     log = open(base / "server.log", "w")
     srv = subprocess.Popen([PY, "-m", "fp8scope", "dashboard", str(root), "--port", str(port), "--refresh-ms", "700"],
@@ -220,13 +239,54 @@ def test_html_in_layer_names_is_inert(page, env):
     go(page, env, "?run=xss&view=outliers", "#outliers-table")
     assert XSS_LAYER in page.inner_text("#outliers-table")
     go(page, env, "?run=xss&view=heatmap", "#heatmap-graph .ytick")
-    go(page, env, "?run=xss&view=overview", "#events-table")
-    assert "<script>" in page.inner_text("#events-table")
+    go(page, env, "?run=xss&view=overview", "#events-table")  # the analysis flags the hostile layer's spike
+    assert XSS_LAYER in page.inner_text("#events-table")
+    assert XSS_LAYER in page.inner_text("#card-culprit")
     go(page, env, f"?run=xss&view=tensor&layer={urllib.parse.quote(XSS_LAYER)}&role=activation", "#tensor-amax .main-svg")
     page.wait_for_timeout(500)
     assert page.evaluate("window.__xss") is None
     assert page.locator("img[src='x']").count() == 0
-    assert page.locator("#page b", has_text="bold").count() == 0
+
+
+def _report(run: Path) -> dict:
+    out = subprocess.run([PY, "-m", "fp8scope", "report", str(run), "--json"], capture_output=True, text=True,
+                         env=_env(), cwd=ROOT_DIR, timeout=240)
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
+
+
+@pytest.mark.parametrize("kind", list(PLANTED))
+def test_card_gives_the_reports_verdict(page, env, kind):
+    """The first screen names the same verdict, culprit and first anomaly as fp8scope report --json."""
+    from fp8scope.detect.report import BLAME_TITLES
+
+    run = f"planted-{kind}"
+    go(page, env, f"?run={run}&view=overview", "#card-culprit")  # the card shows once the analysis is done
+    rep = _report(env["root"] / run)
+    assert BLAME_TITLES[rep["blame"]["level"]] in page.inner_text("#verdict")
+    assert rep["blame"]["why"] in page.inner_text("#verdict")
+    culprit = page.inner_text("#card-culprit")
+    c = rep["culprit"]
+    if c is None:
+        assert culprit.startswith("Culprit: none"), culprit
+    else:
+        assert f"{c['layer']} {c['tensor']} at step {c['step']} ({c['rule']})" in culprit, (culprit, c)
+    first = page.inner_text("#card-first")
+    f = rep["first_anomaly"]
+    assert (f"step {f['step']}, {f['rule']} ({f['severity']})" in first) if f else "none" in first, (first, f)
+    sev = rep["events"]["by_severity"]
+    assert f"{sev['critical']} critical, {sev['warning']} warning, {sev['info']} info" in page.inner_text("#card-counts")
+    if rep["nan_origin"]:
+        o = rep["nan_origin"]
+        assert f"{o['layer']} {o['tensor']} at step {o['step']}" in page.inner_text("#card-nan")
+    if c is not None:  # the culprit links to its tensor, and the Tensor view opens it by default
+        page.locator("#card-culprit a").click()
+        page.wait_for_selector("#tensor-title", timeout=30000)
+        assert page.inner_text("#tensor-title") == f"{c['layer']} / {c['tensor']}"
+    if kind == "outlier":  # the planted layer leads the Outliers ranking too
+        go(page, env, f"?run={run}&view=outliers", "#outliers-table")
+        first_row = page.locator("#outliers-table tbody tr").first.locator("td")
+        assert (first_row.nth(1).inner_text(), first_row.nth(2).inner_text()) == ("blocks.2.mlp.down", "activation")
 
 
 def test_live_run_gains_steps(page, env):
@@ -249,6 +309,19 @@ def test_live_run_gains_steps(page, env):
         assert "live" in page.inner_text(".status")
         page.wait_for_selector("#live-heatmap .main-svg")
         shot(page, "live")
+        # a refresh redraws figures, never the controls: a dropdown opened by hand stays open while new
+        # steps arrive
+        go(page, env, "?run=live&view=heatmap&stat=log2_amax", "#heatmap-graph .main-svg")
+        cols = lambda: int(page.inner_text("#body .muted").split(" x ")[1].split(" ")[0])  # noqa: E731
+        before = cols()
+        page.locator("div:has(> label:text-is('tensor role')) .dash-dropdown").first.click()
+        page.wait_for_selector(".dash-dropdown-content", timeout=5000)
+        deadline = time.time() + 60
+        while cols() <= before + 2 and time.time() < deadline:
+            page.wait_for_timeout(300)
+        assert cols() > before + 2, "new steps did not appear without a reload"
+        assert page.locator(".dash-dropdown-content").is_visible(), "the refresh closed the open dropdown"
+        page.keyboard.press("Escape")
         go(page, env, "?run=demo&b=live&view=compare", "#compare-loss .main-svg")
         page.wait_for_selector("#compare-heat-b .main-svg")
         shot(page, "compare")

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import numpy as np
 
-from dashboard import data as D
+from dashboard import queries as Q
+from dashboard import rollup as R
+from dashboard.runcache import RunCache
 from fp8scope.step_payload import TensorKey
 from fp8scope.schema import N_FIELDS
 from fp8scope.step_records import tensor_batch
@@ -25,7 +27,7 @@ def _write(w: RunWriter, rank: int, step: int) -> None:
 
 def _keyed(e) -> dict:
     """The rollup rows by (layer, role, bucket): tensor ids depend on the order rows were seen."""
-    r = D.rollup(e)
+    r = R.rollup(e)
     a = r.a
     out = {}
     for i in range(len(a["n"])):
@@ -42,7 +44,7 @@ def _same(x: dict, y: dict) -> None:
 
 
 def _fresh(run: Path):
-    cache = D.RunCache(warm=False)
+    cache = RunCache(warm=False)
     return cache.get(run)
 
 
@@ -51,7 +53,7 @@ def test_live_multi_rank_refreshes_update_without_rebuilding(tmp_path, monkeypat
     write_manifest(run, new_manifest(world_size=3))
     writers = [RunWriter(run, r) for r in range(3)]
     lag = {0: 0, 1: 1, 2: 3}  # rank 2 trails the lead rank by three steps, as independent writers do
-    cache = D.RunCache(warm=False)
+    cache = RunCache(warm=False)
     e = None
     step = 0
     for refresh in range(12):
@@ -64,27 +66,27 @@ def test_live_multi_rank_refreshes_update_without_rebuilding(tmp_path, monkeypat
             e = cache.get(run)
         cache.refresh(run, force=True)
         _keyed(e)
-    ru = D.rollup(e)
+    ru = R.rollup(e)
     assert ru.updates == 11  # built when first opened, then only updated in place
     assert ru.rank_last == {0: step - 1, 1: step - 2, 2: step - 4}
     _same(_keyed(e), _keyed(_fresh(run)))
-    frame = D.heatmap_frame(e, "log2_amax", None)
-    fresh = D.heatmap_frame(_fresh(run), "log2_amax", None)
+    frame = Q.heatmap_frame(e, "log2_amax", None)
+    fresh = Q.heatmap_frame(_fresh(run), "log2_amax", None)
     assert frame.equals(fresh)
 
     # rank 2 stalls: once recomputing from its bucket would re-read more than UPDATE_ROWS rows it is
     # left out; when it logs again its rows land in final buckets and the rollup is rebuilt, still exact
-    monkeypatch.setattr(D, "UPDATE_ROWS", 200)
+    monkeypatch.setattr(R, "UPDATE_ROWS", 200)
     for s in range(step, step + 40):
         for r in (0, 1):
             _write(writers[r], r, s)
     cache.refresh(run, force=True)
     _keyed(e)
-    assert D.rollup(e) is ru and ru.updates == 12
+    assert R.rollup(e) is ru and ru.updates == 12
     for s in range(step - 3, step + 2):
         _write(writers[2], 2, s)
     for w in writers:
         w.close()
     cache.refresh(run, force=True)
     _same(_keyed(e), _keyed(_fresh(run)))
-    assert D.rollup(e) is not ru  # rebuilt
+    assert R.rollup(e) is not ru  # rebuilt

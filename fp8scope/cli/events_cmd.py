@@ -75,7 +75,6 @@ def events_json(ev) -> list[dict]:
 def run(args) -> int:
     from fp8scope.cli.output import print_frame, print_json
     from fp8scope.cli.progress import phases
-    from fp8scope.detect import detect
     from fp8scope.detect.engine import open_run, small_pages
     from fp8scope.detect.rules import all_rule_names
 
@@ -92,8 +91,10 @@ def run(args) -> int:
             ev = r.events()
             ev = ev[[c for c in ev.columns if c != "segment"]]
         else:
-            with phases("detecting", 6) as tick:
-                ev = detect(r, cfg, progress=tick)
+            from fp8scope.detect.analysis import analysis
+
+            with phases("detecting", 8) as tick:
+                ev, _ = analysis(args.run, cfg, progress=tick, run=r)  # the events the report and dashboard count
     ev = filter_events(ev, args.severity, args.rule, args.layer)
     if args.limit:
         ev = ev.head(args.limit)

@@ -10,17 +10,14 @@ from __future__ import annotations
 
 import os
 
+from fp8scope.derived import DERIVED
 from fp8scope.errors import UsageError
 
 STATS = ("amax", "scale_inv", "underflow_pct", "overflow_pct", "saturated_pct", "nonfinite", "sqnr_db")
 _EXPR = {
     "amax": "amax", "scale_inv": "scale_inv", "scale": "scale", "expected_amax": "expected_amax",
-    "min_nonzero": "min_nonzero", "nonfinite": "cast(nonfinite as double)", "sqnr_db": "sqnr_db",
-    "qerr_mse": "qerr_mse",
-    "underflow_pct": "100.0 * underflow / nullif(numel, 0)",
-    "overflow_pct": "100.0 * overflow / nullif(numel, 0)",
-    "saturated_pct": "100.0 * saturated / nullif(numel, 0)",
-    "range": "fp8_max * scale_inv",
+    "min_nonzero": "min_nonzero", "qerr_mse": "qerr_mse", "range": "fp8_max * scale_inv",
+    **{k: d.sql for k, d in DERIVED.items()},  # the one table of derived statistics
 }
 
 

@@ -41,13 +41,13 @@ def run(args) -> int:
 def _build(path: str, cfg, html_path: str | None) -> dict:
     """Detect, summarise and (with --html) write the figures, with a progress bar."""
     from fp8scope.cli.progress import phases
-    from fp8scope.detect.engine import detect, open_run
-    from fp8scope.detect.report import build_report, render_html
+    from fp8scope.detect.analysis import analysis
+    from fp8scope.detect.engine import open_run
+    from fp8scope.detect.report import render_html
 
     r = open_run(path)  # zero-copy one-pass read (detection converts only the columns it needs)
     with phases("report", 8 + (1 if html_path else 0)) as tick:
-        events = detect(r, cfg, progress=tick)
-        rep = build_report(r, cfg, events=events, progress=tick)
+        events, rep = analysis(path, cfg, progress=tick, run=r)  # the dashboard's card reads the same
         if html_path:
             tick("figures")
             try:
@@ -62,7 +62,7 @@ def print_report(rep: dict) -> None:
     from rich.text import Text
 
     from fp8scope.cli.output import console
-    from fp8scope.detect.report import short_value
+    from fp8scope.detect.report import blame_text, culprit_text, short_value
     from fp8scope.store.manifest import describe_mode, recipe_text
 
     c: Console = console()
@@ -79,7 +79,9 @@ def print_report(rep: dict) -> None:
         c.print(Text(f"planted (demo): {', '.join(rep['planted'])}"))
     e = rep["events"]["by_severity"]
     c.print(Text(f"events: {e['critical']} critical, {e['warning']} warning, {e['info']} info"))
-    c.print(Text(f"\nverdict: {rep['verdict']}", style="bold"))
+    c.print(Text(f"\n{blame_text(rep)}", style="bold"))
+    c.print(Text(f"culprit: {culprit_text(rep)}"))
+    c.print(Text(f"verdict: {rep['verdict']}"))
     if rep["first_anomaly"]:
         f = rep["first_anomaly"]
         c.print(Text(f"\nfirst anomaly: step {f['step']} [{f['rule']}, {f['severity']}] {f['message']}"))

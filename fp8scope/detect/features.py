@@ -18,6 +18,7 @@ import re
 import numpy as np
 import pyarrow as pa
 
+from fp8scope import derived
 from fp8scope.detect.config import DetectConfig
 from fp8scope.schema import base_role
 
@@ -180,11 +181,9 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
         rng_ok = np.isfinite(raw_rng) & (raw_rng > 0)
         c["rng"] = np.where(rng_ok, raw_rng, np.nan)
         ratio = amax / raw_rng
-        c["sat_ratio"] = np.where(fin & rng_ok, ratio, np.nan)
-        numel = c["numel"]
-        c["ovf_frac"] = np.where(numel != 0, get("overflow") / numel, np.nan)
-        nz = numel - _z(get("zeros")) - _z(c["nonfinite"])
-        c["uf_frac"] = np.where(nz != 0, get("underflow") / nz, np.nan)
+        c["sat_ratio"] = derived.amax_over_range(get)
+        c["ovf_frac"] = derived.overflow_fraction(get)
+        c["uf_frac"] = derived.underflow_fraction(get)
         mn = c["min_nonzero"]
         pos = fin & (amax > 0)
         c["dr"] = np.where(pos & (mn > 0) & np.isfinite(mn), np.log2(amax / mn), np.nan)

@@ -81,8 +81,90 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     rep["shadow"] = _shadow_verdict(run, cfg)
     rep["forks"] = forks(run)
     rep["advice"] = _advice(rep, serious, cfg)
+    rep["culprit"] = culprit(rep, serious)
+    rep["blame"] = blame(rep, serious)
     rep["verdict"] = _verdict(rep, serious)
     return rep
+
+
+def culprit(rep: dict, serious: pd.DataFrame) -> dict | None:
+    """The tensor to look at first: where the trouble entered, not where it spread to.
+
+    The NaN origin when it comes no later than the first anomaly; None when the optimizer side moved
+    first (no tensor is to blame); otherwise the first warning-or-critical event that names a tensor
+    (the first anomaly itself when it does). ``{layer, tensor, step, rule, severity}``."""
+    nan, first = rep.get("nan_origin"), rep.get("first_anomaly")
+    if nan is not None and (first is None or nan["step"] <= first["step"]):
+        e = nan
+    elif (rep.get("attribution") or {}).get("side") == "optimizer" or serious.empty:
+        return None
+    elif first is not None and first["layer"]:
+        e = first
+    else:
+        t = serious[(serious["layer"] != "") & serious["layer"].notna()].sort_values(["step", "rank"], kind="stable")
+        if t.empty:
+            return None
+        e = _ev(t.iloc[0])
+    return {k: e[k] for k in ("layer", "tensor", "step", "rule", "severity")}
+
+
+def blame(rep: dict, serious: pd.DataFrame) -> dict:
+    """Is FP8 to blame? ``level``: "clean", "likely", "unlikely" or "unknown", and ``why`` in one sentence.
+
+    Evidence in order of strength: BF16 forks from the same state (a fork that recovers in BF16 says FP8;
+    one that fails the same way says not FP8), a BF16 replica that also goes non-finite, which side moved
+    first (the optimizer side before any FP8 symptom says not FP8), BF16 shadow compares departing from
+    FP8's own usual error, and FP8 symptoms (saturation, underflow, mismatched scales, NaN) first."""
+    if not rep.get("steps"):
+        return {"level": "unknown", "why": "no statistics logged yet"}
+    done = [f for f in rep.get("forks") or [] if f["verdict"] in ("fp8-induced", "not-fp8")]
+    fp8_forks = [f for f in done if f["verdict"] == "fp8-induced"]
+    if fp8_forks:
+        f = fp8_forks[0]
+        return {"level": "likely", "why": f"a BF16 fork from step {f['start_step']} from the same state recovered "
+                                          f"while FP8 did not ({f['reason']})"}
+    if done:
+        f = done[0]
+        return {"level": "unlikely", "why": f"a BF16 fork from step {f['start_step']} failed the same way ({f['reason']})"}
+    sh = rep.get("shadow") or {}
+    if (sh.get("loss") or {}).get("bf16_nonfinite"):
+        return {"level": "unlikely", "why": "the BF16 replica from the same state also went non-finite"}
+    if serious.empty:
+        return {"level": "clean", "why": "no warning or critical events"}
+    att = rep.get("attribution") or {}
+    if att.get("side") == "optimizer":
+        e, x = att["event"], att["fp8_event"]
+        return {"level": "unlikely", "why": f"the optimizer side moved first ({e['rule']} at step {e['step']}"
+                + (f", FP8's first symptom only at step {x['step']})" if x else ", no FP8 symptom at all)")}
+    if (rep.get("measured") or {}).get("kind") == "whatif":
+        return {"level": "unknown", "why": "what-if run: training ran in high precision, the FP8 symptoms are "
+                                           "simulated (they say what FP8 would have done)"}
+    if sh.get("layers_over_threshold"):
+        w = sh["worst_layers"][0]
+        return {"level": "likely", "why": f"FP8 departs from a BF16 shadow beyond its own usual error, worst in "
+                                          f"{w['layer']} ({_short(w['max_departure'])}x)"}
+    if att.get("side") == "fp8":
+        e = att["event"]
+        return {"level": "likely", "why": f"an FP8 symptom came first: {e['rule']} in {e['layer']} {e['tensor']} "
+                                          f"at step {e['step']}".rstrip()}
+    return {"level": "unknown", "why": "warnings without an FP8 symptom or an optimizer-side event to order them"}
+
+
+BLAME_TITLES = {"clean": "No problems flagged", "likely": "FP8 is the likely cause",
+                "unlikely": "FP8 is unlikely the cause", "unknown": "FP8's part is unknown"}
+
+
+def blame_text(rep: dict) -> str:
+    """The verdict in one line: the same words in the CLI, the HTML report and the dashboard's card."""
+    b = rep["blame"]
+    return f"{BLAME_TITLES[b['level']]}: {b['why']}"
+
+
+def culprit_text(rep: dict) -> str:
+    c = rep.get("culprit")
+    if c is None:
+        return "none (no tensor to blame)" if (rep.get("attribution") or {}).get("side") == "optimizer" else "none"
+    return f"{c['layer']} {c['tensor']} at step {c['step']} ({c['rule']})"
 
 
 def _planted(meta: dict) -> list[str]:
@@ -453,7 +535,8 @@ td,th{{border:1px solid #ccc;padding:3px 6px;font-size:13px;vertical-align:top}}
 <p><b>run</b> {e(rep['run'])}<br><b>steps</b> {rep['steps']} ({rep['first_step']}..{rep['last_step']}),
 <b>tensors</b> {rep['tensors']}<br><b>measured</b> {e(describe_mode(rep['measured']))}<br><b>recipe</b> {e(recipe_text(rep['recipe']))}{('<br><b>what-if recipe</b> ' + e(recipe_text(rep['measured']['whatif_recipe']))) if rep['measured']['whatif_recipe'] else ''}
 {('<br><b>planted</b> ' + e(', '.join(rep['planted']))) if rep.get('planted') else ''}</p>
-<h2>Verdict</h2><p>{e(rep['verdict'])}</p>
+<h2>Verdict</h2><p><b>{e(blame_text(rep))}</b></p><p>{e(rep['verdict'])}</p>
+<p><b>Culprit:</b> {e(culprit_text(rep))}</p>
 <p><b>First anomaly:</b> {e(fa['message']) + ' (step ' + str(fa['step']) + ', ' + e(fa['rule']) + ')' if fa else 'none'}<br>
 <b>NaN origin:</b> {e(no['layer'] + ' ' + no['tensor']) + ' at step ' + str(no['step']) if no else 'none'}</p>
 <h2>What to try</h2><ul>{li(rep['advice'])}</ul>

@@ -8,6 +8,7 @@ cannot drift apart, and a change of layout is one edit.
       streams/{table}-r{rank:05d}-s{segment:04d}.arrows   append-only Arrow IPC streams
       parquet/{table}.parquet                    compacted tables (optional)
       parquet/compacted.json                     what compaction covered
+      analysis/report.json, analysis/events.parquet   cached offline analysis (derived, safe to delete)
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ MANIFEST = "run.json"
 STREAMS_DIR = "streams"
 PARQUET_DIR = "parquet"
 COMPACTED = "compacted.json"
+ANALYSIS_DIR = "analysis"
 STREAM_SUFFIX = ".arrows"
 
 # Table names may contain '-' or '_'; the rank/segment suffix is anchored at the end.
@@ -101,6 +103,10 @@ def list_parquet_tables(run_dir: str | os.PathLike) -> list[str]:
     if not d.is_dir():
         return []
     return sorted(p.stem for p in d.glob("*.parquet") if _TABLE_RE.match(p.stem))
+
+
+def analysis_dir(run_dir: str | os.PathLike) -> Path:
+    return Path(run_dir) / ANALYSIS_DIR
 
 
 def compacted_path(run_dir: str | os.PathLike) -> Path:

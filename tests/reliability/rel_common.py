@@ -52,30 +52,39 @@ def assert_one_line_error(rc: int, stderr: str, needle: str | None = None) -> No
 
 
 def dashboard_loader():
-    """The dashboard's data layer (dashboard/data.py), if present: a callable(run_dir) that computes
-    what its pages show (status row, heatmaps, lines, events, outliers, verdict). None if absent."""
+    """The dashboard's data layer (dashboard/), if present: a callable(run_dir) that computes what its
+    pages show (status row, heatmaps, lines, events, outliers, the verdict's analysis). None if absent."""
     try:
-        from dashboard import data as D
+        from dashboard import outliers as O
+        from dashboard import queries as Q
+        from dashboard import runstatus as S
+        from dashboard import verdict as V
+        from dashboard.rollup import NoData
+        from dashboard.runcache import RunCache
     except Exception:
         return None
 
     def load(path) -> dict:
         path = Path(path)
-        status = D.run_status(path)  # the Runs view: never raises, says "error" in one line
+        status = S.run_status(path)  # the Runs view: never raises, says "error" in one line
         if status["status"] == "error":
             assert status["error"] and "\n" not in status["error"], status
-        cache = D.RunCache()
+        cache = RunCache(warm=False)
         e = cache.get(path)  # a page on one run: RunError for a broken one
-        D.run_status(path, cache)
+        S.run_status(path, cache)
+        a = V.analyser(e)
+        a.request(e, live=False)
+        if a.thread is not None:
+            a.thread.join(120)
         for fn in (
-            lambda: D.step_span(e), lambda: D.roles(e), lambda: D.layer_order(e),
-            lambda: D.heatmap_frame(e, "log2_amax", None), lambda: D.heatmap_frame(e, "overflow_pct", "gradient"),
-            lambda: D.heatmap_frame(e, "sqnr_db", None), lambda: D.scalars_frame(e), lambda: D.events(e),
-            lambda: D.outliers(e), lambda: D.verdict(e), lambda: D.nonfinite_cells(e, None),
+            lambda: Q.step_span(e), lambda: Q.roles(e), lambda: Q.layer_order(e),
+            lambda: Q.heatmap_frame(e, "log2_amax", None), lambda: Q.heatmap_frame(e, "overflow_pct", "gradient"),
+            lambda: Q.heatmap_frame(e, "sqnr_db", None), lambda: Q.scalars_frame(e), lambda: V.events(e),
+            lambda: O.outliers(e), lambda: Q.nonfinite_cells(e, None),
         ):
             try:
                 fn()
-            except D.NoData:
+            except NoData:
                 pass
         cache.refresh(path, force=True)
         return status

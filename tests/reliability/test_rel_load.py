@@ -14,7 +14,7 @@ def test_readers_never_fail_under_8_writers(tmp_path):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     try:
-        import dashboard.data  # noqa: F401
+        import dashboard.queries  # noqa: F401
         readers = ("cli", "api", "dashboard")
     except Exception:
         readers = ("cli", "api")

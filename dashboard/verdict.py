@@ -1,0 +1,127 @@
+"""The dashboard's verdict is the report's: :func:`fp8scope.detect.analysis.analysis`, run in the
+background when a run is opened, its progress shown, its result cached in the run folder.
+
+A finished or crashed run is analysed offline once (the same events, counts and verdict as
+``fp8scope report``; a second visit reads ``RUN/analysis/``). A live run whose online detector writes
+an events table gets its card from those events, re-summarised on every refresh so the card turns as
+soon as an event is written; a live run without one is re-analysed offline at most every
+``LIVE_REANALYSE_S`` seconds while it grows.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pandas as pd
+
+from dashboard.runcache import Entry
+
+LIVE_REANALYSE_S = 5.0
+PHASES = 9  # detect's phases + the report's summary (for the progress bar)
+
+
+class Analyser:
+    """Background analysis of one open run: at most one thread at a time; the newest result kept."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.result: dict | None = None  # {"events", "report", "version", "source", "at"}
+        self.error: str | None = None
+        self.error_version: tuple | None = None
+        self.phase = "waiting"
+        self.done_phases = 0
+        self.started = 0.0
+        self.generation = 0  # bumps whenever the state a page shows changes (progress or result)
+
+    def _tick(self, phase: str) -> None:
+        with self.lock:
+            self.phase, self.done_phases = phase, self.done_phases + 1
+            self.generation += 1
+
+    def _run(self, e: Entry, version: tuple, stored: bool) -> None:
+        from fp8scope.detect.analysis import analyse, analysis
+        from fp8scope.detect.engine import open_run
+
+        try:
+            run = open_run(e.path)  # its own reader: the page's Run keeps refreshing meanwhile
+            if stored:
+                ev = run.events()
+                ev = ev[[c for c in ev.columns if c != "segment"]].sort_values(["step", "rank"], kind="stable")
+                ev, rep = analyse(run, events=ev.reset_index(drop=True), progress=self._tick)
+                source = "online detector (live run)"
+            else:
+                ev, rep = analysis(e.path, progress=self._tick, run=run)
+                source = "offline analysis (same as fp8scope report)"
+            with self.lock:
+                self.result = {"events": ev, "report": rep, "version": version, "source": source, "at": time.time()}
+                self.error = None
+        except Exception as exc:  # noqa: BLE001 - the card says so; the dashboard keeps working
+            with self.lock:
+                self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+                self.error_version = version
+        finally:
+            with self.lock:
+                self.phase, self.thread = "done", None
+                self.generation += 1
+
+    def request(self, e: Entry, live: bool) -> None:
+        """Start an analysis of the run's current version unless one is running or the newest result is
+        of this version (or, for a live run, younger than LIVE_REANALYSE_S)."""
+        with self.lock:
+            if self.thread is not None:
+                return
+            r = self.result
+            if r is not None and r["version"] == e.version:
+                return
+            if self.error is not None and self.error_version == e.version:
+                return  # failed on these very rows: the card shows the error until the run changes
+            stored = live and "events" in e.tables()
+            if r is not None and live and not stored and time.time() - self.started < LIVE_REANALYSE_S:
+                return
+            self.started, self.phase, self.done_phases = time.time(), "reading run", 0
+            self.generation += 1
+            self.thread = threading.Thread(target=self._run, args=(e, e.version, stored), daemon=True,
+                                           name=f"analyse {e.path.name}")
+            self.thread.start()
+
+    def state(self) -> dict:
+        with self.lock:
+            return {"running": self.thread is not None, "phase": self.phase, "progress": self.done_phases / PHASES,
+                    "result": self.result, "error": self.error, "generation": self.generation}
+
+
+def analyser(e: Entry) -> Analyser:
+    with e.lock:
+        if e.analyser is None:
+            e.analyser = Analyser()
+        return e.analyser
+
+
+def is_live(e: Entry, cache=None) -> bool:
+    from dashboard.runstatus import liveness
+
+    try:
+        return liveness(e.path, cache)[0] == "live"
+    except Exception:  # noqa: BLE001 - an unreadable run is analysed (and fails) like a finished one
+        return False
+
+
+def ensure(e: Entry, cache=None) -> dict:
+    """The analysis state of ``e``, starting an analysis of its current version when needed."""
+    a = analyser(e)
+    a.request(e, is_live(e, cache))
+    return a.state()
+
+
+def events(e: Entry) -> pd.DataFrame | None:
+    """The events of the newest analysis (None until the first one lands): the report's events."""
+    a = analyser(e)
+    r = a.state()["result"]
+    return None if r is None else r["events"]
+
+
+def report(e: Entry) -> dict | None:
+    r = analyser(e).state()["result"]
+    return None if r is None else r["report"]
