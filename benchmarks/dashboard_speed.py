@@ -174,26 +174,97 @@ def browser_times(root: Path, runs: list[str]) -> dict:
                 page.wait_for_selector(sel, state="visible", timeout=timeout_s * 1000)
                 return time.perf_counter() - t
 
+            t = time.perf_counter()
+            page.goto(f"{url}/?view=runs")  # the browser loads Dash's scripts once (plotly.js on the first figure)
+            page.wait_for_selector("#runs-table", state="visible")
+            out["runs page, browser cold_s"] = round(time.perf_counter() - t, 2)
             for run in runs:
-                for visit in ("cold", "warm"):
+                for visit in ("cold", "revisit"):
                     t = time.perf_counter()
                     page.goto(f"{url}/?run={run}&view=overview")
                     page.wait_for_selector(VIEW_READY["overview"], state="visible", timeout=300_000)
                     page.wait_for_selector("#card", state="visible", timeout=300_000)
                     out[f"{run}: overview {visit} visit, drawn_s"] = round(time.perf_counter() - t, 2)
                     if visit == "cold":
-                        out[f"{run}: card analysis done after_s"] = round(until("#card-culprit", 900), 2)
-                for view in ("heatmap", "outliers", "tensor", "live", "overview", "heatmap"):
+                        out[f"{run}: card's analysis done after_s"] = round(time.perf_counter() - t + until("#card-culprit", 900), 2)
+                for view in ("heatmap", "outliers", "tensor", "live", "overview", "heatmap", "outliers"):
                     t = time.perf_counter()
                     page.click(f"#nav-{view}")
                     page.wait_for_selector(VIEW_READY[view], state="visible", timeout=300_000)
-                    page.wait_for_load_state("networkidle")
-                    out[f"{run}: switch to {view}_s"] = round(time.perf_counter() - t, 2)
+                    out[f"{run}: switch to {view}_s"] = max(out.get(f"{run}: switch to {view}_s", 0),
+                                                            round(time.perf_counter() - t, 2))
             browser.close()
     finally:
         srv.terminate()
         srv.wait(20)
     return out
+
+
+def live_lag(root: Path, seconds: float = 40.0) -> dict:
+    """How late new steps appear on the Live view while a demo training run uses the CPU: sampled every
+    0.25 s in Chromium, each sample's lag = how long the oldest step that had ended (its ``time`` in the
+    scalars table) but was not yet shown had been waiting."""
+    import socket
+    import subprocess
+    import urllib.request
+
+    from playwright.sync_api import sync_playwright
+
+    import fp8scope
+
+    run = root / "livelag"
+    shutil.rmtree(run, ignore_errors=True)
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
+    train = subprocess.Popen([sys.executable, "-m", "fp8scope.demo.train", "--steps", "1000000", "--run-dir", str(run),
+                              "--quiet", "--overwrite"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    with socket.socket() as sk:
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    srv = subprocess.Popen([sys.executable, "-m", "fp8scope", "dashboard", str(root), "--port", str(port)],
+                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    samples: list[tuple[float, int]] = []
+    try:
+        deadline = time.time() + 120
+        while not (run / "streams").is_dir() or not list((run / "streams").glob("scalars-*")):
+            if time.time() > deadline:
+                raise SystemExit("the training run never started")
+            time.sleep(0.2)
+        for _ in range(300):
+            try:
+                urllib.request.urlopen(url, timeout=1)
+                break
+            except OSError:
+                time.sleep(0.1)
+        with sync_playwright() as p:
+            browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless=new", "--no-sandbox"])
+            page = browser.new_page(viewport={"width": 1400, "height": 900})
+            page.goto(f"{url}/?run=livelag&view=live")
+            page.wait_for_selector("#live-last-step", timeout=120_000)
+            end = time.time() + seconds
+            while time.time() < end:
+                txt = page.inner_text("#live-last-step")
+                if txt.strip().isdigit():
+                    samples.append((time.time(), int(txt)))
+                page.wait_for_timeout(250)
+            browser.close()
+    finally:
+        srv.terminate()
+        train.terminate()
+        srv.wait(20)
+        train.wait(20)
+    sc = fp8scope.load_run(run).scalars()
+    ended = sc.groupby("step")["time"].min().sort_index()
+    steps, times = ended.index.to_numpy(), ended.to_numpy()
+    lags = []
+    for w, shown in samples:
+        i = np.searchsorted(steps, shown, side="right")  # the first step after the shown one
+        lags.append(max(0.0, w - times[i]) if i < len(steps) and times[i] <= w else 0.0)
+    lags = np.array(lags)
+    return {"live: samples": len(lags), "live: steps trained per s": round(float(len(steps)) / max(1e-9, times[-1] - times[0]), 1),
+            "live: new step shown after, median_s": round(float(np.median(lags)), 2),
+            "live: new step shown after, p95_s": round(float(np.quantile(lags, 0.95)), 2),
+            "live: new step shown after, max_s": round(float(lags.max()), 2)}
 
 
 def main() -> int:
@@ -206,6 +277,9 @@ def main() -> int:
     ap.add_argument("--json", help="also write results here")
     ap.add_argument("--browser", action="store_true", help="also time views in headless Chromium (real server)")
     ap.add_argument("--demo", help="with --browser: also time this run folder (copied under the root as 'demo')")
+    ap.add_argument("--live-seconds", type=float, default=0,
+                    help="with --browser: also measure, for this many seconds, how late a training run's new steps "
+                         "appear on the Live view")
     args = ap.parse_args()
 
     root = Path(args.root)
@@ -278,6 +352,8 @@ def main() -> int:
             shutil.copytree(args.demo, root / "demo", ignore=shutil.ignore_patterns("analysis"))
             runs.insert(0, "demo")
         res.update(browser_times(root, runs))
+        if args.live_seconds:
+            res.update(live_lag(root, args.live_seconds))
     width = max(len(k) for k in res)
     for k, v in res.items():
         print(f"{k:<{width}}  {v}")

@@ -3,8 +3,8 @@
 All state lives in the URL query (``?run=NAME&view=heatmap&stat=headroom&role=activation``), so every
 view is a link that can be shared or reloaded. When the URL changes, one callback draws the page: its
 controls and its body. A ``dcc.Interval`` refreshes the runs named in the URL (reading only new bytes)
-and watches their analysis; when, and only when, the data or the analysis changed, a second callback
-redraws the *body* alone. Controls are never redrawn by a refresh, so an open dropdown stays open and
+and watches their analysis; when, and only when, the data or the analysis changed since the body was
+drawn, it redraws the *body* alone. Controls are never redrawn by a refresh, so an open dropdown stays open and
 a half-typed filter stays typed.
 """
 
@@ -50,7 +50,7 @@ class DashboardApp:
     def layout(self):
         return html.Div([
             dcc.Location(id="url", refresh=False),
-            dcc.Store(id="version", data=""),
+            dcc.Store(id="shown", data=""),
             dcc.Interval(id="tick", interval=self.interval_ms),
             html.Div([html.Div(id="topbar", className="topbar-items"),
                       html.Span(dcc.Checklist(id="live", options=[{"label": " auto-refresh", "value": "on"}],
@@ -78,24 +78,26 @@ class DashboardApp:
     def _callbacks(self):
         app = self.app
 
-        @app.callback(Output("page", "children"), Output("topbar", "children"), Input("url", "search"))
-        def render(search):
+        # "shown" holds the signature of the data the body was drawn from, taken *before* drawing it: a
+        # change that lands while a page is drawn differs from it, so the next tick redraws the body
+        @app.callback(Output("page", "children"), Output("topbar", "children"), Output("shown", "data"),
+                      Input("url", "search"), State("tick", "n_intervals"))
+        def render(search, n):
             p = parse(search)
-            return self.render(p), self.topbar(p)
+            sig = self.signature(p, n or 0)
+            return self.render(p), self.topbar(p), sig
 
-        @app.callback(Output("body", "children"), Input("version", "data"), State("url", "search"),
-                      prevent_initial_call=True)
-        def refresh(_version, search):
-            return self.body(parse(search))
-
-        @app.callback(Output("version", "data"), Input("tick", "n_intervals"),
-                      State("url", "search"), State("live", "value"), State("version", "data"),
-                      prevent_initial_call=True)
-        def tick(n, search, live, version):
+        @app.callback(Output("body", "children"), Output("shown", "data", allow_duplicate=True),
+                      Input("tick", "n_intervals"), State("url", "search"), State("live", "value"),
+                      State("shown", "data"), prevent_initial_call=True)
+        def tick(n, search, live, shown):
             if not live:
-                return no_update
-            sig = self.signature(parse(search), n or 0)
-            return sig if sig != version else no_update
+                return no_update, no_update
+            p = parse(search)
+            sig = self.signature(p, n or 0)
+            if sig == shown:
+                return no_update, no_update
+            return self.body(p), sig
 
         @app.callback(Output("url", "search", allow_duplicate=True),
                       Input({"type": "ctl", "name": ALL}, "value"),
@@ -128,6 +130,21 @@ class DashboardApp:
                 return no_update
             return "?" + urlencode({k: v for k, v in {"view": "tensor", "run": p.get("run"), "layer": layer,
                                                       "role": p.get("role")}.items() if v})
+
+        for tid in ("outliers-table", "events-table"):
+            @app.callback(Output("url", "search", allow_duplicate=True), Input(tid, "active_cell"),
+                          State(tid, "derived_viewport_data"), State("url", "search"), prevent_initial_call=True)
+            def open_row(cell, rows, search):
+                """A click on a row of the outliers or events table opens that row's tensor."""
+                if not cell or not rows or cell.get("row") is None or cell["row"] >= len(rows):
+                    return no_update
+                r = rows[cell["row"]]
+                layer, role = r.get("layer"), r.get("role", r.get("tensor"))
+                if not layer or layer == "-":
+                    return no_update
+                p = parse(search)
+                q = {"view": "tensor", "run": p.get("run"), "layer": layer, "role": role if role not in (None, "-") else None}
+                return "?" + urlencode({k: v for k, v in q.items() if v})
 
         for gid in ZOOMABLE:
             @app.callback(Output("url", "search", allow_duplicate=True), Input(gid, "relayoutData"),

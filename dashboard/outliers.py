@@ -47,7 +47,7 @@ def outliers(e: Entry, role: str | None = None, limit: int = 200, events: pd.Dat
         raise NoData("no tensors table in this run yet")
     cfg = cfg or DetectConfig()
     ev_key = None if events is None else len(events)
-    return e.cached(("outliers", role, limit, ev_key), lambda: _outliers(e, role, limit, events, cfg))
+    return e.cached(("outliers", role, limit, ev_key), lambda: _outliers(e, role, limit, events, cfg), rollup=True)
 
 
 def _outliers(e: Entry, role: str | None, limit: int, events: pd.DataFrame | None, cfg: DetectConfig) -> pd.DataFrame:
@@ -99,10 +99,12 @@ def _outliers(e: Entry, role: str | None, limit: int, events: pd.DataFrame | Non
                     "first_step": int(a["smin"][seg].min())})
     df = pd.DataFrame(out)
     red = lambda fn, k: _reduce(fn, a[k][rows], st)  # noqa: E731
+    # the context columns skip each tensor's first bucket too (step 0's initial scale underflows by design)
+    later = lambda k: np.where(scored[rows], a[k][rows], np.nan)  # noqa: E731
     df["max_amax"] = red(np.fmax, "amax_fmax")
-    df["min_headroom"] = red(np.fmin, "headroom_w")
-    df["underflow_pct"] = red(np.fmax, "underflow_pct_w")
-    df["saturated_pct"] = red(np.fmax, "saturated_pct_w")
+    df["min_headroom"] = _reduce(np.fmin, later("headroom_w"), st)
+    df["underflow_pct"] = _reduce(np.fmax, later("underflow_pct_w"), st)
+    df["saturated_pct"] = _reduce(np.fmax, later("saturated_pct_w"), st)
     df["nonfinite"] = red(np.add, "nf_sum")
     df["critical"] = df["warning"] = 0
     if events is not None and not events.empty:

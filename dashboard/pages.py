@@ -20,8 +20,8 @@ from dashboard import verdict as V
 from dashboard.outliers import outliers, score_doc
 from dashboard.rollup import NoData
 from dashboard.runstatus import _last_step_sql, run_status
-from dashboard.ui import (RUN_COLORS, ago, ctl, error_card, fmt, graph, human, link, log_axis, note, panel,
-                          plot_label, table)
+from dashboard.ui import (RUN_COLORS, ago, ctl, data_table, error_card, fmt, graph, human, link, log_axis, note,
+                          panel, plot_label, table)
 from fp8scope.detect.report import BLAME_TITLES
 from fp8scope.detect.rules import SEVERITY_RANK
 
@@ -112,7 +112,7 @@ def card(app, e, p=None):
 
 
 # ---- events ---------------------------------------------------------------------------------
-def events_panel(app, e, p, layer=None, role=None):
+def events_panel(app, e, p, layer=None, role=None, timeline=True):
     ev = V.events(e)
     if ev is None:
         return note("The analysis is still running: events appear when it finishes.")
@@ -147,17 +147,12 @@ def events_panel(app, e, p, layer=None, role=None):
     except ValueError:
         page = 1
     shown = listed.iloc[(page - 1) * EVENTS_PAGE: page * EVENTS_PAGE]
-    run = app.root.name_of(e.path)
-    rows = []
-    for r in shown.to_dict("records"):
-        lay = r.get("layer")
-        lay_cell = (link(lay, view="tensor", run=run, layer=lay, role=r.get("tensor")) if isinstance(lay, str) and lay else "-")
-        rows.append([int(r["step"]), int(r["rank"]), r["severity"], r["rule"], lay_cell,
-                     r.get("tensor") if isinstance(r.get("tensor"), str) else "-",
-                     fmt(r.get("value")), fmt(r.get("threshold")), r.get("message") or ""])
+    rows = [[int(r["step"]), int(r["rank"]), r["severity"], r["rule"], r["layer"] if isinstance(r.get("layer"), str) and r["layer"] else "-",
+             r["tensor"] if isinstance(r.get("tensor"), str) and r["tensor"] else "-", fmt(r.get("value")),
+             fmt(r.get("threshold")), r.get("message") or ""] for r in shown.to_dict("records")]
     keep = {k: p.get(k) for k in ("view", "run", "layer", "role")}
     nav = [html.Span(f"{len(listed)} events" + ("" if show_info else f" at warning or above ({n_info} info hidden)")
-                     + f", worst first; page {page} of {pages}  ", className="muted")]
+                     + f", worst first; page {page} of {pages}. Click a row to open its tensor.  ", className="muted")]
     if page > 1:
         nav.append(link("< previous", **keep, info=p.get("info"), page=page - 1))
     if page < pages:
@@ -165,10 +160,10 @@ def events_panel(app, e, p, layer=None, role=None):
     if n_info:
         nav += [html.Span("  "), link("hide info events" if show_info else f"show {n_info} info events", **keep,
                                       info=None if show_info else "1")]
-    body = (table(["step", "rank", "severity", "rule", "layer", "tensor", "value", "threshold", "message"], rows,
-                  {0, 1, 6, 7}, id="events-table", wrap_cols={8})
+    body = (data_table("events-table", ["step", "rank", "severity", "rule", "layer", "tensor", "value", "threshold",
+                                        "message"], rows, {0, 1, 6, 7}, wrap_cols={8}, page_size=EVENTS_PAGE)
             if rows else note("No events at warning or above."))
-    return [graph(fig, id="event-timeline"), html.Div(nav, id="events-nav"), body]
+    return ([graph(fig, id="event-timeline")] if timeline else []) + [html.Div(nav, id="events-nav"), body]
 
 
 # ---- Overview -------------------------------------------------------------------------------
@@ -312,7 +307,8 @@ def heatmap_figure(app, e, stat, role, agg, layer_re, title=None, last_steps=Non
     res = V.analyser(e).state()["result"]
     key = ("heatmap_fig", stat, role, agg, layer_re, title, last_steps, span, zrange, x_range,
            res["at"] if res else None)
-    return e.cached(key, lambda: _heatmap_figure(e, stat, role, agg, layer_re, title, last_steps, span, zrange, x_range))
+    return e.cached(key, lambda: _heatmap_figure(e, stat, role, agg, layer_re, title, last_steps, span, zrange, x_range),
+                    rollup=True)
 
 
 def _heatmap_figure(e, stat, role, agg, layer_re, title, last_steps, span, zrange, x_range):
@@ -384,19 +380,16 @@ def outliers_body(app, e, p):
     rl = Q.roles(e)
     role = p.get("role") if p.get("role") in rl else None
     df = outliers(e, role, events=V.events(e))
-    run = app.root.name_of(e.path)
-    rows = []
-    for i, r in df.head(100).iterrows():
-        rows.append([i + 1, link(r["layer"], view="tensor", run=run, layer=r["layer"], role=r["tensor"]), r["tensor"],
-                     r["severity"], fmt(r["score"], ".2f"), fmt(r["z"], ".1f"), fmt(r["dev"], ".2f"), int(r["peers"]),
-                     fmt(r["step"], ".0f") if r["step"] is not None else "-", fmt(r["max_amax"]),
-                     fmt(r["min_headroom"], ".2f"), fmt(r["underflow_pct"], ".2f"), fmt(r["saturated_pct"], ".2f"),
-                     int(r["nonfinite"]), f"{int(r['critical'])}/{int(r['warning'])}"])
+    rows = [[i + 1, r["layer"], r["tensor"], r["severity"], fmt(r["score"], ".2f"), fmt(r["z"], ".1f"), fmt(r["dev"], ".2f"),
+             int(r["peers"]), fmt(r["step"], ".0f") if r["step"] is not None else "-", fmt(r["max_amax"]),
+             fmt(r["min_headroom"], ".2f"), fmt(r["underflow_pct"], ".2f"), fmt(r["saturated_pct"], ".2f"),
+             int(r["nonfinite"]), f"{int(r['critical'])}/{int(r['warning'])}"] for i, r in df.iterrows()]
     cols = ["#", "layer", "role", "layer_outlier", "score", "z (peers)", "binades above peers", "peers", "at step",
             "max amax", "min headroom", "max underflow %", "max saturation %", "non-finite", "events crit/warn"]
     if not rows:
         return note("No tensors for this role.")
-    return [html.Div(score_doc(), className="muted"), table(cols, rows, {0} | set(range(4, 15)), id="outliers-table")]
+    return [html.Div(score_doc() + " Click a row to open that tensor.", className="muted"),
+            data_table("outliers-table", cols, rows, {0} | set(range(4, 15)))]
 
 
 # ---- Tensor ---------------------------------------------------------------------------------
@@ -471,7 +464,8 @@ def tensor_body(app, e, p):
             + ". Drag to zoom: the points re-bucket to the range.")
     return [html.H3(f"{layer} / {role}", id="tensor-title"), html.Div(meta, className="muted"), graph(fig, id="tensor-amax"),
             html.Div([html.Div(graph(f2, id="tensor-scale")), html.Div(graph(f3, id="tensor-pct"))], className="row2"),
-            html.H4("Events on this tensor"), panel(events_panel, app, e, p, layer=layer, role=role)]
+            html.H4("Events on this tensor (also marked on the amax figure)"),
+            panel(events_panel, app, e, p, layer=layer, role=role, timeline=False)]
 
 
 # ---- Compare --------------------------------------------------------------------------------

@@ -40,7 +40,7 @@ def step_span(e: Entry, table: str = "tensors") -> tuple[int, int] | None:
         d = e.sql(f"select min(step) lo, max(step) hi from {table}")
         return int(d["lo"].iloc[0]), int(d["hi"].iloc[0])
 
-    return e.cached(("span", table), f)
+    return e.cached(("span", table), f, rollup=table == "tensors")
 
 
 def heatmap_width(e: Entry, table: str = "tensors", max_cols: int = MAX_COLS) -> int:
@@ -56,7 +56,7 @@ def roles(e: Entry) -> list[str]:
             return []
         return sorted(set(rollup(e).role))
 
-    return e.cached(("roles",), f)
+    return e.cached(("roles",), f, rollup=True)
 
 
 def layer_order(e: Entry) -> pd.DataFrame:
@@ -70,7 +70,7 @@ def layer_order(e: Entry) -> pd.DataFrame:
         ls = sorted(best, key=lambda l: (best[l], l))
         return pd.DataFrame({"layer": ls, "ord": [best[l] for l in ls]})
 
-    return e.cached(("layer_order",), f)
+    return e.cached(("layer_order",), f, rollup=True)
 
 
 def clip_span(e: Entry, span: tuple[int, int] | None, table: str = "tensors") -> tuple[int, int] | None:
@@ -142,7 +142,7 @@ def heatmap_frame(e: Entry, stat: str, role: str | None, agg: str = "worst", lay
         df["value"] = df["value"].astype(np.float32)  # half the bytes, plenty of precision for colour
         return df
 
-    return e.cached(("heatmap", stat, role, agg, layer_re, max_cols, last_steps, span), f)
+    return e.cached(("heatmap", stat, role, agg, layer_re, max_cols, last_steps, span), f, rollup=True)
 
 
 def nonfinite_cells(e: Entry, role: str | None) -> pd.DataFrame:
@@ -158,7 +158,7 @@ def nonfinite_cells(e: Entry, role: str | None) -> pd.DataFrame:
         idx = idx[np.argsort(a["nf_step"][idx], kind="stable")][:2000]
         return pd.DataFrame({"layer": [r.layer[t] for t in a["tid"][idx]], "step": a["nf_step"][idx]})
 
-    return e.cached(("nonfinite", role), f)
+    return e.cached(("nonfinite", role), f, rollup=True)
 
 
 def scalars_frame(e: Entry, names=("loss", "grad_norm"), max_points: int = MAX_POINTS, table: str = "scalars",
@@ -260,7 +260,7 @@ def tensor_series(e: Entry, layer: str, role: str, max_points: int = MAX_POINTS,
             "saturated_pct": red(np.fmax, "saturated_pct_w"), "sqnr_db": red(np.fmin, "sqnr_db_w"),
             "nonfinite": red(np.fmax, "nonfinite_w"), "fp8_format": r.fmt[tid], "source": r.source[tid]})
 
-    return e.cached(("tensor", layer, role, max_points, span), f)
+    return e.cached(("tensor", layer, role, max_points, span), f, rollup=True)
 
 
 def _tensor_raw(e: Entry, layer: str, role: str, max_points: int, span: tuple[int, int], fmt, source) -> pd.DataFrame:

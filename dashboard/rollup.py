@@ -354,23 +354,25 @@ def _rows_from_step(t: pa.Table, x: int) -> pa.Table:
 
 
 def rollup(e: Entry) -> Rollup | None:
-    """The run's rollup at its current version: built once, then updated from the newest bucket on."""
-    with e.lock:
+    """The run's rollup at its current version: built once, then updated from the newest bucket on.
+    Only under ``e.rollup_lock`` (other views' lookups go on meanwhile)."""
+    with e.rollup_lock:
         if not e.has("tensors"):
             return None
+        with e.lock:
+            version, t = e.version, e.run.table("tensors")  # the rows of that version
         r = e.rollup
-        if r is not None and r.version == e.version:
+        if r is not None and r.version == version:
             return r
-        t = e.run.table("tensors")
         if r is not None and r.update(t):
             sp = r.span()
             if sp is None or (sp[1] - sp[0] + 1) <= 4 * MAX_POINTS * r.g:
-                r.version = e.version
+                r.version = version
                 return r
         mm = pc.min_max(t["step"]).as_py()
         r = Rollup(bucket_width((mm["min"], mm["max"]), MAX_POINTS))
         r.build(t)
-        r.version = e.version
+        r.version = version
         e.rollup = r
         return r
 
@@ -416,7 +418,7 @@ def _tail_rollup(e: Entry, last_steps: int) -> Rollup:
         r.build(sub)
         return r
 
-    return e.cached(("tail_rollup", last_steps), f)
+    return e.cached(("tail_rollup", last_steps), f, rollup=True)
 
 
 def _heatmap_rollup(e: Entry, stat: str, role: str | None, agg: str, layer_re: str | None, max_cols: int,

@@ -21,13 +21,17 @@ import pandas as pd
 from fp8scope.run import Run
 
 REFRESH_MIN_INTERVAL = 1.0
+SMALL_TABLE_ROWS = 2_000_000  # scalars, events, shadow tables: registered with DuckDB as one chunk
 
 
 @dataclass
 class Entry:
     path: Path
     run: Run
-    lock: threading.RLock = field(default_factory=threading.RLock)
+    lock: threading.RLock = field(default_factory=threading.RLock)  # the cache dict, the version, refresh
+    sql_lock: threading.Lock = field(default_factory=threading.Lock)  # the DuckDB connection (one user at a time)
+    # held while the rollup is built or updated, and while a view reads it (an update rewrites it in place)
+    rollup_lock: threading.RLock = field(default_factory=threading.RLock)
     version: tuple = ()
     last_refresh: float = 0.0
     con: object = None
@@ -50,7 +54,7 @@ class Entry:
     def sql(self, query: str, params: list | None = None) -> pd.DataFrame:
         import duckdb
 
-        with self.lock:
+        with self.sql_lock:
             if self.con is None:
                 self.con = duckdb.connect()
                 self.con.execute("SET threads TO 2")
@@ -60,21 +64,34 @@ class Entry:
             # on every live refresh costs ~0.4 s; the tensor views read the rollup instead)
             for n in self.run.table_names():
                 if n not in self._reg and re.search(rf"\b{re.escape(n)}\b", query):
-                    self.con.register(n, self.run.table(n))
+                    t = self.run.table(n)
+                    if n != "tensors" and t.num_rows <= SMALL_TABLE_ROWS:
+                        # one chunk instead of one record batch per step: DuckDB's Arrow scan takes the GIL per
+                        # chunk, and 10k tiny chunks cost seconds while another thread (the rollup) holds it
+                        t = t.combine_chunks()
+                    self.con.register(n, t)
                     self._reg.add(n)
             return self.con.execute(query, params or []).df()
 
-    def cached(self, key: tuple, fn):
+    def cached(self, key: tuple, fn, rollup: bool = False):
+        """``fn()`` once per run version; computed outside the lock, so a slow view (a cold rollup, a
+        DuckDB scan) never holds up another view's lookup (two requests for the same cold view may both
+        compute it). ``rollup``: ``fn`` reads the rollup, under ``rollup_lock``."""
         with self.lock:
             k = (self.version, *key)
             if k in self.cache:
                 self.cache.move_to_end(k)
                 return self.cache[k]
+        if rollup:
+            with self.rollup_lock:
+                val = fn()
+        else:
             val = fn()
+        with self.lock:
             self.cache[k] = val
             while len(self.cache) > 64:
                 self.cache.popitem(last=False)
-            return val
+        return val
 
 
 class RunCache:

@@ -109,6 +109,32 @@ def table(columns: list[str], rows: list[list], num_cols: set[int] | None = None
     return html.Div(html.Table([head, body], className="grid", **kw), className="tablebox")
 
 
+def data_table(id: str, columns: list[str], rows: list[list], num_cols: set[int] | None = None,
+               wrap_cols: set[int] | None = None, page_size: int = 25, hidden: list[str] | None = None):
+    """A big table as one component (dash_table.DataTable: rows drawn by one React component, paged in
+    the browser): ~100 rows of html.Td / dcc.Link components cost Chromium seconds to lay out. Cells are
+    plain text (no markdown); clicking a row is wired by the page (``active_cell``). ``hidden``: columns
+    kept in the row data (for the click) but not shown."""
+    from dash import dash_table
+
+    num_cols, wrap_cols = num_cols or set(), wrap_cols or set()
+    data = [{c: ("" if v is None else v) for c, v in zip(columns, r)} for r in rows]
+    return dash_table.DataTable(
+        id=id, data=data, columns=[{"name": c, "id": c} for c in columns if c not in (hidden or [])],
+        page_size=page_size, page_action="native" if len(rows) > page_size else "none", sort_action="none",
+        cell_selectable=True, style_as_list_view=True,
+        style_table={"overflowX": "auto", "maxWidth": "100%"},
+        style_header={"backgroundColor": "#eef1f5", "fontWeight": 600},
+        style_cell={"fontFamily": "inherit", "fontSize": "13px", "padding": "4px 8px", "textAlign": "left",
+                    "whiteSpace": "nowrap", "cursor": "pointer"},
+        style_cell_conditional=[{"if": {"column_id": columns[i]}, "textAlign": "right"} for i in num_cols]
+        + [{"if": {"column_id": columns[i]}, "whiteSpace": "normal", "minWidth": "260px", "maxWidth": "640px"}
+           for i in wrap_cols],
+        style_data_conditional=[{"if": {"filter_query": '{severity} = "critical"'}, "backgroundColor": "#fde8e7"},
+                                {"if": {"filter_query": '{severity} = "warning"'}, "backgroundColor": "#fff6e0"}]
+        if "severity" in columns else [])
+
+
 def log_axis(**kw) -> dict:
     """A log axis with unambiguous ticks: decades only, written as powers of ten."""
     return {"type": "log", "dtick": 1, "exponentformat": "power", **kw}

@@ -196,18 +196,19 @@ def test_overview_and_heatmap_render_layers(page, env):
     assert "blocks.1.mlp.down" in yticks(page)
 
 
+def cells(pg, table: str, column: str) -> list[str]:
+    return pg.eval_on_selector_all(f"#{table} td[data-dash-column='{column}']", "els => els.map(e => e.innerText)")
+
+
 def test_outliers_click_through_to_tensor(page, env):
-    go(page, env, "?run=demo&view=outliers", "#outliers-table")
-    rows = page.locator("#outliers-table tbody tr")
-    assert rows.count() >= 20
-    top = [rows.nth(i).locator("td").nth(1).inner_text() for i in range(3)]
-    assert "blocks.1.mlp.down" in top, top
+    go(page, env, "?run=demo&view=outliers", "#outliers-table td")
+    layers, roles = cells(page, "outliers-table", "layer"), cells(page, "outliers-table", "role")
+    assert len(layers) >= 20  # the first page of a paged table
+    assert (layers[0], roles[0]) == ("blocks.1.mlp.down", "activation"), list(zip(layers, roles))[:5]
     shot(page, "outliers")
-    idx = top.index("blocks.1.mlp.down")
-    role = rows.nth(idx).locator("td").nth(2).inner_text()
-    rows.nth(idx).locator("td a").first.click()
+    page.locator("#outliers-table td[data-dash-column='layer']").first.click()  # a click on a row opens it
     page.wait_for_selector("#tensor-amax .main-svg", timeout=30000)
-    assert page.inner_text("#tensor-title") == f"blocks.1.mlp.down / {role}"
+    assert page.inner_text("#tensor-title") == "blocks.1.mlp.down / activation"
     assert "view=tensor" in page.url
     shot(page, "tensor")
 
@@ -236,10 +237,10 @@ def test_malformed_run_shows_error_card_and_app_keeps_working(page, env):
 
 
 def test_html_in_layer_names_is_inert(page, env):
-    go(page, env, "?run=xss&view=outliers", "#outliers-table")
+    go(page, env, "?run=xss&view=outliers", "#outliers-table td")
     assert XSS_LAYER in page.inner_text("#outliers-table")
     go(page, env, "?run=xss&view=heatmap", "#heatmap-graph .ytick")
-    go(page, env, "?run=xss&view=overview", "#events-table")  # the analysis flags the hostile layer's spike
+    go(page, env, "?run=xss&view=overview", "#events-table td")  # the analysis flags the hostile layer's spike
     assert XSS_LAYER in page.inner_text("#events-table")
     assert XSS_LAYER in page.inner_text("#card-culprit")
     go(page, env, f"?run=xss&view=tensor&layer={urllib.parse.quote(XSS_LAYER)}&role=activation", "#tensor-amax .main-svg")
@@ -284,9 +285,9 @@ def test_card_gives_the_reports_verdict(page, env, kind):
         page.wait_for_selector("#tensor-title", timeout=30000)
         assert page.inner_text("#tensor-title") == f"{c['layer']} / {c['tensor']}"
     if kind == "outlier":  # the planted layer leads the Outliers ranking too
-        go(page, env, f"?run={run}&view=outliers", "#outliers-table")
-        first_row = page.locator("#outliers-table tbody tr").first.locator("td")
-        assert (first_row.nth(1).inner_text(), first_row.nth(2).inner_text()) == ("blocks.2.mlp.down", "activation")
+        go(page, env, f"?run={run}&view=outliers", "#outliers-table td")
+        assert (cells(page, "outliers-table", "layer")[0], cells(page, "outliers-table", "role")[0]) == \
+            ("blocks.2.mlp.down", "activation")
 
 
 def test_live_run_gains_steps(page, env):

@@ -111,10 +111,12 @@ def save(path, key: dict, events: pd.DataFrame, rep: dict) -> bool:
         tmp = tempfile.NamedTemporaryFile(dir=d, suffix=".tmp", delete=False)
         tmp.close()
         pq.write_table(pa.Table.from_pandas(events, preserve_index=False), tmp.name)
+        os.chmod(tmp.name, 0o644)  # readable like the run's own files (temp files are created 0600)
         os.replace(tmp.name, d / EVENTS_FILE)
         body = json.dumps({"key": key, "report": _jsonable(rep)}, allow_nan=False)
         with tempfile.NamedTemporaryFile("w", dir=d, suffix=".tmp", delete=False, encoding="utf-8") as f:
             f.write(body)
+        os.chmod(f.name, 0o644)
         os.replace(f.name, d / REPORT_FILE)
         return True
     except Exception:  # noqa: BLE001 - read-only folder, full disk: the analysis itself stands

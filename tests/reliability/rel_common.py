@@ -73,7 +73,7 @@ def dashboard_loader():
         e = cache.get(path)  # a page on one run: RunError for a broken one
         S.run_status(path, cache)
         a = V.analyser(e)
-        a.request(e, live=False)
+        a.request(e, False)
         if a.thread is not None:
             a.thread.join(120)
         for fn in (
