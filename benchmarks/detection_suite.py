@@ -70,6 +70,7 @@ class Case:
     forks: bool = False  # warning / critical events start a BF16 fork (Shadow.on_event)
     expect_fork: str | None = None  # the verdict its first fork must reach
     loaded: bool = False  # two CPU-burning processes run beside training (the online lag is measured)
+    e4m3_layer: str = ""  # this layer runs TE's all-E4M3 recipe (its gradient in E4M3) beside HYBRID everywhere else
 
 
 def cases(steps: int) -> list[Case]:
@@ -99,6 +100,9 @@ def cases(steps: int) -> list[Case]:
         Case("llama-growing-outlier", "llama", [f"grow:{LLAMA.format(1)}.mlp.down_proj:120:256:100"],
              f"{LLAMA.format(1)}.mlp.down_proj", "activation", 120, "fp8", until=230),
         # not FP8
+        Case("gpt-gradient-e4m3", "gpt", [], GPT_DOWN.format(2), "gradient", 0, "fp8", e4m3_layer=GPT_DOWN.format(2)),
+        Case("llama-gradient-e4m3", "llama", [], f"{LLAMA.format(1)}.self_attn.o_proj", "gradient", 0, "fp8",
+             e4m3_layer=f"{LLAMA.format(1)}.self_attn.o_proj"),
         Case("gpt-bad-batch", "gpt", ["batch:220"], "", "loss", 220, "not-fp8"),
         Case("llama-lr-jump-early", "llama", ["lr:45:30"], "", "lr", 45, "not-fp8"),
         Case("llama-data-spike-late", "llama", [f"batch:{late + 20}:3"], "", "loss", late + 20, "not-fp8"),
@@ -160,6 +164,11 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10) -> dict:
     if not gpt:
         setup.args.inject = list(case.inject)
         setup = _llama_setup(setup)
+    if case.e4m3_layer:  # a per-layer recipe override gone wrong: the wrong format for one layer's gradients
+        import dataclasses
+
+        lay = setup.model.get_submodule(case.e4m3_layer)
+        lay._init_fp8(dataclasses.replace(lay.recipe, fp8_format="E4M3"))
     losses: list[float] = []
     now = [0]  # the step being trained
     lags: list[int] = []  # per warning+ event: the step training was at when on_event saw it, minus its step

@@ -92,3 +92,41 @@ def test_attribution_orders_the_evidence():
     assert attribution(fp8_first)["side"] == "fp8"
     same_step = pd.DataFrame([ev(200, "loss_spike"), ev(200, "saturation", "l1")])
     assert attribution(same_step)["side"] == "fp8"  # the step's loss comes after its tensors
+
+
+def test_one_layers_gradient_in_the_wrong_format_is_a_warning_at_its_first_step(tmp_path):
+    """A per-layer override that casts one layer's gradient to E4M3 beside E5M2 everywhere else: a
+    warning on that tensor at its first logged step; the same model without it, or a whole model on
+    TE's E4M3 recipe, raises nothing (real training runs of the demo model)."""
+    import dataclasses
+    import shutil
+
+    import torch
+
+    from fp8scope.demo import train as T
+    from fp8scope.detect import detect
+
+    torch.set_num_threads(1)
+    out = {}
+    for case in ("one-layer", "none", "all-e4m3"):
+        a = T.default_args(steps=30, n_layers=4, d_model=32, n_heads=2, batch_size=4, seq_len=16, every=5, quiet=True,
+                           corpus_chars=20000)
+        s = T.build(a)
+        for name, m in s.model.named_modules():
+            if hasattr(m, "_init_fp8") and (case == "all-e4m3" or (case == "one-layer" and name == "blocks.2.mlp.down")):
+                m._init_fp8(dataclasses.replace(m.recipe, fp8_format="E4M3"))
+        path = tmp_path / case
+        shutil.rmtree(path, ignore_errors=True)
+        with T.open_monitor(s, path) as mon:
+            T.train_steps(s, 30, monitor=mon)
+        ev = detect(path)
+        out[case] = ev[ev["rule"] == "format_mismatch"]
+    hit = out["one-layer"]
+    assert len(hit) == 1, hit
+    r = hit.iloc[0]
+    assert (r["layer"], r["tensor"], int(r["step"]), r["severity"]) == ("blocks.2.mlp.down", "gradient", 0, "warning")
+    assert "e4m3" in r["message"] and "e5m2" in r["message"]
+    assert out["none"].empty
+    # every FP8 layer on E4M3 (TE's E4M3 recipe): consistent; the head kept in high precision is measured
+    # what-if in HYBRID, a simulated cast that is nobody's peer
+    assert out["all-e4m3"].empty, out["all-e4m3"]

@@ -281,7 +281,7 @@ class TensorPass:
 def _keys(km, t: pa.Table) -> np.ndarray:
     """Tensor key of every row. A run read zero-copy has one chunk per logged step, and consecutive steps
     repeat the same names: per chunk they hit keys_of's cache."""
-    names = t.select(["rank", "layer", "tensor", "fp8_format"])
+    names = t.select([c for c in ("rank", "layer", "tensor", "fp8_format", "source") if c in t.column_names])
     if names.column(0).num_chunks > 1:
         return np.concatenate([km.keys_of(b) for b in names.to_batches()])
     return km.keys_of(names)
@@ -292,7 +292,7 @@ def _numeric_columns(t: pa.Table) -> tuple[dict, dict]:
     null), and the null mask of amax; strings stay in arrow (only their dictionary ids are used)."""
     cols, nulls = {}, {}
     for name in TENSOR_COLUMNS:
-        if name in ("layer", "tensor", "fp8_format"):
+        if name in ("layer", "tensor", "fp8_format", "source"):
             continue
         col = t.column(name)
         if name in ("step", "rank"):

@@ -26,7 +26,7 @@ MAD_FLOOR_BINADES = 0.1
 # columns of the tensors table the detector reads
 TENSOR_COLUMNS = [
     "step", "rank", "layer", "tensor", "order", "fp8_format", "amax", "min_nonzero", "scale", "scale_inv",
-    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow",
+    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow", "source",
 ]
 
 
@@ -41,6 +41,7 @@ class KeyMap:
     def __init__(self) -> None:
         self.keys: dict[tuple, int] = {}
         self.info: list[tuple] = []
+        self.sources: list[str | None] = []  # per key: the row's source (emulated, whatif, te, torchao, ...)
         self.kinds: dict[str, int] = {}
         self.roles: dict[str, int] = {}
         self.kind_names: list[str] = []
@@ -48,6 +49,10 @@ class KeyMap:
         self._role_of = np.zeros(0, np.int32)
         self._grad_of = np.zeros(0, bool)
         self._bin_of = np.zeros(0, float)
+        self._peer_fmt: list[str | None] = []  # per key: the format most tensors of its (rank, role) use
+        self._peer_n = np.zeros(0, np.int64)  # ... and how many do
+        self._odd_fmt = np.zeros(0, bool)
+        self._peer_bin = np.zeros(0, float)
         self.group_of = np.zeros(0, np.int64)  # key -> id of its (rank, role, kind)
         self._groups: dict[tuple, int] = {}
         self._last = None
@@ -59,11 +64,12 @@ class KeyMap:
             self.kind_names.append(k)
         return self.kinds[k]
 
-    def _add(self, rk: int, ly: str, tn: str, fm) -> int:
+    def _add(self, rk: int, ly: str, tn: str, fm, source=None) -> int:
         k = self.keys.get((rk, ly, tn))
         if k is None:
             k = self.keys[(rk, ly, tn)] = len(self.info)
             self.info.append((rk, ly, tn, fm, self._kind(ly), self.roles.setdefault(tn, len(self.roles))))
+            self.sources.append(source)
         return k
 
     def keys_of(self, t) -> np.ndarray:
@@ -90,9 +96,14 @@ class KeyMap:
             combos, rows = np.unique(code, return_index=True)
             lut = None
         fmts = fmt.take(pa.array(rows)).to_pylist() if len(rows) else []
+        names = t.schema.names
+        # what-if rows are simulated casts, not a layer's real format: no peers in format_mismatch
+        srcs = (t.column("source").take(pa.array(rows)).to_pylist() if "source" in names and len(rows)
+                else [None] * len(rows))
         lds, tds = ld.to_pylist(), td.to_pylist()
         ids = np.array([self._add(int(ranks[c // (len(ld) * max(len(td), 1))]), lds[(c // max(len(td), 1)) % len(ld)],
-                                  tds[c % max(len(td), 1)], fm) for c, fm in zip(combos.tolist(), fmts)], np.int64)
+                                  tds[c % max(len(td), 1)], fm, sr)
+                        for c, fm, sr in zip(combos.tolist(), fmts, srcs)], np.int64)
         if lut is not None:
             lut[combos] = ids
             key = lut[code]
@@ -104,16 +115,40 @@ class KeyMap:
             self._role_of = np.array([i[5] for i in info], np.int32)
             self._grad_of = np.array([base_role(i[2]) == "gradient" for i in info], bool)
             self._bin_of = np.array([_binades(i[3]) for i in info], float)
+            self._peer_formats()
             self.group_of = np.array([self._groups.setdefault((i[0], i[5], i[4]), len(self._groups)) for i in info],
                                      np.int64)
         self._last = (rank, lay, ten, key)
         return key
 
+    def _peer_formats(self) -> None:
+        """Per key, the FP8 format most tensors of the same rank and base role use (a gradient cast in E4M3
+        where every other gradient is E5M2 is a misconfigured layer, not a recipe choice)."""
+        from collections import Counter
+
+        groups: dict[tuple, Counter] = {}
+        fmts = [str(i[3]).lower() if i[3] and src != "whatif" else None for i, src in zip(self.info, self.sources)]
+        roles = [base_role(i[2]) for i in self.info]
+        for i, f, r in zip(self.info, fmts, roles):
+            if f is not None:
+                groups.setdefault((i[0], r), Counter())[f] += 1
+        peer, n = [], []
+        for i, r in zip(self.info, roles):
+            c = groups.get((i[0], r))
+            top = c.most_common(1)[0] if c else (None, 0)
+            peer.append(top[0])
+            n.append(top[1])
+        self._peer_fmt, self._peer_n = peer, np.array(n, np.int64)
+        fp8 = ("e4m3", "e5m2")  # only the two FP8 formats: a deliberate NVFP4 / MXFP4 layer is a recipe choice
+        self._odd_fmt = np.array([f in fp8 and p in fp8 and f != p for f, p in zip(fmts, peer)], bool)
+        self._peer_bin = np.array([_binades(p) if p else np.nan for p in peer], float)
+
     def names(self, keys) -> dict:
         """layer, tensor, fp8_format and kind name of each key (for the few rows that fire)."""
         info = self.info
         return {"layer": [info[k][1] for k in keys], "tensor": [info[k][2] for k in keys],
-                "fp8_format": [info[k][3] for k in keys], "kind": [self.kind_names[info[k][4]] for k in keys]}
+                "fp8_format": [info[k][3] for k in keys], "kind": [self.kind_names[info[k][4]] for k in keys],
+                "peer_format": [self._peer_fmt[k] for k in keys]}
 
 
 def _dict(col):
@@ -172,6 +207,9 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
     c["role"] = km._role_of[key]
     c["is_grad"] = km._grad_of[key]
     c["binades"] = km._bin_of[key]
+    c["fmt_odd"] = km._odd_fmt[key]
+    c["peer_n"] = km._peer_n[key]
+    c["peer_binades"] = km._peer_bin[key]
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
         fin = np.isfinite(amax)
         si = get("scale_inv")

@@ -327,7 +327,8 @@ def _shadow_verdict(run, cfg: DetectConfig) -> dict | None:
 # What FP8 does to tensors (the damage FP8 can cause, and a growing outlier that leads there), and what the
 # optimizer side shows.
 FP8_DAMAGE = frozenset({"saturation", "saturation_rate", "underflow", "nan_origin", "nonfinite", "stale_scale",
-                        "scale_mismatch", "scale_kept", "scale_collapse", "fp8_vs_bf16", "amax_trend"})
+                        "scale_mismatch", "scale_kept", "scale_collapse", "fp8_vs_bf16", "amax_trend",
+                        "format_mismatch"})
 OPTIMIZER_SIDE = frozenset({"lr_change", "loss_spike", "grad_norm_spike"})
 
 
@@ -420,6 +421,11 @@ def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
         adv.append(f"A growing outlier in {', '.join(ls)}: it climbs away from its peers and will saturate once it outruns "
                    "the amax history. Keep it in BF16, use current scaling for it, or tame it (Smooth-SwiGLU for an MLP "
                    "down-projection input).")
+    if "format_mismatch" in rules:
+        ls = layers_of("format_mismatch")
+        adv.append(f"{', '.join(ls)} cast(s) a tensor to another FP8 format than the rest of the model (a gradient in "
+                   "E4M3 loses 14 binades of range next to E5M2): give every layer the same recipe (HYBRID: E4M3 "
+                   "forward, E5M2 gradients) and look for the per-layer override that set it.")
     if "scale_collapse" in rules:
         adv.append("Scale collapsing (scale_inv rising step after step): the run fights growing values; "
                    "lower the learning rate or add warm-up, then check which layer grows first.")

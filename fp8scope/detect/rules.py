@@ -272,6 +272,24 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             ),
         ),
         RowRule(
+            # One tensor cast to another FP8 format than every other tensor of its role (a gradient in E4M3
+            # where the rest are E5M2: 14 binades less range, small gradients flush to zero; an activation in
+            # E5M2: one mantissa bit less). A per-layer recipe override gone wrong, not a recipe choice: a
+            # whole model on TE's E4M3 recipe is consistent and raises nothing. Read from any row (cheap
+            # ones too), once per tensor, never muted by warm-up: it is configuration.
+            "format_mismatch",
+            cond=lambda c: c["fmt_odd"] & (c["peer_n"] >= om),
+            value=lambda c: c["binades"] - c["peer_binades"],
+            threshold=lambda c: 0.0,
+            severity=lambda c: "warning",
+            message=lambda r: (
+                f"{_where(r)}: cast to {r['fp8_format']} while the other {int(r['peer_n'])} tensors of its role use "
+                f"{r['peer_format']} ({_fmt(abs(r['value']))} binades "
+                + ("less range: small values flush to zero" if (r["value"] or 0) < 0 else "more range, less precision")
+                + "): a per-layer recipe or format override"
+            ),
+        ),
+        RowRule(
             "layer_outlier",
             evaluable=lambda c: _nn(c["l2"]),
             cond=lambda c: (c["n_kind"] >= om) & (c["z"] >= oz) & (c["dev"] >= ob),
