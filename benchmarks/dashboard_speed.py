@@ -261,7 +261,7 @@ def live_lag(root: Path, seconds: float = 40.0) -> dict:
         i = np.searchsorted(steps, shown, side="right")  # the first step after the shown one
         lags.append(max(0.0, w - times[i]) if i < len(steps) and times[i] <= w else 0.0)
     lags = np.array(lags)
-    return {"live: samples": len(lags), "live: steps trained per s": round(float(len(steps)) / max(1e-9, times[-1] - times[0]), 1),
+    return {"live: samples": len(lags), "live: steps trained per s": round(float(len(steps) / max(1e-9, times[-1] - times[0])), 1),
             "live: new step shown after, median_s": round(float(np.median(lags)), 2),
             "live: new step shown after, p95_s": round(float(np.quantile(lags, 0.95)), 2),
             "live: new step shown after, max_s": round(float(lags.max()), 2)}

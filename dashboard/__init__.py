@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 
-def create_app(root, interval_ms: int = 2000):
+def create_app(root, interval_ms: int = 1500):
     from dashboard.app import create_app as _create
 
     return _create(root, interval_ms)

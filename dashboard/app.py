@@ -37,7 +37,7 @@ def view_of(p: dict) -> str:
 
 
 class DashboardApp:
-    def __init__(self, root: str | Path, interval_ms: int = 2000):
+    def __init__(self, root: str | Path, interval_ms: int = 1500):
         self.root = RunsRoot(root)
         self.cache = RunCache()
         self.interval_ms = interval_ms
@@ -226,5 +226,5 @@ def parse(search: str | None) -> dict:
     return {k: q[k][0] for k in PARAMS if k in q and q[k]}
 
 
-def create_app(root: str | Path, interval_ms: int = 2000) -> Dash:
+def create_app(root: str | Path, interval_ms: int = 1500) -> Dash:
     return DashboardApp(root, interval_ms).app

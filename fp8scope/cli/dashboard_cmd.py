@@ -14,7 +14,7 @@ def register(sub) -> None:
     p.add_argument("--port", type=int, default=8050)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to bind (default 127.0.0.1: this machine only; the app has no authentication)")
-    p.add_argument("--refresh-ms", type=int, default=2000, help="live refresh interval (default 2000)")
+    p.add_argument("--refresh-ms", type=int, default=1500, help="live refresh interval (default 1500)")
     p.set_defaults(func=run)
 
 
