@@ -44,7 +44,7 @@ def main() -> int:
         writers = [subprocess.Popen([sys.executable, load, "--_writer", str(r), str(run), str(args.seconds), "100",
                                      str(args.tensors), str(work / f"w{r}.json")]) for r in range(args.writers)]
         time.sleep(5)
-        cache = RunCache(warm=False)
+        cache = RunCache()
         t_end = time.time() + args.seconds - 6
         last = None
         print("cpu_s  rows        rollup")

@@ -142,13 +142,11 @@ VIEW_READY = {"overview": "#overview-scalars .main-svg", "heatmap": "#heatmap-gr
               "outliers": "#outliers-table", "tensor": "#tensor-amax .main-svg", "live": "#live-scalars .main-svg"}
 
 
-def browser_times(root: Path, runs: list[str]) -> dict:
-    """Seconds from navigation / click to drawn, per run and view, in headless Chromium."""
+def start_server(root: Path):
+    """The real dashboard server on a free port, answering: (process, url)."""
     import socket
     import subprocess
     import urllib.request
-
-    from playwright.sync_api import sync_playwright
 
     with socket.socket() as sk:
         sk.bind(("127.0.0.1", 0))
@@ -157,14 +155,22 @@ def browser_times(root: Path, runs: list[str]) -> dict:
     srv = subprocess.Popen([sys.executable, "-m", "fp8scope", "dashboard", str(root), "--port", str(port)],
                            env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
+    for _ in range(300):
+        try:
+            urllib.request.urlopen(url, timeout=1)
+            break
+        except OSError:
+            time.sleep(0.1)
+    return srv, url
+
+
+def browser_times(root: Path, runs: list[str]) -> dict:
+    """Seconds from navigation / click to drawn, per run and view, in headless Chromium."""
+    from playwright.sync_api import sync_playwright
+
+    srv, url = start_server(root)
     out: dict[str, float] = {}
     try:
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless=new", "--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 900})
@@ -204,9 +210,7 @@ def live_lag(root: Path, seconds: float = 40.0) -> dict:
     """How late new steps appear on the Live view while a demo training run uses the CPU: sampled every
     0.25 s in Chromium, each sample's lag = how long the oldest step that had ended (its ``time`` in the
     scalars table) but was not yet shown had been waiting."""
-    import socket
     import subprocess
-    import urllib.request
 
     from playwright.sync_api import sync_playwright
 
@@ -217,12 +221,7 @@ def live_lag(root: Path, seconds: float = 40.0) -> dict:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     train = subprocess.Popen([sys.executable, "-m", "fp8scope.demo.train", "--steps", "1000000", "--run-dir", str(run),
                               "--quiet", "--overwrite"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    with socket.socket() as sk:
-        sk.bind(("127.0.0.1", 0))
-        port = sk.getsockname()[1]
-    srv = subprocess.Popen([sys.executable, "-m", "fp8scope", "dashboard", str(root), "--port", str(port)],
-                           env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    url = f"http://127.0.0.1:{port}"
+    srv, url = start_server(root)
     samples: list[tuple[float, int]] = []
     try:
         deadline = time.time() + 120
@@ -230,12 +229,6 @@ def live_lag(root: Path, seconds: float = 40.0) -> dict:
             if time.time() > deadline:
                 raise SystemExit("the training run never started")
             time.sleep(0.2)
-        for _ in range(300):
-            try:
-                urllib.request.urlopen(url, timeout=1)
-                break
-            except OSError:
-                time.sleep(0.1)
         with sync_playwright() as p:
             browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=["--headless=new", "--no-sandbox"])
             page = browser.new_page(viewport={"width": 1400, "height": 900})

@@ -99,11 +99,10 @@ def reader(kind: str, run: str, ctl: str, out: str) -> None:
             return 0.5
         if kind == "dashboard":
             from dashboard import queries as Q
-            from dashboard import rollup as R
             from dashboard import runstatus as S
             from dashboard.runcache import RunCache
 
-            cache = state.setdefault("cache", RunCache())
+            cache = state.setdefault("cache", RunCache(warm=Q.warm_up))
             p = Path(run)
             e = cache.get(p)
             cache.refresh(p, force=True)

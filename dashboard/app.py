@@ -39,7 +39,7 @@ def view_of(p: dict) -> str:
 class DashboardApp:
     def __init__(self, root: str | Path, interval_ms: int = 1500):
         self.root = RunsRoot(root)
-        self.cache = RunCache()
+        self.cache = RunCache(warm=Q.warm_up)
         self.interval_ms = interval_ms
         self.app = Dash(__name__, title="fp8scope", suppress_callback_exceptions=True,
                         assets_folder=str(Path(__file__).parent / "assets"), update_title=None)

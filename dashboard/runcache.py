@@ -97,8 +97,10 @@ class Entry:
 class RunCache:
     """Run objects per resolved path; refresh() reads only new bytes, at most once a second."""
 
-    def __init__(self, max_runs: int = 8, warm: bool = True):
-        self.warm = warm  # compute the rollup + default views in a background thread when a run is opened
+    def __init__(self, max_runs: int = 8, warm=None):
+        # warm(entry): run in a background thread when a run is opened (the app passes
+        # dashboard.queries.warm_up: the rollup + the default views); None: nothing ahead
+        self.warm = warm
         self._entries: OrderedDict[Path, Entry] = OrderedDict()
         self._lock = threading.Lock()
         self._loading: dict[Path, threading.Lock] = {}
@@ -124,10 +126,8 @@ class RunCache:
                     self._entries[path] = e
                     while len(self._entries) > self.max_runs:
                         self._entries.popitem(last=False)
-                if self.warm:
-                    from dashboard.queries import warm_up
-
-                    threading.Thread(target=warm_up, args=(e,), daemon=True, name=f"warm {path.name}").start()
+                if self.warm is not None:
+                    threading.Thread(target=self.warm, args=(e,), daemon=True, name=f"warm {path.name}").start()
                 else:
                     e.warmed.set()
             return e

@@ -108,7 +108,7 @@ def test_card_culprit_and_blame(runs):
 
 
 def test_outliers_rank_the_planted_layer_first(runs):
-    e = RunCache(warm=False).get(runs["outlier"])
+    e = RunCache().get(runs["outlier"])
     df = O.outliers(e)
     assert (df["layer"].iloc[0], df["tensor"].iloc[0]) == ("blocks.2.mlp.down", "activation"), df.head().to_string()
     assert int(df["step"].iloc[0]) == 55
@@ -123,7 +123,7 @@ def test_step_range_rebuckets_down_to_single_steps(tmp_path):
 
     run = tmp_path / "big"
     make_big_run(run, 2600, 8)  # an amax spike at steps 500, 1500, 2500 in one layer
-    e = RunCache(warm=False).get(run)
+    e = RunCache().get(run)
     full = Q.heatmap_frame(e, "log2_amax", "activation")
     g = int(np.diff(np.sort(full["step"].unique()))[0])
     assert g > 1  # the whole run: buckets of several steps

@@ -44,7 +44,7 @@ def _same(x: dict, y: dict) -> None:
 
 
 def _fresh(run: Path):
-    cache = RunCache(warm=False)
+    cache = RunCache()
     return cache.get(run)
 
 
@@ -53,7 +53,7 @@ def test_live_multi_rank_refreshes_update_without_rebuilding(tmp_path, monkeypat
     write_manifest(run, new_manifest(world_size=3))
     writers = [RunWriter(run, r) for r in range(3)]
     lag = {0: 0, 1: 1, 2: 3}  # rank 2 trails the lead rank by three steps, as independent writers do
-    cache = RunCache(warm=False)
+    cache = RunCache()
     e = None
     step = 0
     for refresh in range(12):

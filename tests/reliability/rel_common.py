@@ -69,7 +69,7 @@ def dashboard_loader():
         status = S.run_status(path)  # the Runs view: never raises, says "error" in one line
         if status["status"] == "error":
             assert status["error"] and "\n" not in status["error"], status
-        cache = RunCache(warm=False)
+        cache = RunCache()
         e = cache.get(path)  # a page on one run: RunError for a broken one
         S.run_status(path, cache)
         a = V.analyser(e)
