@@ -26,6 +26,7 @@ from fp8scope.detect.report import BLAME_TITLES
 from fp8scope.detect.rules import SEVERITY_RANK
 
 EVENTS_PAGE = 25
+PRELOAD_RUNS = 2  # the Runs list opens its most recently written runs in the background
 HEADROOM_RANGE = (-4.0, 12.0)  # binades: one fixed, shared scale, so a colour means the same on every run
 # overflow (< 0) red, 0..4 binades neutral (normal headroom), then a second hue for wasted range (a stale scale)
 HEADROOM_SCALE = [[0.0, "#67001f"], [0.2, "#d6604d"], [0.2499, "#fbd0c0"], [0.25, "#f7f7f7"], [0.5, "#e6e6e6"],
@@ -440,30 +441,37 @@ def tensor_body(app, e, p):
         raise NoData(f"No rows for {layer} / {role} in this run" + (f" in steps {span[0]}..{span[1]}" if span else "") + ".")
     ev = V.events(e)
     ev_t = None if ev is None or ev.empty else ev[(ev["layer"] == layer) & (ev["tensor"].isna() | (ev["tensor"] == role))]
-    fig = F.amax_vs_range(s, plot_label(layer), role, events=plot_events(ev_t),
-                          title="amax vs representable range fp8_max * scale_inv")
+    from plotly.subplots import make_subplots
+
+    # one figure of three rows on one step axis: Chromium draws one plotly figure much faster than three
+    top = F.amax_vs_range(s, plot_label(layer), role, events=plot_events(ev_t))
+    fig = make_subplots(rows=3, cols=1, shared_xaxes=True, vertical_spacing=0.07, row_heights=[0.5, 0.22, 0.28],
+                        subplot_titles=["amax vs representable range fp8_max * scale_inv",
+                                        "scale_inv (rising = scale collapsing)",
+                                        "overflow / underflow / saturation % (full-stats steps)"])
+    for tr in top.data:
+        fig.add_trace(tr, row=1, col=1)
     fig.add_trace(go.Scatter(x=s["step"], y=s["expected_amax"], mode="lines", name="expected amax (recipe)",
-                             line={"dash": "dot"}))
-    fig.update_layout(height=360, showlegend=True, uirevision=f"{layer}-{role}-{span}")
-    f2 = go.Figure(go.Scatter(x=s["step"], y=s["scale_inv"], mode="lines", name="scale_inv"))
-    f2.update_layout(title="scale_inv (rising = scale collapsing)", yaxis=log_axis(title="scale_inv"), xaxis_title="step",
-                     height=260, margin={"l": 10, "r": 10, "t": 40, "b": 40})
-    f3 = go.Figure()
+                             line={"dash": "dot"}), row=1, col=1)
+    fig.add_trace(go.Scatter(x=s["step"], y=s["scale_inv"], mode="lines", name="scale_inv"), row=2, col=1)
     for c, n in (("overflow_pct", "overflow %"), ("underflow_pct", "underflow % (of non-zeros)"),
                  ("saturated_pct", "saturation %")):
         d = s[s[c].notna()]
-        f3.add_trace(go.Scatter(x=d["step"], y=d[c], mode="lines+markers", name=n, marker={"size": 4}))
+        fig.add_trace(go.Scatter(x=d["step"], y=d[c], mode="lines+markers", name=n, marker={"size": 4}), row=3, col=1)
     if len(s) and int(s["step"].iloc[0]) == (Q.step_span(e) or (0, 0))[0]:
-        f3.add_annotation(x=int(s["step"].iloc[0]), y=1.0, yref="paper", yanchor="bottom", showarrow=False,
-                          text="first step: no amax history", font={"size": 10, "color": "#555"})
-    f3.update_layout(title="overflow / underflow / saturation % (full-stats steps)", height=280, xaxis_title="step",
-                     yaxis_title="%", margin={"l": 10, "r": 10, "t": 40, "b": 40})
+        fig.add_annotation(x=int(s["step"].iloc[0]), y=0.28, yref="paper", yanchor="bottom", showarrow=False,
+                           text="first step: no amax history", font={"size": 10, "color": "#555"})
+    fig.update_yaxes(log_axis(title="|x|"), row=1, col=1)
+    fig.update_yaxes(log_axis(title="scale_inv"), row=2, col=1)
+    fig.update_yaxes(title_text="%", row=3, col=1)
+    fig.update_xaxes(title_text="step", row=3, col=1)
+    fig.update_layout(height=760, showlegend=True, uirevision=f"{layer}-{role}-{span}",
+                      margin={"l": 10, "r": 10, "t": 40, "b": 40})
     width = int(s["step"].iloc[1] - s["step"].iloc[0]) if len(s) > 1 else 1
     meta = (f"{layer} / {role}: format {s['fp8_format'].iloc[-1]}, source {s['source'].iloc[-1]}; {len(s)} points, "
             f"{width} step(s) each (worst value per bucket)" + (f", steps {span[0]}..{span[1]}" if span else "")
             + ". Drag to zoom: the points re-bucket to the range.")
     return [html.H3(f"{layer} / {role}", id="tensor-title"), html.Div(meta, className="muted"), graph(fig, id="tensor-amax"),
-            html.Div([html.Div(graph(f2, id="tensor-scale")), html.Div(graph(f3, id="tensor-pct"))], className="row2"),
             html.H4("Events on this tensor (also marked on the amax figure)"),
             panel(events_panel, app, e, p, layer=layer, role=role, timeline=False)]
 
@@ -590,8 +598,11 @@ def runs_body(app, p):
     if not names:
         return note(f"No runs under {app.root.root} yet. Point a Monitor at a folder inside it.")
     rows = []
+    recent: list[tuple[float, str]] = []
     for n in names:
         s = run_status(app.root.root / n, app.cache)
+        if s["status"] in ("live", "finished", "crashed") and s["last_write"] is not None:
+            recent.append((s["last_write"], n))
         if s["events"] is None:
             ev = "not analysed yet (opening the run analyses it)"
         else:
@@ -603,6 +614,8 @@ def runs_body(app, p):
             continue
         rows.append([link(n, view="overview", run=n), status, fmt(s["last_step"], "d") if s["last_step"] is not None else "-",
                      ago(s["last_write"]), human(s["size"]), ev, s["created"] or "-"])
+    # the most recently written runs are the ones users open: load them (and warm them up) meanwhile
+    app.cache.preload([app.root.root / n for _, n in sorted(recent, reverse=True)[:PRELOAD_RUNS]])
     return [html.H3(f"Runs under {app.root.root}"),
             html.Div("live: written to in the last 2 minutes and streams still open; finished: every stream "
                      "closed cleanly; crashed: streams not closed and nothing written for 2 minutes; error: the run "

@@ -132,6 +132,22 @@ class RunCache:
                     e.warmed.set()
             return e
 
+    def preload(self, paths: list[Path]) -> None:
+        """Open these runs in a background thread (one after another), so that a click from the Runs list
+        finds them loaded and warming up; runs already open are skipped."""
+        todo = [Path(p) for p in paths if self.peek(p) is None]
+        if not todo:
+            return
+
+        def load():
+            for p in todo:
+                try:
+                    self.get(p)
+                except Exception:  # noqa: BLE001 - the run's own page reports what is wrong with it
+                    continue
+
+        threading.Thread(target=load, daemon=True, name="preload runs").start()
+
     def peek(self, path: Path) -> Entry | None:
         return self._entries.get(Path(path))
 
