@@ -82,3 +82,21 @@ def test_a_cheap_step_costs_at_most_2_ops_per_tensor(fp8):
     extra = counts[True] - counts[False]
     assert n == 11 * 3  # 5 Linear per block x 2 + lm_head, activation / weight / gradient
     assert extra <= 2 * n + 40, (extra, n)
+
+
+def test_current_scaling_backward_measures_the_gradient_once():
+    """Under current scaling the emulated backward scales the gradient by its own amax, then records that
+    amax for the monitor: one measurement (two ``aminmax`` passes eagerly: logged and TE's NaN-free one),
+    not two. Counted on the gradient's shape in a real backward."""
+    from fp8scope.emulate import CurrentScaling, Fp8Linear
+
+    torch.manual_seed(0)
+    lin = Fp8Linear(64, 32, recipe=CurrentScaling())
+    x = torch.randn(16, 64, requires_grad=True)
+    lin(x).sum().backward()  # first pass: scales and constants made
+    x.grad = None
+    out = lin(x)
+    g = torch.randn_like(out)
+    with OpCounter() as c:
+        out.backward(g)
+    assert sum(op.startswith("aminmax") for op in c.ops) == 2, c.ops  # the forward's operands are not in here

@@ -96,11 +96,12 @@ class _Fp8LinearFn(torch.autograd.Function):
         grad_x = grad_w = grad_b = None
         with torch.autocast(grad_out.device.type, enabled=False):
             fmt = layer._formats[1]
+            pair = None
             if layer._current_gradient:  # current scaling: the gradient's own amax, as TE's current quantizer
-                _, recorded = amax_pair(grad_out)
-                g_scale, g_scale_inv, g_expected, _ = current_scales(recorded, layer.gradient_state._scaled_max_t)
+                pair = amax_pair(grad_out)  # measured once: the record below reuses it
+                g_scale, g_scale_inv, g_expected, _ = current_scales(pair[1], layer.gradient_state._scaled_max_t)
             _, g_deq = quantize_dequantize(grad_out, g_scale, g_scale_inv, fmt)
-            layer._gradient_done(grad_out, g_deq, g_scale, g_scale_inv, g_expected)
+            layer._gradient_done(grad_out, g_deq, g_scale, g_scale_inv, g_expected, pair)
             if ctx.needs_input_grad[0]:
                 grad_x = (g_deq @ w_deq).to(x_dtype)
             g2d = g_deq.reshape(-1, g_deq.shape[-1])
@@ -219,19 +220,20 @@ class Fp8Linear(nn.Linear):
                 )
 
     def _gradient_done(self, grad_out: torch.Tensor, g_deq: torch.Tensor, scale: torch.Tensor,
-                       scale_inv: torch.Tensor, expected: torch.Tensor) -> None:
-        """Backward: the gradient was quantized with the scales prepared at forward time; record its
-        amax for the next update and report it. Under torch.compile this runs as one opaque op."""
+                       scale_inv: torch.Tensor, expected: torch.Tensor, pair=None) -> None:
+        """Backward: the gradient was quantized with the scales prepared at forward time (or, under current
+        scaling, from its own amax ``pair``, already measured); record its amax for the next update and
+        report it. Under torch.compile this runs as one opaque op."""
         if torch.compiler.is_compiling():
             from fp8scope.graph_taps import observe
 
             observe(self._gradient_tap(), grad_out, g_deq, scale, scale_inv, expected)
             return
-        self._record_gradient(grad_out, g_deq, scale, scale_inv, expected)
+        self._record_gradient(grad_out, g_deq, scale, scale_inv, expected, pair)
 
-    def _record_gradient(self, grad_out, g_deq, scale, scale_inv, expected) -> None:
+    def _record_gradient(self, grad_out, g_deq, scale, scale_inv, expected, pair=None) -> None:
         state = self.gradient_state
-        logged, recorded = amax_pair(grad_out)
+        logged, recorded = pair if pair is not None else amax_pair(grad_out)
         state.observe(logged, recorded)
         self._emit("gradient", grad_out, g_deq, logged, Scales(scale, scale_inv, expected), self._formats[1], True)
 
