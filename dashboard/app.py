@@ -20,6 +20,7 @@ from dashboard import pages as P
 from dashboard import queries as Q
 from dashboard.paths import PathRejected, RunsRoot
 from dashboard.runcache import RunCache
+from dashboard.verdict import ensure
 from dashboard.ui import error_card, link, note, panel, plot_label
 from fp8scope.errors import Fp8ScopeError
 
@@ -121,8 +122,7 @@ class DashboardApp:
             for i, v in zip(ids, values):
                 p[i["name"]] = None if v in (None, [], "") else str(v)
             p.pop("page", None)  # a new filter starts at the first page of events
-            new = "?" + urlencode({k: v for k, v in p.items() if v})
-            return new if new != (search or "") else no_update
+            return moved_to(p, search)
 
         @app.callback(Output("url", "search", allow_duplicate=True),
                       Input("heatmap-graph", "clickData"), State("url", "search"), prevent_initial_call=True)
@@ -138,8 +138,7 @@ class DashboardApp:
             layer = next((l for l in Q.layer_order(e)["layer"] if plot_label(l) == label), None)
             if layer is None:
                 return no_update
-            return "?" + urlencode({k: v for k, v in {"view": "tensor", "run": p.get("run"), "layer": layer,
-                                                      "role": p.get("role")}.items() if v})
+            return search_of({"view": "tensor", "run": p.get("run"), "layer": layer, "role": p.get("role")})
 
         for tid in ("outliers-table", "events-table"):
             @app.callback(Output("url", "search", allow_duplicate=True), Input(tid, "active_cell"),
@@ -152,9 +151,8 @@ class DashboardApp:
                 layer, role = r.get("layer"), r.get("role", r.get("tensor"))
                 if not layer or layer == "-":
                     return no_update
-                p = parse(search)
-                q = {"view": "tensor", "run": p.get("run"), "layer": layer, "role": role if role not in (None, "-") else None}
-                return "?" + urlencode({k: v for k, v in q.items() if v})
+                return search_of({"view": "tensor", "run": parse(search).get("run"), "layer": layer,
+                                  "role": role if role != "-" else None})
 
         for gid in ZOOMABLE:
             @app.callback(Output("url", "search", allow_duplicate=True), Input(gid, "relayoutData"),
@@ -170,8 +168,7 @@ class DashboardApp:
                     p["s0"], p["s1"] = str(int(float(r[f"{ax}.range[0]"]))), str(int(round(float(r[f"{ax}.range[1]"]))))
                 else:
                     return no_update
-                new = "?" + urlencode({k: v for k, v in p.items() if v})
-                return new if new != (search or "") else no_update
+                return moved_to(p, search)
 
     def signature(self, p: dict, n: int) -> str:
         """What the body shows depends on: the run(s)' versions and their analysis state."""
@@ -186,8 +183,6 @@ class DashboardApp:
                 path = self.root.resolve(name)
                 self.cache.refresh(path)
                 e = self.cache.get(path)
-                from dashboard.verdict import ensure
-
                 st = ensure(e, self.cache)
                 parts.append(f"{e.version}/{st['generation']}")
             except Exception:  # noqa: BLE001 - the page shows the error; the tick stays quiet
@@ -230,6 +225,17 @@ class DashboardApp:
             return note(f"unknown view {view!r}")
         e, problem = self.entry(p)
         return problem if problem is not None else panel(PAGES[view][1], self, e, p)
+
+
+def search_of(p: dict) -> str:
+    """The URL query of ``p``, empty values left out."""
+    return "?" + urlencode({k: v for k, v in p.items() if v})
+
+
+def moved_to(p: dict, search: str | None):
+    """The new URL query for ``p``, or no_update when it is the current one."""
+    new = search_of(p)
+    return new if new != (search or "") else no_update
 
 
 def parse(search: str | None) -> dict:

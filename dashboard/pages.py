@@ -22,7 +22,7 @@ from dashboard.rollup import NoData
 from dashboard.runstatus import _last_step_sql, run_status
 from dashboard.ui import (RUN_COLORS, ago, ctl, data_table, error_card, fmt, graph, human, link, log_axis, note,
                           panel, plot_label, table)
-from fp8scope.detect.report import BLAME_TITLES
+from fp8scope.detect.report import BLAME_TITLES, culprit_text
 from fp8scope.detect.rules import SEVERITY_RANK
 
 EVENTS_PAGE = 25
@@ -88,9 +88,7 @@ def card(app, e, p=None):
                               link(f"{c['layer']} {c['tensor']}", view="tensor", run=run, layer=c["layer"], role=c["tensor"]),
                               html.Span(f" at step {c['step']} ({c['rule']})")], id="card-culprit"))
     else:
-        why = ("none: the optimizer side moved first" if (rep.get("attribution") or {}).get("side") == "optimizer"
-               else "none")
-        rows.append(html.Div([html.Span("Culprit: ", className="k"), html.Span(why)], id="card-culprit"))
+        rows.append(html.Div([html.Span("Culprit: ", className="k"), html.Span(culprit_text(rep))], id="card-culprit"))
     f = rep.get("first_anomaly")
     rows.append(html.Div([html.Span("First anomaly: ", className="k"),
                           html.Span(f"step {f['step']}, {f['rule']} ({f['severity']})"
@@ -123,18 +121,10 @@ def events_panel(app, e, p, layer=None, role=None, timeline=True):
         return note("No events" + (" on this tensor." if layer else " in this run: the detectors flagged nothing."))
     import plotly.graph_objects as go
 
-    F = figures()
     pe = plot_events(ev)
     fig = go.Figure()
-    for sev in ("info", "warning", "critical"):  # critical drawn last: on top
-        g = pe[pe["severity"] == sev]
-        if len(g):
-            fig.add_trace(go.Scatter(x=g["step"], y=g["rule"], mode="markers", name=f"{sev} ({len(g)})",
-                                     visible="legendonly" if sev == "info" else True,
-                                     marker={"color": F.SEVERITY_COLORS.get(sev), "size": 12 if sev == "critical" else 8,
-                                             "symbol": {"critical": "x", "warning": "diamond"}.get(sev, "circle-open")},
-                                     text=g["layer"].fillna("") + " " + g["tensor"].fillna(""),
-                                     hovertemplate="step %{x}<br>%{y}<br>%{text}<extra></extra>"))
+    figures().severity_markers(fig, pe.assign(x=pe["step"], _s=pe["severity"],
+                                              _t=pe["layer"].fillna("") + " " + pe["tensor"].fillna("")), "rule")
     fig.update_layout(title="event timeline (info hidden: click it in the legend)", height=260, xaxis_title="step",
                       yaxis_title="rule", margin={"l": 10, "r": 10, "t": 40, "b": 40})
     show_info = p.get("info") == "1"

@@ -11,15 +11,15 @@ import numpy as np
 import pandas as pd
 import pyarrow as pa
 
-from dashboard.rollup import (MAX_COLS, MAX_POINTS, NoData, _heatmap_rollup, _reduce, _tids_for, bucket_width,
-                              rollup)
+from dashboard.rollup import (MAX_COLS, MAX_POINTS, ROLLED, NoData, _heatmap_rollup, _reduce, _tids_for,
+                              bucket_width, rollup)
 from dashboard.runcache import Entry
 from fp8scope.derived import DERIVED
 
 # key -> (label, SQL expression per row, worst-case aggregate, source table): the tensor statistics are
 # the one table of derived statistics; the shadow ones are per layer
 STATS: dict[str, tuple[str, str, str, str]] = {
-    **{k: (d.label, d.sql, d.worst, "tensors") for k, d in DERIVED.items() if k != "amax_over_range"},
+    **{k: (DERIVED[k].label, DERIVED[k].sql, DERIVED[k].worst, "tensors") for k in ROLLED},
     "shadow_out": ("shadow: FP8 vs BF16 output rel. error", "output_rel_err", "max", "shadow_compare"),
     "shadow_wgrad": ("shadow: FP8 vs BF16 wgrad rel. error", "wgrad_rel_err", "max", "shadow_compare"),
     "shadow_local": ("shadow: layer's own FP8 GEMM rel. error", "local_rel_err", "max", "shadow_compare"),

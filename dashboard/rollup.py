@@ -42,6 +42,9 @@ def bucket_width(span: tuple[int, int] | None, max_cols: int) -> int:
 # this ~1M-row rollup to their own width (a multiple of g), which is exact for min/max/sum/count.
 # A live refresh recomputes only the buckets from the one holding the previous last step on.
 _WORST = {k: d.worst for k, d in DERIVED.items()}
+# the derived statistics the rollup keeps per (tensor, bucket): every one but amax / range, which headroom
+# already carries, in binades
+ROLLED = tuple(k for k in DERIVED if k != "amax_over_range")
 
 
 def _col(t: pa.Table, name: str, dtype=np.float64) -> np.ndarray:
@@ -192,10 +195,8 @@ class Rollup:
 
         with np.errstate(all="ignore"):
             big = np.iinfo(np.int64).max
-            for k, d in DERIVED.items():
-                if k == "amax_over_range":  # headroom carries it, in binades
-                    continue
-                v = d.fn(column)
+            for k in ROLLED:
+                v = DERIVED[k].fn(column)
                 if not v.flags.writeable or any(v is c for c in cache.values()):
                     v = v.copy()  # a column itself (sqnr_db, nonfinite): the cache must stay intact
                 fin = np.isfinite(v)

@@ -85,23 +85,13 @@ def liveness(path: Path, cache: RunCache | None = None, now: float | None = None
 def analysed_counts(path: Path, e: Entry | None) -> tuple[dict | None, str]:
     """Events by severity and where they come from: the run's analysis (the report's counts: cached in
     the run folder, or finished in this dashboard), else the online detector's events table, else None."""
-    from fp8scope.detect.analysis import REPORT_FILE, data_key
+    from fp8scope.detect.analysis import cached_report, data_key
     from fp8scope.detect.config import DetectConfig
-    from fp8scope.store.layout import analysis_dir
 
-    if e is not None and e.analyser is not None:
-        r = e.analyser.state()["result"]
-        if r is not None:
-            return dict(r["report"]["events"]["by_severity"]), "analysis"
-    try:
-        import json
-
-        with open(analysis_dir(path) / REPORT_FILE, encoding="utf-8") as f:
-            doc = json.load(f)
-        if doc.get("key") == data_key(path, DetectConfig()):
-            return dict(doc["report"]["events"]["by_severity"]), "analysis"
-    except (OSError, ValueError, KeyError, TypeError):
-        pass
+    r = e.analyser.state()["result"] if e is not None and e.analyser is not None else None
+    rep = r["report"] if r is not None else cached_report(path, data_key(path, DetectConfig()))
+    if rep is not None:
+        return dict(rep["events"]["by_severity"]), "analysis"
     ev = e.run.table("events") if e is not None and e.has("events") else (_small_table(path, "events") if e is None else None)
     if ev is not None:
         vc = pc.value_counts(ev["severity"]).to_pylist() if ev.num_rows else []

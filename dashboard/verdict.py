@@ -42,15 +42,13 @@ class Analyser:
             self.generation += 1
 
     def _run(self, e: Entry, version: tuple, stored: bool, n_events: int | None = None) -> None:
-        from fp8scope.detect.analysis import analyse, analysis
+        from fp8scope.detect.analysis import analyse, analysis, stored_events
         from fp8scope.detect.engine import open_run
 
         try:
             run = open_run(e.path)  # its own reader: the page's Run keeps refreshing meanwhile
             if stored:
-                ev = run.events()
-                ev = ev[[c for c in ev.columns if c != "segment"]].sort_values(["step", "rank"], kind="stable")
-                ev, rep = analyse(run, events=ev.reset_index(drop=True), progress=self._tick)
+                ev, rep = analyse(run, events=stored_events(run), progress=self._tick)
                 source = "online detector (live run)"
             else:
                 ev, rep = analysis(e.path, progress=self._tick, run=run)

@@ -142,7 +142,7 @@ def heatmap(frame: pd.DataFrame, stat: str = "log2_amax", flagged: pd.DataFrame 
             sev = f["severity"] if "severity" in f else pd.Series("warning", index=f.index)
             text = (f["rule"].astype(str) if "rule" in f else sev.astype(str)) + " @ step " + f["step"].astype(str)
             f = f.assign(_t=text.to_numpy(), _s=sev.to_numpy())
-            _severity_markers(fig, f.drop_duplicates(["x", "layer", "_t"]), "layer", on_cells=True)
+            severity_markers(fig, f.drop_duplicates(["x", "layer", "_t"]), "layer", on_cells=True)
     fig.update_layout(title=title or f"{stat} per layer and step", xaxis_title="step",
                       yaxis={"autorange": "reversed", "type": "category"},
                       height=height or max(300, min(1200, 18 * len(layers) + 120)),
@@ -158,7 +158,9 @@ _MARKERS = {"info": ("circle-open", 7), "warning": ("x", 9), "critical": ("x", 1
 _ON_CELLS = {"info": "#555555", "warning": "#444444", "critical": "#000000"}
 
 
-def _severity_markers(fig, f: pd.DataFrame, ycol: str, y=None, max_points: int = 2000, on_cells: bool = False) -> None:
+def severity_markers(fig, f: pd.DataFrame, ycol: str, y=None, max_points: int = 2000, on_cells: bool = False) -> None:
+    """Event markers, one trace per severity in drawing order; ``f``: columns x, ``ycol`` (or ``y(g)``),
+    ``_s`` (severity) and ``_t`` (hover text)."""
     go = _go()
     for sev in ("info", "warning", "critical"):
         g = f[f["_s"] == sev].head(max_points)
@@ -237,7 +239,7 @@ def scalars_with_events(frame: pd.DataFrame, events: pd.DataFrame | None = None,
                            + " @ step " + ev["step"].astype(str)).drop_duplicates(["step", "_s"])
             ys = d["value"].astype(float).fillna(0)
             n0 = len(fig.data)
-            _severity_markers(fig, ev, "step", y=lambda g: np.interp(g["step"], d["step"], ys))
+            severity_markers(fig, ev, "step", y=lambda g: np.interp(g["step"], d["step"], ys))
             for tr in fig.data[n0:]:
                 tr.update(xaxis=f"x{'' if i == 1 else i}", yaxis=f"y{'' if i == 1 else i}", showlegend=i == 1,
                           legendgroup=tr.name)

@@ -75,6 +75,7 @@ def events_json(ev) -> list[dict]:
 def run(args) -> int:
     from fp8scope.cli.output import print_frame, print_json
     from fp8scope.cli.progress import phases
+    from fp8scope.detect.analysis import analysis, stored_events
     from fp8scope.detect.engine import open_run, small_pages
     from fp8scope.detect.rules import all_rule_names
 
@@ -88,11 +89,8 @@ def run(args) -> int:
     with small_pages():  # big short-lived arrays: see small_pages
         r = open_run(args.run)  # zero-copy one-pass read (detection converts only the columns it needs)
         if args.stored:
-            ev = r.events()
-            ev = ev[[c for c in ev.columns if c != "segment"]]
+            ev = stored_events(r)
         else:
-            from fp8scope.detect.analysis import analysis
-
             with phases("detecting", 8) as tick:
                 ev, _ = analysis(args.run, cfg, progress=tick, run=r)  # the events the report and dashboard count
     ev = filter_events(ev, args.severity, args.rule, args.layer)

@@ -55,6 +55,12 @@ def analyse(run, cfg: DetectConfig | None = None, progress: Callable[[str], None
     return ev, build_report(run, cfg, events=ev, progress=progress)
 
 
+def stored_events(run) -> pd.DataFrame:
+    """The events the online detector wrote during training, in step order and in detect's columns."""
+    ev = run.events()
+    return ev[[c for c in ev.columns if c != "segment"]].reset_index(drop=True)
+
+
 def analysis(path, cfg: DetectConfig | None = None, progress: Callable[[str], None] | None = None,
              run=None) -> tuple[pd.DataFrame, dict]:
     """The cached (events, report) of the run at ``path`` when its key still matches, else a fresh
@@ -74,26 +80,32 @@ def analysis(path, cfg: DetectConfig | None = None, progress: Callable[[str], No
     return ev, rep
 
 
-def load(path, key: dict) -> tuple[pd.DataFrame, dict] | None:
+def cached_report(path, key: dict) -> dict | None:
+    """The cached report of the run at ``path`` when it was made for ``key``, else None (the events
+    stay unread: the Runs list needs only the report's counts)."""
     from fp8scope.store.layout import analysis_dir
 
-    d = analysis_dir(path)
     try:
-        with open(d / REPORT_FILE, encoding="utf-8") as f:
+        with open(analysis_dir(path) / REPORT_FILE, encoding="utf-8") as f:
             doc = json.load(f)
-        if doc.get("key") != key:
-            return None
+        return doc["report"] if doc.get("key") == key else None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None
+
+
+def load(path, key: dict) -> tuple[pd.DataFrame, dict] | None:
+    rep = cached_report(path, key)
+    if rep is None:
+        return None
+    try:
         import pyarrow.parquet as pq
 
         from fp8scope.detect.events import empty_events
+        from fp8scope.store.layout import analysis_dir
 
-        ev = pq.read_table(d / EVENTS_FILE).to_pandas()
-        if ev.empty:
-            ev = empty_events()
-        return ev, doc["report"]
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return None
-    except Exception:  # noqa: BLE001 - a damaged cache (pyarrow errors) only means recomputing
+        ev = pq.read_table(analysis_dir(path) / EVENTS_FILE).to_pandas()
+        return (empty_events() if ev.empty else ev), rep
+    except Exception:  # noqa: BLE001 - a damaged cache (OS or pyarrow errors) only means recomputing
         return None
 
 

@@ -215,10 +215,7 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
         si = get("scale_inv")
         c["scale_inv_f"] = np.where(np.isfinite(si) & (si > 0), si, np.nan)
         c["amax_f"] = np.where(fin, amax, np.nan)
-        raw_rng = get("fp8_max") * si
-        rng_ok = np.isfinite(raw_rng) & (raw_rng > 0)
-        c["rng"] = np.where(rng_ok, raw_rng, np.nan)
-        ratio = amax / raw_rng
+        c["rng"] = derived.representable(get)
         c["sat_ratio"] = derived.amax_over_range(get)
         c["ovf_frac"] = derived.overflow_fraction(get)
         c["uf_frac"] = derived.underflow_fraction(get)
@@ -229,7 +226,7 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
         c["bad"] = c["bad_amax"] | (_z(c["nonfinite"]) > 0)
         ea = c["expected_amax"]
         c["stale_r"] = np.where(pos & np.isfinite(ea), ea / amax, np.nan)
-        c["sat_hit"] = (fin & (raw_rng != 0) & (ratio >= float(cfg.sat_rate_min_ratio))).astype(np.int64)
+        c["sat_hit"] = (c["sat_ratio"] >= float(cfg.sat_rate_min_ratio)).astype(np.int64)  # NaN: no hit
         c["l2"] = np.where(pos, np.log2(amax), np.nan)
     return c
 

@@ -23,10 +23,12 @@ def as_scalar(value: Any) -> Any:
 
 
 def device_grad_norm(params) -> Any:
-    """The global L2 norm of the gradients of ``params``, on their device (no sync), or None."""
+    """The global L2 norm of the gradients of ``params``, on their device (no sync), or None. Each
+    gradient's norm is computed in float32 by the norm kernel itself (``dtype=``): no float copy of a
+    BF16 gradient per step."""
     import torch
 
     grads = [p.grad.detach() for p in params if p.grad is not None]
     if not grads:
         return None
-    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g.float()) for g in grads]))
+    return torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float32) for g in grads]))
