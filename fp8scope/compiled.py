@@ -14,10 +14,17 @@ Compiling takes seconds, so it must never happen on the training thread:
 - once compiled, calls go through ``torch._dynamo.run``, which runs the compiled code and never
   compiles: an input the compiled guards do not cover runs eagerly instead of stalling the step.
 
-``FP8SCOPE_COMPILE=0`` (or a torch without a working inductor) keeps everything eager;
-``FP8SCOPE_COMPILE=sync`` compiles each variant on the calling thread at its first call (tests and
-benchmarks that must measure the compiled code from the first step). A compile that fails leaves
-that variant eager for the rest of the process.
+Where it compiles: by default (``FP8SCOPE_COMPILE`` unset, or ``auto``) on accelerators (CUDA and
+any device type but the CPU), where each eager op is a kernel launch and one fused kernel replaces
+tens of them. On the CPU the default is eager: there an eager op is a loop over memory, not a
+launch, inductor's C++ reductions at dynamic sizes are no faster than torch's own
+(``benchmarks/capture_cost.py``, per-tensor timings), and each compile takes seconds to tens of
+seconds of the very cores that train, which a short CPU run (a test, the demo) never earns back.
+``FP8SCOPE_COMPILE=1`` compiles on the CPU too; ``FP8SCOPE_COMPILE=0`` (or a torch without a
+working inductor) keeps everything eager; ``FP8SCOPE_COMPILE=sync`` compiles each variant, on any
+device, on the calling thread at its first call (tests and benchmarks that must measure the
+compiled code from the first step). A compile that fails leaves that variant eager for the rest of
+the process.
 """
 
 from __future__ import annotations
@@ -28,6 +35,8 @@ import threading
 import types
 from typing import Callable, Hashable
 
+_ENV = "FP8SCOPE_COMPILE"
+_NO_SETTING = object()  # never equal to an environment value
 _lock = threading.RLock()
 _ALL: list["CompiledFn"] = []  # every family, so that a dynamo reset can make them compile again
 _own_frames = 0  # frames dynamo compiled for these families (others are the user's)
@@ -36,12 +45,20 @@ _thread: threading.Thread | None = None
 
 
 def compile_mode() -> str:
-    """``"off"``, ``"sync"`` or ``"async"`` (the default), from ``FP8SCOPE_COMPILE``; read at each new
-    variant, so a test may switch it."""
-    value = os.environ.get("FP8SCOPE_COMPILE", "1").strip().lower()
+    """``"off"``, ``"sync"``, ``"async"`` or ``"auto"`` (the default: async, accelerators only), from
+    ``FP8SCOPE_COMPILE``; read at each new variant, so a test may switch it."""
+    value = (os.environ.get(_ENV) or "auto").strip().lower()
     if value in ("0", "false", "no", "off"):
         return "off"
+    if value in ("", "auto"):
+        return "auto"
     return "sync" if value == "sync" else "async"
+
+
+def compiles_on(device_type: str) -> bool:
+    """Whether the current mode compiles for ``device_type`` ("cuda", "cpu", ...)."""
+    mode = compile_mode()
+    return mode != "off" and (mode != "auto" or device_type != "cpu")
 
 
 def compile_enabled() -> bool:
@@ -103,6 +120,7 @@ class CompiledFn:
         self._fallback = fallback  # a cheaper eager stand-in while the compile is pending (same outputs)
         self._eager: dict[Hashable, Callable] = {}
         self._queued: set[Hashable] = set()
+        self._not_compiled: dict[Hashable, str | None] = {}  # key -> the FP8SCOPE_COMPILE it stays eager under
         self._fallbacks: dict[Hashable, Callable] = {}
         _ALL.append(self)
         self._ready: dict[Hashable, Callable] = {}
@@ -118,12 +136,15 @@ class CompiledFn:
         fn = self._ready.get(key)
         if fn is not None:
             return fn
-        if key not in self._queued and self._compiles(key):
+        if key not in self._queued and self._not_compiled.get(key, _NO_SETTING) != os.environ.get(_ENV):
+            if not self._compiles(key):  # remembered under this setting: a test may switch it
+                self._not_compiled[key] = os.environ.get(_ENV)
+                return self.fallback(key)
             with _lock:
                 if key not in self._queued:
                     self._queued.add(key)  # only when compiling: a key met while off compiles once switched on
                     mode = compile_mode()
-                    if mode != "off":
+                    if mode != "off":  # _compiles checked the device against "auto"
                         fn = _renamed(self.eager(key), f"fp8scope_{self.name}_{len(self._queued)}")
                         if mode == "sync":
                             _compile(self, key, fn, lambda: self._examples(key))
@@ -142,7 +163,7 @@ class CompiledFn:
 
     def _compiles(self, key: Hashable) -> bool:
         """Whether ``key`` is compiled at all: compilation on, and a device type worth it."""
-        return compile_enabled() and (self._devices is None or key[0] in self._devices)
+        return compiles_on(key[0]) and (self._devices is None or key[0] in self._devices)
 
     def fallback(self, key: Hashable) -> Callable:
         """The eager function that stands in while ``key`` compiles (never compiled itself)."""
@@ -206,4 +227,5 @@ def reset_dynamo() -> None:
         for family in _ALL:
             family._ready.clear()
             family._queued.clear()
+            family._not_compiled.clear()
             family.failures.clear()

@@ -6,6 +6,7 @@ change in semantics shows up as a failing number, not as a changed formula.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 import warnings
@@ -26,6 +27,7 @@ from fp8scope.emulate import (
     quantize,
     recipe_from_dict,
 )
+from fp8scope.emulate.scaling import UpdateGroup
 from fp8scope.formats import get_format
 
 E4M3 = get_format("e4m3")
@@ -448,8 +450,9 @@ def test_inference_mode_and_autocast():
     model(x).sum().backward()
     with torch.inference_mode():
         model(x)  # applies the pending update, records nothing
+    assert model[0].activation_state.updates == 1 and not model[0].activation_state.pending
     model(x).sum().backward()  # state created/updated in inference mode stays usable
-    assert model[0].activation_state.updates == 1
+    assert model[0].gradient_state.updates == 1
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = model(x)
     assert y.dtype == torch.bfloat16  # as nn.Linear under autocast
@@ -495,3 +498,74 @@ def test_current_scaling_scales_the_gradient_by_its_own_amax(tmp_path):
     for (_, row), grad in zip(g.iterrows(), seen):
         assert row.scale == pytest.approx(fmax / float(grad.abs().max()), rel=1e-6)
         assert row.overflow == 0 and row.underflow / row.numel < 0.01
+
+
+def test_batched_updates_give_each_state_its_own_sequence_of_scales():
+    """Eagerly, the first state that needs its update applies those of every pending state of its
+    kind in one batch. Each state must still see exactly the scales it would see alone: run five
+    states interleaved (in a shuffled order each step, so different states trigger the batch) and
+    each alone, on adversarial amaxes, and compare bit for bit."""
+    import random
+
+    rng = random.Random(0)
+    pool = [0.0, NAN, INF, 1e-45, 1e-40, 3.0e38, FP32_MAX, 448.0, 1.0, 2.5e-3]
+    seqs = [[rng.choice(pool) if rng.random() < 0.4 else rng.uniform(1e-3, 1e3) for _ in range(40)] for _ in range(5)]
+    recipes = [DelayedScaling(amax_history_len=8, margin=m) for m in (0, 1, 0, 2, 0)]
+    fmts = [E4M3, E4M3, E5M2, E5M2, E4M3]
+
+    def make():
+        return [ScalingState(r, f) for r, f in zip(recipes, fmts)]
+
+    together, seen = make(), [[] for _ in seqs]
+    group = UpdateGroup()
+    for state in together:  # one model's states (alone is the default: the reference below)
+        state.update_group = group
+    for t in range(40):
+        order = list(range(5))
+        rng.shuffle(order)
+        for i in order:
+            seen[i].append(together[i].begin(torch.tensor([seqs[i][t]], dtype=torch.float32)).scale.item())
+    for i, (state, seq) in enumerate(zip(make(), seqs)):
+        assert same(run_sequence(state, seq)[0], seen[i]), i
+        together[i].update()
+        state.update()
+        assert same(together[i].amax_history.tolist(), state.amax_history.tolist())
+
+
+def test_a_training_step_updates_every_emulated_state_in_one_batch():
+    """Four Fp8Linear layers hold twelve delayed-scaling states; an eager training step applies all
+    their updates as one batch (one ``constant_pad_nd``: the history roll of ``delayed_update``),
+    not twelve."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: list[str] = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(func.__name__)
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = convert_to_fp8(nn.Sequential(*[nn.Linear(16, 16) for _ in range(4)]), DelayedScaling())
+    x = torch.randn(8, 16)
+    model(x).sum().backward()  # every state now has an update pending
+    with Count() as c:
+        model(x).sum().backward()
+    assert c.ops.count("constant_pad_nd.default") == 1
+    assert all(m.activation_state.updates == m.gradient_state.updates == 1 for m in model)
+
+
+def test_a_models_batched_update_leaves_other_models_alone():
+    """Two models: training one must not apply the other's pending updates (its ``scale`` still
+    says what its last step used, which the shadow's compare reads)."""
+    torch.manual_seed(0)
+    a = convert_to_fp8(nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8)), DelayedScaling())
+    b = copy.deepcopy(a)  # a copy gets a group of its own
+    x = torch.randn(4, 8)
+    a(x).sum().backward()
+    b(x).sum().backward()
+    b(x).sum().backward()
+    assert all(m.activation_state.pending and m.activation_state.updates == 0 for m in a)
+    assert all(m.activation_state.updates == 1 for m in b)

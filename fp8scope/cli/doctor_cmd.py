@@ -57,15 +57,19 @@ def checks() -> list[tuple[str, str, bool | None]]:
 
 def _compile_row() -> tuple[str, str, bool | None]:
     """Whether the stats pass can be compiled here (inductor: Triton on CUDA, a C++ compiler on the CPU)."""
-    from fp8scope.compiled import compile_enabled
+    from fp8scope.compiled import compile_mode
 
-    if not compile_enabled():
+    mode = compile_mode()
+    if mode == "off":
         return ("compiled stats pass", "off (FP8SCOPE_COMPILE=0): stats run as eager torch ops", None)
     try:
         import torch._inductor  # noqa: F401
     except Exception as exc:
         return ("compiled stats pass", f"inductor unavailable ({type(exc).__name__}); stats run eagerly", None)
-    return ("compiled stats pass", "on: compiled on a helper thread at first use, eager until ready", True)
+    if mode == "auto":
+        return ("compiled stats pass", "on GPUs (compiled on a helper thread at first use, eager until ready); "
+                "eager on the CPU (FP8SCOPE_COMPILE=1 compiles there too)", True)
+    return ("compiled stats pass", f"on ({'at first use' if mode == 'sync' else 'on a helper thread at first use, eager until ready'}), every device", True)
 
 
 def register(sub) -> None:

@@ -11,8 +11,7 @@ Two numbers come out of the same pass over ``x``:
   delayed scale 448 / 3.
 
 Both come from :data:`AMAX`: on CUDA compiled ahead into one fused reduction (see
-``fp8scope.compiled``); elsewhere two ``aminmax`` passes, faster there than inductor's C++
-reduction.
+``fp8scope.compiled``); elsewhere, and until the compile is ready, four eager ops.
 
 :func:`amax_parts` is the what-if monitor's per-capture pass, and it returns two 0-d tensors
 ``(a, c)`` from which the bank gets both numbers for a whole step at once, with ``b = -c``: the
@@ -52,12 +51,13 @@ def _make_pair(key):
 
 
 def _make_pair_eager(key):
-    """The exact pair eagerly, in fewer passes than the fused formulation takes eagerly: one
-    ``aminmax`` gives the logged amax, a second over the NaN-free copy gives TE's."""
+    """The exact pair eagerly in four ops (each one a launch on a GPU, a dispatch on the CPU): the
+    magnitudes, their NaN-propagating max, the same magnitudes made NaN-free in place, TE's max."""
     def amax_pair_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lo, hi = torch.aminmax(x)
-        nlo, nhi = torch.aminmax(torch.nan_to_num(x, nan=0.0, posinf=_INF, neginf=-_INF))
-        return torch.maximum(hi, lo.neg()).to(torch.float32), torch.maximum(nhi, nlo.neg()).to(torch.float32)
+        m = x.abs()
+        logged = m.amax()
+        recorded = m.nan_to_num_(nan=0.0, posinf=_INF).amax()  # = recorded_amax(m), the magnitudes reused
+        return logged.to(torch.float32), recorded.to(torch.float32)
 
     return amax_pair_eager
 

@@ -17,6 +17,7 @@ from torch import nn
 
 from ..linear_like import describe_skipped, linear_kind
 from .linear import Fp8Linear, _set_globally_disabled, fp8_globally_disabled
+from .scaling import UpdateGroup
 from .recipes import CurrentScaling, DelayedScaling
 
 Selection = str | Iterable[str] | None
@@ -83,9 +84,14 @@ def convert_to_fp8(
     if left:
         warnings.warn(f"fp8scope: convert_to_fp8 left {len(left)} linear-like layer(s) in high precision, whose "
                       f"forward is more than a GEMM: {describe_skipped(left)}", RuntimeWarning, stacklevel=2)
+    group = UpdateGroup()  # the model's states update together (one batch a step)
+    for m in model.modules():  # layers converted by an earlier call join too
+        if isinstance(m, Fp8Linear):
+            m.join_update_group(group)
     for name in chosen:
         old = model.get_submodule(name)
         new = Fp8Linear.from_linear(old, recipe)
+        new.join_update_group(group)
         if name == "":
             return new
         parent_name, _, child = name.rpartition(".")

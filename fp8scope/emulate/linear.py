@@ -42,7 +42,7 @@ from ..formats import Fp8Format
 from .quantize import quantize_dequantize
 from .recipes import CurrentScaling, DelayedScaling
 from .amax import amax_pair
-from .scaling import Scales, ScalingState, current_scales
+from .scaling import Scales, ScalingState, UpdateGroup, current_scales
 
 ROLES = ("activation", "weight", "gradient")
 
@@ -147,6 +147,7 @@ class Fp8Linear(nn.Linear):
         self.activation_state = ScalingState(self.recipe, self.recipe.forward_format, dev)
         self.weight_state = ScalingState(self.recipe, self.recipe.forward_format, dev)
         self.gradient_state = ScalingState(self.recipe, self.recipe.backward_format, dev)
+        self.join_update_group(UpdateGroup())
         self.fp8_enabled = True
         self.fp8scope_tap: Tap | None = None
         # the monitor's hook: monitor(role, x, deq, amax, scale, scale_inv, expected_amax, fmt, grad_enabled)
@@ -186,6 +187,12 @@ class Fp8Linear(nn.Linear):
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         return getattr(self, f"{role}_state")
+
+    def join_update_group(self, group: UpdateGroup) -> None:
+        """Have this layer's states updated together with the other states of ``group`` (a model's
+        layers: ``convert_to_fp8`` does it; see :class:`~fp8scope.emulate.scaling.UpdateGroup`)."""
+        for role in ROLES:
+            self.scaling_state(role).update_group = group
 
     def reset_scaling(self) -> None:
         """Forget all amax history and scales (e.g. after loading new weights)."""
