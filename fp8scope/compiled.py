@@ -61,10 +61,6 @@ def compiles_on(device_type: str) -> bool:
     return mode != "off" and (mode != "auto" or device_type != "cpu")
 
 
-def compile_enabled() -> bool:
-    return compile_mode() != "off"
-
-
 def _renamed(fn: Callable, name: str) -> Callable:
     """``fn`` with a code object of its own (dynamo keys its cache on the code object)."""
     code = fn.__code__.replace(co_name=name)
@@ -136,9 +132,10 @@ class CompiledFn:
         fn = self._ready.get(key)
         if fn is not None:
             return fn
-        if key not in self._queued and self._not_compiled.get(key, _NO_SETTING) != os.environ.get(_ENV):
+        setting = os.environ.get(_ENV)
+        if key not in self._queued and self._not_compiled.get(key, _NO_SETTING) != setting:
             if not self._compiles(key):  # remembered under this setting: a test may switch it
-                self._not_compiled[key] = os.environ.get(_ENV)
+                self._not_compiled[key] = setting
                 return self.fallback(key)
             with _lock:
                 if key not in self._queued:

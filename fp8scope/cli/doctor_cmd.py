@@ -66,10 +66,9 @@ def _compile_row() -> tuple[str, str, bool | None]:
         import torch._inductor  # noqa: F401
     except Exception as exc:
         return ("compiled stats pass", f"inductor unavailable ({type(exc).__name__}); stats run eagerly", None)
-    if mode == "auto":
-        return ("compiled stats pass", "on GPUs (compiled on a helper thread at first use, eager until ready); "
-                "eager on the CPU (FP8SCOPE_COMPILE=1 compiles there too)", True)
-    return ("compiled stats pass", f"on ({'at first use' if mode == 'sync' else 'on a helper thread at first use, eager until ready'}), every device", True)
+    when = "at first use" if mode == "sync" else "on a helper thread at first use, eager until ready"
+    where = "on GPUs, eager on the CPU (FP8SCOPE_COMPILE=1 compiles there too)" if mode == "auto" else "on every device"
+    return ("compiled stats pass", f"on ({when}), {where}", True)
 
 
 def register(sub) -> None:

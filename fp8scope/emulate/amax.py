@@ -50,18 +50,6 @@ def _make_pair(key):
     return amax_pair
 
 
-def _make_pair_eager(key):
-    """The exact pair eagerly in four ops (each one a launch on a GPU, a dispatch on the CPU): the
-    magnitudes, their NaN-propagating max, the same magnitudes made NaN-free in place, TE's max."""
-    def amax_pair_eager(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        m = x.abs()
-        logged = m.amax()
-        recorded = m.nan_to_num_(nan=0.0, posinf=_INF).amax()  # = recorded_amax(m), the magnitudes reused
-        return logged.to(torch.float32), recorded.to(torch.float32)
-
-    return amax_pair_eager
-
-
 def _make_parts(key):
     def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logged, recorded = amaxes_of_magnitudes(x.abs())
@@ -84,7 +72,7 @@ def _examples(key):
     return (torch.randn(1 << 20, device=device).to(dtype),)
 
 
-AMAX = CompiledFn("amax", _make_pair, _examples, fallback=_make_pair_eager, devices=("cuda",))
+AMAX = CompiledFn("amax", _make_pair, _examples, devices=("cuda",))  # eagerly: its 4 ops (abs, amax, nan_to_num, amax)
 # Compiled on CUDA only: there the fused kernel is one pass like aminmax and gives TE's exact amax.
 # Inductor's C++ reductions (single-threaded at dynamic sizes) are several times slower than
 # torch's own aminmax, and the what-if amax is the per-tensor cost of every cheap step.

@@ -77,11 +77,14 @@ class Scales(NamedTuple):
     expected_amax: torch.Tensor  # 0-d float32: the amax the scale was derived from
 
 
-def scale_from_amax(amax: torch.Tensor, scaled_max: torch.Tensor,
-                    fallback: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def scale_from_amax(amax: torch.Tensor, scaled_max: torch.Tensor, fallback: torch.Tensor,
+                    usable: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """TE's ``compute_scale_from_amax`` on tensors: ``scaled_max / amax`` where the amax is finite
-    and > 0, else ``fallback``; +inf becomes FLT_MAX. Returns the scales and where they are new."""
+    and > 0 (and ``usable``, where given), else ``fallback``; +inf becomes FLT_MAX. Returns the
+    scales and where they are new."""
     valid = (amax > 0) & (amax < _INF_POS)  # finite and > 0 (NaN fails both)
+    if usable is not None:
+        valid = usable & valid
     # A true division (TE's `max_fp8 / amax`), not `float / tensor` (= reciprocal * float). Where
     # the amax is not valid the quotient (inf, 0 or NaN) is discarded by the where below; where it
     # is valid and tiny the quotient is +inf, which TE turns into FLT_MAX (the clamp).
@@ -125,8 +128,7 @@ def delayed_update_eager(history: torch.Tensor, last: torch.Tensor, scaled_max: 
     clean = torch.cat([recorded.unsqueeze(-1), history[..., 1:]], -1)  # the window TE reduces
     # fmaxf semantics: the reduction starts from 0, and a step that rolls nothing in keeps the scale
     amax = last if most_recent else clean.amax(-1)
-    valid = roll & (amax > 0) & (amax < _INF_POS)
-    new_scale = torch.where(valid, torch.div(scaled_max, amax).clamp_(max=_FP32_MAX), scale)
+    new_scale, valid = scale_from_amax(amax, scaled_max, scale, usable=roll)
     # TE's roll(h, -1) with the new row 0 cleared: [0, h2, ..., h_{n-1}, recorded] (h1 leaves)
     if history.shape[-1] > 1:
         rolled = F.pad(torch.cat([history[..., 2:], recorded.unsqueeze(-1)], -1), (1, 0))
@@ -244,10 +246,10 @@ class ScalingState:
         """
         if not (self.delayed and self._pending):
             return
-        # inference mode: alone, since tensors made there can never be saved for a backward, and a
-        # gradient state of the batch would be
-        if self.update_group is not None and not (torch.compiler.is_compiling() or torch.is_inference_mode_enabled()) \
-                and _update_pending(self):
+        # traced: alone, inside the graph; inference mode: alone, since tensors made there can never
+        # be saved for a backward, and a gradient state of the batch would be
+        batched = not (self.update_group is None or torch.compiler.is_compiling() or torch.is_inference_mode_enabled())
+        if batched and _update_pending(self):
             return
         self._history, self._scale, self._scale_inv, self._expected, self._kept = delayed_update(
             self._history, self._last, self._scaled_max_t, self._scale, self._expected, self._most_recent)
