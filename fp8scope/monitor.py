@@ -1,7 +1,7 @@
 """``fp8scope.Monitor``: attach to a model, capture FP8 stats every step, log them to a run folder.
 
 The monitor owns the pieces of the data path and wires them in one direction:
-adapters' hooks (``capture.sources``) -> on-device stats (``capture.stats``) ->
+adapters. hooks (``capture.adapters``) -> on-device stats (``capture.stats``) ->
 one batch per step (``capture.collector``) -> writer thread (``writer_thread``) ->
 store (``store.writer``). It never reads anything back.
 
@@ -28,7 +28,7 @@ from typing import Any, Iterable
 from torch import nn
 
 from fp8scope.capture.collector import StepCollector, TensorKey
-from fp8scope.capture.sources import adapter_for
+from fp8scope.capture.adapters import adapter_for
 from fp8scope.errors import UsageError
 from fp8scope.schema import DEFAULT_ROLES, ROLES
 from fp8scope.writer_thread import BackgroundWriter

@@ -191,7 +191,7 @@ def test_te_adapter_reads_te_state(tmp_path, monkeypatch, kind):
 
 
 def test_block_scales_never_saturate_and_are_powers_of_two():
-    from fp8scope.capture.sources import block_scales
+    from fp8scope.capture.adapters.te import block_scales
     from fp8scope.formats import get_format
 
     fmt = get_format("e4m3")

@@ -25,13 +25,12 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-import sys
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from .precision import _te_module_classes, _torchao_float8_linear_cls, set_torchao_high_precision
+from fp8scope.capture.adapters import make_plain
 
 PENDING = "pending"
 FP8_INDUCED = "fp8-induced"
@@ -106,7 +105,6 @@ def make_replica(model: nn.Module, optimizer: torch.optim.Optimizer | None):
     finally:
         for p, g in saved:
             p.grad = g
-    ao = _torchao_float8_linear_cls()
     for m in replica.modules():
         for hooks in (m._forward_hooks, m._forward_pre_hooks, m._backward_hooks,
                       getattr(m, "_backward_pre_hooks", {})):
@@ -116,13 +114,8 @@ def make_replica(model: nn.Module, optimizer: torch.optim.Optimizer | None):
             m.fp8scope_tap = None
             m.fp8scope_monitor = None
             m.fp8scope_monitor_taps = None
-        if hasattr(m, "fp8_enabled"):
-            m.fp8_enabled = False
-        if ao is not None and isinstance(m, ao):
-            set_torchao_high_precision(m)
-    te_classes = _te_module_classes()
-    uses_te = bool(te_classes) and any(isinstance(m, te_classes) for m in replica.modules())
-    return replica, opt, uses_te
+    make_plain(replica)  # each adapter switches its layers off for good
+    return replica, opt
 
 
 def replica_bytes(replica: nn.Module, opt: torch.optim.Optimizer | None) -> int:
@@ -145,12 +138,6 @@ def replica_bytes(replica: nn.Module, opt: torch.optim.Optimizer | None) -> int:
     return n
 
 
-def te_off_context():
-    te = sys.modules.get("transformer_engine.pytorch")
-    autocast = getattr(te, "fp8_autocast", None) or getattr(te, "autocast")
-    return autocast(enabled=False)
-
-
 @dataclass
 class Fork:
     fork_id: int
@@ -160,7 +147,6 @@ class Fork:
     baseline_history: list[float]
     replica: nn.Module | None = None
     optimizer: torch.optim.Optimizer | None = None
-    uses_te: bool = False
     bytes: int = 0
     step_ids: list[int] = field(default_factory=list)
     loss_fp8: list[float] = field(default_factory=list)

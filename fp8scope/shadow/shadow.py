@@ -23,8 +23,10 @@ import pyarrow as pa
 import torch
 from torch import nn
 
+from fp8scope.capture.adapters import plain_context
+
 from .compare import CompareResult, FP8Capture, bf16_pass
-from .fork import Fork, baseline_of, make_replica, replica_bytes, te_off_context, verdict
+from .fork import Fork, baseline_of, make_replica, replica_bytes, verdict
 from .precision import compared_layers
 from .tables import COMPARE_TABLE, FORK_TABLE, SHADOW_COMPARE_SCHEMA, SHADOW_FORK_SCHEMA
 
@@ -354,8 +356,8 @@ class Shadow:
         cut = self._anomaly_step if self._anomaly_step is not None else step
         before = [t for s, t in self._history if s < cut][-self.baseline_steps:]
         history = torch.stack(before).tolist() if before else []
-        replica, opt, uses_te = make_replica(self.model, self.optimizer)
-        f = Fork(len(self.forks), step, self.fork_steps, trigger, history, replica, opt, uses_te)
+        replica, opt = make_replica(self.model, self.optimizer)
+        f = Fork(len(self.forks), step, self.fork_steps, trigger, history, replica, opt)
         self.forks.append(f)
         self._fork = f
 
@@ -366,8 +368,7 @@ class Shadow:
                 for k, v in g_real.items():
                     if k != "params":
                         g_rep[k] = v
-        ctx = te_off_context() if f.uses_te else _null()
-        with ctx:
+        with plain_context(f.replica):
             if self.replica_step is not None:
                 loss = self.replica_step(f.replica, f.optimizer, batch)
             else:
@@ -432,11 +433,3 @@ class Shadow:
         if key not in self._warned:
             self._warned.add(key)
             warnings.warn(f"fp8scope: {message}", RuntimeWarning, stacklevel=3)
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False

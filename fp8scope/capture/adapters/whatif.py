@@ -1,0 +1,185 @@
+"""Any other linear-like layer in BF16/FP32 (``fp8scope.linear_like``: ``nn.Linear``,
+``transformers``' ``Conv1D``, tensor-parallel wrappers): the chosen recipe is simulated on the real
+tensors, so the stats say what FP8 *would* do, and nothing changes. Delayed scaling lives in the
+collector's shared :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` per device; other
+recipes keep a :class:`~fp8scope.emulate.ScalingState` per tensor."""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from functools import partial
+from typing import Any
+
+import torch
+from torch import nn
+
+from fp8scope.capture.adapters.base import GradHook, Handle, Sink, first_tensor, guarded, matrix_weights
+from fp8scope.formats import recipe_format
+from fp8scope.linear_like import LinearKind, linear_kind, output_tensor, replace_output
+
+
+class WhatIfSource:
+    """Any other linear-like layer (``fp8scope.linear_like``: ``nn.Linear``, ``transformers``'
+    ``Conv1D``, tensor-parallel wrappers, registered classes): simulate the recipe on the real
+    tensors, change nothing. Weights are read as ``[out, in]`` whatever the layer stores."""
+
+    name = "whatif"
+
+    @staticmethod
+    def claims(module: nn.Module) -> bool:
+        return linear_kind(module) is not None
+
+    @staticmethod
+    def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
+        tap = _WhatIfTap(layer, sink, recipe, linear_kind(module))
+        handle = module.register_forward_hook(tap.forward_hook)
+        return lambda: (handle.remove(), tap.unregister()) and None
+
+    @staticmethod
+    def weights(module: nn.Module) -> list[nn.Parameter]:
+        return matrix_weights(module)
+
+    @staticmethod
+    def high_precision(model: nn.Module) -> AbstractContextManager | None:
+        return None  # already high precision
+
+    @staticmethod
+    def make_plain(module: nn.Module) -> None:
+        return None
+
+    @staticmethod
+    def plain_context(model: nn.Module) -> AbstractContextManager | None:
+        return None
+
+
+class _WhatIfTap:
+    """One plain Linear's what-if capture, from a single forward hook: the activation, weight
+    (and output) when the layer has run, then a pre-hook on the output's autograd node for the
+    gradient.
+
+    Delayed scaling lives in the collector's shared
+    :class:`~fp8scope.emulate.device_bank.DeviceDelayedBank` of the tensor's device: a cheap
+    step's capture is one fused amax pass, and the step's rows and updates are resolved together
+    when it ends. Current scaling keeps a :class:`~fp8scope.emulate.ScalingState` per tensor (its
+    scale comes from the tensor itself)."""
+
+    def __init__(self, layer: str, sink: Sink, recipe: Any, kind: LinearKind):
+        from fp8scope.emulate import DelayedScaling
+
+        self.layer, self.sink, self.recipe, self.kind = layer, sink, recipe, kind
+        fwd, bwd = recipe_format(recipe.fp8_format, "forward"), recipe_format(recipe.fp8_format, "backward")
+        self.fmts = {"activation": fwd, "weight": fwd, "output": fwd, "gradient": bwd}
+        self.delayed = isinstance(recipe, DelayedScaling)
+        self.slots: dict[str, tuple[Any, int, int]] = {}  # role -> (DeviceDelayedBank, slot, key id)
+        self.states: dict[str, Any] = {}  # role -> ScalingState (current scaling)
+        self._grad_hook = GradHook(self._on_grad)
+        from fp8scope import graph_taps
+
+        # under torch.compile the hook hands its tensors to these taps (see graph_taps): one per
+        # role, and one taking the forward's tensors in one call of the op (each call is a dispatch)
+        self._forward_roles = tuple(r for r in ("activation", "weight", "output") if r in sink.roles)
+        self._graph_taps = {role: graph_taps.register(guarded(sink, partial(self._graph_capture, role)))
+                            for role in self.fmts}
+        self._graph_taps["forward"] = graph_taps.register(
+            guarded(sink, lambda *xs: self._graph_capture(self._forward_roles, *xs)))
+
+    def __deepcopy__(self, memo: dict) -> "_WhatIfTap":
+        # A copy of the model (a shadow fork's replica, the user's deepcopy) keeps the hook as it
+        # would keep a function: the same tap, not a copy of the monitor behind it.
+        return self
+
+    def unregister(self) -> None:
+        from fp8scope import graph_taps
+
+        for tap in self._graph_taps.values():
+            graph_taps.unregister(tap)
+
+    def _graph_capture(self, roles: str | tuple[str, ...], *tensors: torch.Tensor) -> None:
+        """Run by the compiled graph's op: one role's tensor, or the forward's tensors in
+        ``_forward_roles`` order."""
+        if self.sink.active:
+            for role, x in zip((roles,) if isinstance(roles, str) else roles, tensors):
+                self.capture(role, x)
+
+    def traced_hook(self, mod, args, output):
+        """The forward hook as dynamo traces it: the tensors go to the graph taps, whose Python runs
+        when the graph runs (nothing here depends on the step). Grad mode is read now: dynamo guards
+        on it, and a compiled forward runs its graph with grad off."""
+        from fp8scope.graph_taps import GradObserver, observe
+
+        taps = self._graph_taps
+        if self._forward_roles and (self.sink.capture_no_grad or torch.is_grad_enabled()):
+            x = args[0] if args and isinstance(args[0], torch.Tensor) else first_tensor(args)
+            by_role = {"activation": x, "weight": self.kind.weight(mod, x), "output": output_tensor(output)}
+            tensors = [by_role[role] for role in self._forward_roles]
+            if all(isinstance(t, torch.Tensor) for t in tensors):
+                observe(taps["forward"], *tensors)
+            else:  # an input, weight or output that is not one tensor: role by role
+                for role, t in zip(self._forward_roles, tensors):
+                    if isinstance(t, torch.Tensor):
+                        observe(taps[role], t)
+        out = output_tensor(output)
+        if "gradient" in self.sink.roles and out is not None and out.requires_grad:
+            return replace_output(output, GradObserver.apply(out, taps["gradient"]))
+        return None
+
+    def forward_hook(self, mod, args, output):
+        if torch.compiler.is_compiling():
+            return self.traced_hook(mod, args, output)
+        sink = self.sink
+        if not sink.active:
+            return
+        try:
+            roles = sink.roles
+            if sink.capture_no_grad or torch.is_grad_enabled():
+                x = args[0] if args and isinstance(args[0], torch.Tensor) else first_tensor(args)
+                if x is not None and "activation" in roles:
+                    self.capture("activation", x)
+                if "weight" in roles:
+                    w = self.kind.weight(mod, x)
+                    if w is not None:
+                        self.capture("weight", w)
+                out = output_tensor(output) if "output" in roles else None
+                if out is not None:
+                    self.capture("output", out)
+            if "gradient" in roles:
+                self._grad_hook.attach(output)
+        except Exception as exc:  # a monitor problem must not reach training
+            sink.fail(exc)
+
+    def _on_grad(self, grad: torch.Tensor) -> None:
+        sink = self.sink
+        if not sink.active:
+            return
+        try:
+            self.capture("gradient", grad)
+        except Exception as exc:
+            sink.fail(exc)
+
+    def capture(self, role: str, x: torch.Tensor) -> None:
+        sink, layer, fmt = self.sink, self.layer, self.fmts[role]
+        if not self.delayed:  # current scaling: the scale comes from this tensor's own amax
+            state = self.states.get(role)
+            if state is None:
+                from fp8scope.emulate import ScalingState
+
+                state = self.states[role] = ScalingState(self.recipe, fmt, device=x.device)
+            scale, scale_inv, expected = state.begin(x, record=True)
+            if sink.full:
+                sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
+            else:
+                sink.record_values(layer, role, "whatif", fmt, x, state.latest())
+            return
+        slot = self.slots.get(role)
+        if slot is None or slot[0].device != x.device:  # first capture, or the model moved
+            bank = sink.device_bank(self.recipe, x.device)
+            kid = sink.key_id(layer, role, "whatif", fmt, tuple(x.shape))
+            slot = self.slots[role] = (bank, bank.add(fmt, like=slot[:2] if slot else None), kid)
+        bank, s, kid = slot
+        if sink.full:
+            # delayed scaling: the scales do not depend on this tensor, so the stats pass measures
+            # its amax too and the bank records that one
+            scale, scale_inv, expected = bank.scales(s)
+            bank.record_amax(s, sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected))
+        else:
+            sink.record_deferred(role, bank.capture(s, x), kid, x.numel())
