@@ -337,13 +337,27 @@ def test_fp8_disabled_restores_on_exception():
     assert not torch.equal(model[0](x), nn.functional.linear(x, model[0].weight, model[0].bias))
 
 
-def test_no_grad_quantizes_but_does_not_record():
-    _, fp8 = _pair(DelayedScaling(amax_history_len=4))
-    x = torch.randn(4, 16) * 3
+def test_no_grad_forward_records_into_the_next_update_without_making_one():
+    """TE: a forward under no_grad records its amax (csrc/quantizer.cpp) but no update runs at the
+    region's exit (quantization.py: only with grad enabled); the amax merges into the next update."""
+    lin = Fp8Linear(1, 1, bias=False, recipe=DelayedScaling(amax_history_len=4))
+    st = lin.activation_state
+
+    def train(a: float) -> float:
+        used = []
+        lin.fp8scope_tap = lambda role, x, deq, scale, *_: role == "activation" and used.append(float(scale))
+        lin(torch.tensor([[a]])).sum().backward()
+        return used[0]
+
+    assert train(2.0) == 1.0  # the initial scale
     with torch.no_grad():
-        y = fp8(x)
-    assert fp8.activation_state.amax_history.abs().sum().item() == 0.0 and not fp8.activation_state.pending
-    assert not torch.equal(y, nn.functional.linear(x, fp8.weight, fp8.bias))
+        y = lin(torch.tensor([[8.0]]))  # applies step 1's update (448/2), records 8, updates nothing
+    assert st.updates == 1 and st.pending and st.amax_history.tolist() == [8.0, 0.0, 0.0, 2.0]
+    assert not torch.equal(y, nn.functional.linear(torch.tensor([[8.0]]), lin.weight))  # quantized
+    assert train(1.0) == 224.0  # still step 1's scale; row 0 is now max(8, 1)
+    assert st.amax_history.tolist() == [8.0, 0.0, 0.0, 2.0]
+    assert train(1.0) == 56.0  # 448 / max(2, 8): the eval amax entered this update
+    assert st.updates == 2
 
 
 def test_tap_order_over_two_layers():
@@ -449,10 +463,11 @@ def test_inference_mode_and_autocast():
     x = torch.randn(3, 8)
     model(x).sum().backward()
     with torch.inference_mode():
-        model(x)  # applies the pending update, records nothing
-    assert model[0].activation_state.updates == 1 and not model[0].activation_state.pending
-    model(x).sum().backward()  # state created/updated in inference mode stays usable
-    assert model[0].gradient_state.updates == 1
+        model(x)  # applies the due update, records an amax that waits for the next one
+    assert model[0].activation_state.updates == 1 and model[0].activation_state.pending
+    for _ in range(2):  # state created/updated in inference mode stays usable
+        model(x).sum().backward()
+    assert model[0].gradient_state.updates == 2 and model[0].activation_state.updates >= 2
     with torch.autocast("cpu", dtype=torch.bfloat16):
         y = model(x)
     assert y.dtype == torch.bfloat16  # as nn.Linear under autocast
@@ -569,3 +584,92 @@ def test_a_models_batched_update_leaves_other_models_alone():
     b(x).sum().backward()
     assert all(m.activation_state.pending and m.activation_state.updates == 0 for m in a)
     assert all(m.activation_state.updates == 1 for m in b)
+
+
+# ---- TE's update timing: autocast regions, repeated calls, eval forwards, recompute ------------
+def _scales_used(layer: Fp8Linear, log: list) -> None:
+    layer.fp8scope_tap = lambda role, x, deq, scale, scale_inv, amax, fmt: log.append((role, float(scale),
+                                                                                        float(x.abs().max())))
+
+
+def test_a_layer_run_twice_in_one_autocast_uses_one_scale_and_records_the_larger_amax():
+    """TE (quantization.py, fp8_autocast exit): one forward update per outermost region, whatever the
+    number of calls; row 0 keeps the max of the calls' amaxes (atomicMaxFloat); the backward
+    records both gradients' amaxes into one update too."""
+    from fp8scope.emulate import fp8_autocast
+
+    torch.manual_seed(0)
+    lin = convert_to_fp8(nn.Linear(8, 8, bias=False), DelayedScaling(amax_history_len=8))
+    log: list = []
+    _scales_used(lin, log)
+    amax_rows = []
+    for step in range(4):
+        log.clear()
+        with fp8_autocast():
+            y = lin(lin(torch.randn(4, 8) * (step + 1)))
+        y.sum().backward()
+        acts = [(s, a) for role, s, a in log if role == "activation"]
+        grads = [(s, a) for role, s, a in log if role == "gradient"]
+        assert len(acts) == 2 and acts[0][0] == acts[1][0]  # one scale for both calls
+        assert len(grads) == 2 and grads[0][0] == grads[1][0]
+        amax_rows.append((max(a for _, a in acts), max(a for _, a in grads)))
+    st_a, st_g = lin.activation_state, lin.gradient_state
+    assert st_a.updates == 3 and st_g.updates == 3  # one per step (the 4th is pending)
+    hist = st_a.amax_history.tolist()  # [row 0 = step 4, 0..., step 1, step 2, step 3]
+    assert hist[0] == amax_rows[3][0] and hist[-3:] == [r[0] for r in amax_rows[:3]]
+    assert st_g.amax_history.tolist()[-3:] == [r[1] for r in amax_rows[:3]]
+    assert float(st_a.scale) == pytest.approx(448 / max(r[0] for r in amax_rows[:3]), rel=1e-7)
+
+
+def test_outside_a_region_each_training_call_is_its_own_region():
+    torch.manual_seed(0)
+    lin = convert_to_fp8(nn.Linear(8, 8, bias=False), DelayedScaling(amax_history_len=8))
+    log: list = []
+    _scales_used(lin, log)
+    lin(lin(torch.randn(4, 8))).sum().backward()
+    acts = [s for role, s, _ in log if role == "activation"]
+    assert acts[0] == 1.0 and acts[1] != 1.0  # the second call uses the first call's update
+
+
+def test_a_no_grad_region_makes_no_update():
+    from fp8scope.emulate import fp8_autocast
+
+    lin = convert_to_fp8(nn.Linear(4, 4), DelayedScaling(amax_history_len=4))
+    with torch.no_grad(), fp8_autocast():
+        lin(torch.ones(2, 4))
+        lin(torch.ones(2, 4))
+    assert lin.activation_state.updates == 0 and lin.activation_state.pending
+    with fp8_autocast(enabled=False):
+        x = torch.randn(2, 4)
+        assert torch.equal(lin(x), nn.functional.linear(x, lin.weight, lin.bias))
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_activation_checkpointing_changes_nothing(reentrant):
+    """A forward re-run by torch.utils.checkpoint quantizes with its first run's scales and records
+    nothing (TE stashes and restores around the recompute): gradients, losses and every scale are
+    bit-identical to the same training without checkpointing."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(ckpt: bool):
+        torch.manual_seed(0)
+        blocks = nn.ModuleList(nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 16)) for _ in range(3))
+        convert_to_fp8(blocks, DelayedScaling(amax_history_len=4))
+        opt = torch.optim.SGD(blocks.parameters(), lr=0.1)
+        out = []
+        for step in range(4):
+            x = torch.randn(8, 16, requires_grad=reentrant) * (1 + step)
+            for b in blocks:
+                x = x + (checkpoint(b, x, use_reentrant=reentrant) if ckpt else b(x))
+            loss = x.pow(2).mean()
+            loss.backward()
+            out.append(loss.detach())
+            out += [p.grad.clone() for p in blocks.parameters()]
+            opt.step()
+            opt.zero_grad()
+        out += [t for m in blocks.modules() if isinstance(m, Fp8Linear)
+                for s in (m.activation_state, m.weight_state, m.gradient_state) for t in (s.scale, s.amax_history)]
+        return out
+
+    plain, ckpt = run(False), run(True)
+    assert len(plain) == len(ckpt) and all(torch.equal(a, b) for a, b in zip(plain, ckpt))

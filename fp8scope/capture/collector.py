@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from fp8scope.capture.autograd_phase import in_backward
+from fp8scope.autograd_phase import in_backward
 from fp8scope.capture.stats import stats_call
 from fp8scope.emulate.amax import logged_amax
 from fp8scope.emulate.device_bank import DeferredRow, DeviceDelayedBank

@@ -14,6 +14,7 @@ with TE's scaling rules and runs the GEMMs in float32 on the decoded values.
 Semantics and the mapping to TE: docs/emulate.md.
 """
 
+from .autocast import fp8_autocast
 from .convert import convert_to_fp8, fp8_disabled
 from .linear import ROLES, Fp8Linear
 from .quantize import dequantize, quantize, quantize_dequantize
@@ -35,4 +36,5 @@ __all__ = [
     "ROLES",
     "convert_to_fp8",
     "fp8_disabled",
+    "fp8_autocast",
 ]

@@ -60,6 +60,7 @@ def convert_to_fp8(
     recipe: DelayedScaling | CurrentScaling | None = None,
     layers: Selection = None,
     skip: Selection = None,
+    amax_reduction_group=None,
 ) -> nn.Module:
     """Replace the linear layers of ``model`` (``nn.Linear`` and ``transformers``' ``Conv1D``) by
     :class:`Fp8Linear`, in place.
@@ -84,7 +85,7 @@ def convert_to_fp8(
     if left:
         warnings.warn(f"fp8scope: convert_to_fp8 left {len(left)} linear-like layer(s) in high precision, whose "
                       f"forward is more than a GEMM: {describe_skipped(left)}", RuntimeWarning, stacklevel=2)
-    group = UpdateGroup()  # the model's states update together (one batch a step)
+    group = UpdateGroup(amax_reduction_group)  # the model's states update together (one batch a step)
     for m in model.modules():  # layers converted by an earlier call join too
         if isinstance(m, Fp8Linear):
             m.join_update_group(group)

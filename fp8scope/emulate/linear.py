@@ -11,10 +11,14 @@ accumulation computes up to accumulation order. As in TE:
 * the bias gradient is reduced from the high-precision grad_out.
 
 Each layer owns three :class:`ScalingState` (activation, weight, gradient).
-Without grad mode (``torch.no_grad``, evaluation) the layer still quantizes
-(so eval numbers are FP8 numbers) but records no amax: evaluation batches must
-not move the training scales. With ``fp8_enabled = False`` or inside
-``fp8_disabled()`` the layer is exactly ``nn.Linear`` and leaves its state alone.
+Update timing is TE's (``autocast.py``): inside :func:`~fp8scope.emulate.fp8_autocast` the
+forward scales update once when the region ends, so a layer called twice quantizes both calls
+with one scale and records the larger amax; outside one, each grad-enabled call is its own region.
+Without grad mode (``torch.no_grad``, evaluation) the layer still quantizes and, as TE, records
+its amax into the next update without making one. A forward re-run inside backward (activation
+checkpointing) uses the scales of its first run and records nothing. With
+``fp8_enabled = False`` or inside ``fp8_disabled()`` the layer is exactly ``nn.Linear`` and
+leaves its state alone.
 
 ``fp8scope_tap``, when set, is called after each quantization as
 ``tap(role, x, deq, scale, scale_inv, expected_amax, fmt)`` (eager runs; the monitor has a
@@ -41,7 +45,9 @@ from torch import nn
 from ..formats import Fp8Format
 from .quantize import quantize_dequantize
 from .recipes import CurrentScaling, DelayedScaling
+from ..autograd_phase import in_backward
 from .amax import amax_pair
+from .autocast import note_recorded, region_open
 from .scaling import Scales, ScalingState, UpdateGroup, current_scales
 
 ROLES = ("activation", "weight", "gradient")
@@ -192,7 +198,7 @@ class Fp8Linear(nn.Linear):
         """Have this layer's states updated together with the other states of ``group`` (a model's
         layers: ``convert_to_fp8`` does it; see :class:`~fp8scope.emulate.scaling.UpdateGroup`)."""
         for role in ROLES:
-            self.scaling_state(role).update_group = group
+            group.join(self.scaling_state(role))
 
     def reset_scaling(self) -> None:
         """Forget all amax history and scales (e.g. after loading new weights)."""
@@ -265,19 +271,31 @@ class Fp8Linear(nn.Linear):
             self.prepare_compile()  # a no-op but for a copy's first forward
         grad = torch.is_grad_enabled()
         out_dtype = _autocast_dtype(input)
+        eager = not torch.compiler.is_compiling()
+        # a forward re-run inside backward (activation checkpointing) uses the scales of its first
+        # run and records nothing (TE's recompute buffers); no update can have run in between
+        recompute = eager and in_backward()
+        region = eager and region_open()
+        due = grad and not region  # see autocast.py: when a forward's update falls due
         with torch.autocast(input.device.type, enabled=False):
             fmt = self._formats[0]
             x = input.detach()
-            s_x = self.activation_state.begin(x, grad)
+            w = self.gemm_weight().detach()
+            if recompute:
+                s_x, s_w = self.activation_state.peek(x), self.weight_state.peek(w)
+            else:
+                s_x, s_w = self.activation_state.begin(x, True, due), self.weight_state.begin(w, True, due)
+                if region:
+                    note_recorded(self.activation_state)
+                    note_recorded(self.weight_state)
             _, x_deq = quantize_dequantize(x, s_x.scale, s_x.scale_inv, fmt)
             self._emit("activation", x, x_deq, self.activation_state.last_amax, s_x, fmt, grad)
-            w = self.gemm_weight().detach()
-            s_w = self.weight_state.begin(w, grad)
             _, w_deq = quantize_dequantize(w, s_w.scale, s_w.scale_inv, fmt)
             self._emit("weight", w, w_deq, self.weight_state.last_amax, s_w, fmt, grad)
             # the gradient's scales are known now (delayed: from the amaxes recorded so far), so the
             # backward reads no state: TE's order for a forward followed by its backward
-            s_g = self.gradient_state.prepare() if grad else None
+            # (a re-run applies its own due update only: the others' may be this backward's records)
+            s_g = self.gradient_state.prepare(alone=recompute) if grad else None
         if s_g is None:  # no backward can follow: no autograd Function needed
             return F.linear(x_deq, w_deq, None if self.bias is None else self.bias.to(torch.float32)).to(out_dtype)
         return _Fp8LinearFn.apply(input, self.weight, self.bias, x_deq, w_deq, s_g.scale, s_g.scale_inv,

@@ -79,13 +79,16 @@ class DelayedScaling(_RecipeBase):
 
     ``scale = (fp8_max / amax) / 2**margin`` where ``amax`` is the maximum over the
     last ``amax_history_len`` recorded amaxes ("max") or the most recent one
-    ("most_recent"). See ``docs/emulate.md`` for the exact update timeline.
+    ("most_recent"). ``reduce_amax`` (TE's default, True): under ``torch.distributed`` with more
+    than one rank, each update first takes the MAX of the recorded amax over the ranks, so every
+    rank uses the same scale. See ``docs/emulate.md`` for the exact update timeline.
     """
 
     margin: int | float = 0
     amax_history_len: int = 1024
     amax_compute_algo: str = "max"
     fp8_format: str = "HYBRID"
+    reduce_amax: bool = True
 
     kind: ClassVar[str] = "delayed"
 
@@ -99,6 +102,8 @@ class DelayedScaling(_RecipeBase):
                 f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS} "
                 f"(callables are not supported by the emulator), got {self.amax_compute_algo!r}"
             )
+        if not isinstance(self.reduce_amax, bool):
+            raise ValueError(f"reduce_amax must be True or False, got {self.reduce_amax!r}")
         object.__setattr__(self, "fp8_format", _normalize_format(self.fp8_format))
 
 

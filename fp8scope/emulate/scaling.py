@@ -162,10 +162,12 @@ class ScalingState:
         self.scaled_max = scaled_max(self.fmt, recipe.margin)
         self.delayed = isinstance(recipe, DelayedScaling)
         self._most_recent = recipe.amax_compute_algo != "max" if self.delayed else False
-        self._pending = False
+        self._pending = False  # an amax was recorded since the last update
+        self._due = False  # ... and its update is due at the next use (TE: a training region ended)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._init_tensors(self._device)
         self.update_group: UpdateGroup | None = None  # None: this state updates alone
+        self._seq = 0  # its place in the group: batches run in this order on every rank
 
     # ---- state -------------------------------------------------------------------------
     def _init_tensors(self, device: torch.device) -> None:
@@ -183,7 +185,7 @@ class ScalingState:
 
     def reset(self) -> None:
         """Back to the initial state (history zeros, scale 1)."""
-        self._pending = False
+        self._pending = self._due = False
         self._init_tensors(self._device)
 
     def _to(self, device: torch.device) -> None:
@@ -237,38 +239,41 @@ class ScalingState:
         return int(self._updates)
 
     # ---- the update ------------------------------------------------------------------
-    def update(self) -> None:
-        """Apply the pending delayed-scaling update now (no-op if none is pending).
+    def update(self, alone: bool = False) -> None:
+        """Apply the update due now (no-op if none is due); ``alone``: this state only, no batch.
 
         :meth:`begin` calls it; call it yourself to mirror TE's end-of-step timing. Eagerly, every
         other state of the same kind with an update pending is updated in the same batch
         (:func:`_update_pending`); traced by ``torch.compile``, this state alone, inside the graph.
         """
-        if not (self.delayed and self._pending):
+        if not (self.delayed and self._pending and self._due):
             return
         # traced: alone, inside the graph; inference mode: alone, since tensors made there can never
         # be saved for a backward, and a gradient state of the batch would be
-        batched = not (self.update_group is None or torch.compiler.is_compiling() or torch.is_inference_mode_enabled())
+        batched = not (alone or self.update_group is None or torch.compiler.is_compiling()
+                       or torch.is_inference_mode_enabled())
         if batched and _update_pending(self):
             return
+        last = reduced_amax(self._last, self.recipe, self.update_group)
         self._history, self._scale, self._scale_inv, self._expected, self._kept = delayed_update(
-            self._history, self._last, self._scaled_max_t, self._scale, self._expected, self._most_recent)
+            self._history, last, self._scaled_max_t, self._scale, self._expected, self._most_recent)
         self._updates = self._updates + 1
-        self._pending = False
+        self._pending = self._due = False
 
     def _batch_key(self) -> tuple:
         """States that can share one batched update: same device, algorithm and history length."""
-        return self._device, self._most_recent, self._history.shape[-1]
+        return self._device, self._most_recent, self._history.shape[-1], getattr(self.recipe, "reduce_amax", False)
 
-    def begin(self, x: torch.Tensor, record: bool = True) -> Scales:
+    def begin(self, x: torch.Tensor, record: bool = True, due: bool = True) -> Scales:
         """Scales to quantize ``x`` with now; then record ``x``'s amax if ``record``.
 
-        Delayed: applies the pending update (from the amax recorded last time),
-        returns the resulting scale, then writes ``amax(x)`` into history row 0
-        and marks an update pending. Current: scale from ``amax(x)`` itself, and
-        ``expected_amax`` is that amax (NaN/Inf/0 give scale 1, as TE).
-        ``record=False`` (no-grad / eval forwards) still applies a pending
-        update but leaves the history untouched.
+        Delayed: applies the update due (from the amaxes recorded so far), returns the
+        resulting scale, then records ``amax(x)`` into history row 0 (the maximum of every
+        amax recorded since the last update, as TE's atomic max) with its update ``due`` at the
+        next use. ``due=False`` is TE's forward inside an autocast region that has not ended,
+        or under ``no_grad``: the amax waits and merges into the next update. Current: scale
+        from ``amax(x)`` itself, and ``expected_amax`` is that amax (NaN/Inf/0 give scale 1,
+        as TE). ``record=False`` still applies an update due but leaves the history untouched.
         """
         if x.device != self._device:
             self._to(x.device)
@@ -279,16 +284,35 @@ class ScalingState:
             return Scales(self._scale, self._scale_inv, self._expected)
         out = self.prepare()
         if record:
-            self.record(recorded)
+            self.record(recorded, due)
         return out
 
-    def prepare(self) -> Scales:
+    def peek(self, x: torch.Tensor) -> Scales:
+        """Scales as they stand, for ``x``, with nothing updated or recorded: a forward re-run inside
+        backward (activation checkpointing) quantizes with the scale its first run used, and TE
+        restores the history its re-run recorded (``quantization.py``, the recompute buffers).
+        Current scaling: the scale comes from ``x``, as in :meth:`begin`. A record waiting for its
+        update falls due: the re-run says its first run trained (``use_reentrant=True`` runs the
+        first one under ``no_grad``)."""
+        if not self.delayed:
+            return self.begin(x, record=False)
+        self._due = self._due or self._pending
+        if x.device != self._device:
+            self._to(x.device)
+        self._last_amax = amax_pair(x)[0]
+        return self.scales()
+
+    def prepare(self, alone: bool = False) -> Scales:
         """Apply a pending update and return the scales the next quantization will use, without
         measuring anything: the emulated layer asks this of its gradient state at forward time, so
         its backward reads no state (then :meth:`observe` records the gradient's amax). Delayed
         scaling only: under current scaling the scale comes from the tensor itself
         (:func:`current_scales`, which the emulated backward applies to the gradient)."""
-        self.update()
+        self.update(alone)
+        return self.scales()
+
+    def scales(self) -> Scales:
+        """The scales as they stand (no update applied)."""
         return Scales(self._scale, self._scale_inv, self._expected)
 
     def observe(self, logged: torch.Tensor, recorded: torch.Tensor) -> None:
@@ -298,10 +322,13 @@ class ScalingState:
         if self.delayed:
             self.record(recorded)
 
-    def record(self, amax: torch.Tensor) -> None:
-        """Record ``amax`` (TE's, a 0-d float32 tensor) of the tensor just scaled for the next update."""
-        self._last = amax
+    def record(self, amax: torch.Tensor, due: bool = True) -> None:
+        """Record ``amax`` (TE's, a 0-d float32 tensor) of the tensor just scaled for the next update:
+        row 0 keeps the largest amax recorded since the last update (TE's ``atomicMaxFloat``).
+        ``due``: the update applies at the next use (else it waits for a record that is due)."""
+        self._last = torch.fmax(self._last, amax) if self._pending else amax
         self._pending = True
+        self._due = self._due or due
         if self.update_group is not None and not torch.compiler.is_compiling():
             with _PENDING_LOCK:  # eager: the next update of its group and kind takes this one along
                 pending = self.update_group.pending.get(key := self._batch_key())
@@ -325,42 +352,85 @@ class UpdateGroup:
     TE updates every tensor of an autocast region in one bulk kernel when the region ends
     (``delayed_scaling.cu``, ``kernel_bulk``). Here, eagerly, the first state of a group that needs
     its update applies those of every state of the group and kind (device, algorithm, history
-    length) with one pending, in one batch: about 30 ops a training step for the whole model
+    length) whose update is due, in one batch: about 30 ops a training step for the whole model
     instead of 17 per tensor. Each state's update depends only on its own history and recorded
     amax, and each is still applied exactly once between a record and the next use of its scale,
     so the scales are those of one update per state. Within a training step that first state is
     the step's first quantization, so after it every state's ``scale`` is the one its tensor was
     quantized with this step, as with per-state updates. States traced by ``torch.compile`` update
     inside their graph and are skipped here once they are no longer pending. A copy of a model
-    (``copy.deepcopy``, a checkpoint) gets a group of its own."""
+    (``copy.deepcopy``, a checkpoint) gets a group of its own.
 
-    def __init__(self) -> None:
+    ``process_group``: the group whose ranks' amaxes are all-reduced (MAX) before an update when
+    the recipe's ``reduce_amax`` is on and ``torch.distributed`` runs with more than one rank
+    (TE's ``amax_reduction_group``; None: the default group)."""
+
+    def __init__(self, process_group=None) -> None:
         self.pending: dict[tuple, "weakref.WeakValueDictionary[int, ScalingState]"] = {}
+        self.process_group = process_group
+        self._joined = 0
+
+    def join(self, state: ScalingState) -> None:
+        """Make ``state`` a member; members batch in the order they joined, the same on every rank."""
+        state.update_group = self
+        self._joined += 1
+        state._seq = self._joined
 
     def __reduce__(self):
         return (UpdateGroup, ())
+
+
+def reduced_amax(last: torch.Tensor, recipe, group: UpdateGroup | None) -> torch.Tensor:
+    """``last`` all-reduced (MAX) across the ranks of the group's process group, when the recipe
+    asks (``reduce_amax``, TE's default) and ``torch.distributed`` runs with more than one rank:
+    every rank then records the same amax and uses the same scale, as under TE
+    (``quantization.py``, ``reduce_and_update_fp8_tensors``). Functional collectives, so a
+    compiled update traces it; the amaxes are TE's (never NaN), so MAX is exact."""
+    if not getattr(recipe, "reduce_amax", False):
+        return last
+    dist = torch.distributed
+    if not (dist.is_available() and dist.is_initialized()):
+        return last
+    pg = group.process_group if group is not None and group.process_group is not None else dist.group.WORLD
+    if dist.get_world_size(pg) == 1:
+        return last
+    import torch.distributed._functional_collectives as funcol
+
+    out = funcol.all_reduce(last, "max", pg)
+    return out if torch.compiler.is_compiling() else funcol.wait_tensor(out)
 
 
 _PENDING_LOCK = threading.Lock()  # backward hooks may record on autograd's device threads
 
 
 def _update_pending(state: ScalingState) -> bool:
-    """Apply the pending updates of ``state``'s group and kind in one batch; False when ``state`` is
-    the only one pending (its own update is then the batch)."""
+    """Apply the due updates of ``state``'s group and kind in one batch; False when ``state`` is the
+    only one due (its own update is then the batch). States whose update is not due yet (a forward
+    under ``no_grad``, or in an autocast region still open) stay pending."""
     key = state._batch_key()
+    group = state.update_group
     with _PENDING_LOCK:
-        group = state.update_group.pending.pop(key, None)
-    states = [s for s in (list(group.values()) if group is not None else ()) if s._pending and s._batch_key() == key]
+        pending = group.pending.pop(key, None)
+        members = [s for s in (list(pending.values()) if pending is not None else ()) if s._pending]
+        waiting = [s for s in members if not s._due]
+        if waiting:  # back in the registry for a later batch
+            again = group.pending.setdefault(key, weakref.WeakValueDictionary())
+            for s in waiting:
+                again[id(s)] = s
+    states = [s for s in members if s._due and s._batch_key() == key]
     if state not in states:
         states.append(state)
     if len(states) == 1:
         return False
-    new = delayed_update(*(torch.stack([getattr(s, a) for s in states]) for a in
-                           ("_history", "_last", "_scaled_max_t", "_scale", "_expected")), state._most_recent)
+    states.sort(key=lambda s: s._seq)
+    lasts = reduced_amax(torch.stack([s._last for s in states]), state.recipe, group)
+    new = delayed_update(torch.stack([s._history for s in states]), lasts,
+                         *(torch.stack([getattr(s, a) for s in states]) for a in ("_scaled_max_t", "_scale", "_expected")),
+                         state._most_recent)
     updates = (torch.stack([s._updates for s in states]) + 1).unbind(0)
     for s, hist, scale, scale_inv, expected, kept, n in zip(states, *(t.unbind(0) for t in new), updates):
         s._history, s._scale, s._scale_inv, s._expected, s._kept, s._updates = hist, scale, scale_inv, expected, kept, n
-        s._pending = False
+        s._pending = s._due = False
     return True
 
 

@@ -1,0 +1,63 @@
+"""``fp8_autocast`` for emulated layers: Transformer Engine's region, and when its updates fall due.
+
+TE updates the delayed scales of a region's forward tensors once, when the outermost
+``fp8_autocast`` exits with grad enabled (``quantization.py``, ``fp8_autocast_exit``). So a layer run
+twice in one region quantizes both calls with one scale and records the larger amax, and a forward
+under ``no_grad`` records its amax into the next update without making one. Emulated layers follow
+the same timing inside :func:`fp8_autocast`. Outside one, each grad-enabled call of a layer is its
+own region (its update falls due at once) and a ``no_grad`` call still records, as inside.
+
+The update itself stays lazy: it is applied at the next use of the scale (batched per model,
+``scaling.UpdateGroup``). Between a region's end and that use only the backward runs, which uses
+the gradient states and, for a forward re-run by activation checkpointing, the scales of the first
+run: what TE's recompute buffers restore.
+"""
+
+from __future__ import annotations
+
+import threading
+from contextlib import contextmanager, nullcontext
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+
+if TYPE_CHECKING:
+    from .scaling import ScalingState
+
+_region = threading.local()
+
+
+def region_open() -> bool:
+    """An :func:`fp8_autocast` region is open in this thread."""
+    return getattr(_region, "depth", 0) > 0
+
+
+def note_recorded(state: "ScalingState") -> None:
+    """``state`` recorded an amax in the open region: its update falls due when the region ends."""
+    _region.states[id(state)] = state
+
+
+@contextmanager
+def fp8_autocast(enabled: bool = True) -> Iterator[None]:
+    """A region of emulated FP8 with TE's update timing (see the module's docstring).
+
+    ``enabled=False`` runs every emulated layer as ``nn.Linear`` inside (as TE's
+    ``fp8_autocast(enabled=False)``), with the scaling state untouched. Regions nest; the
+    outermost one decides."""
+    from .convert import fp8_disabled
+
+    depth = getattr(_region, "depth", 0)
+    if depth == 0:
+        _region.states = {}
+    _region.depth = depth + 1
+    try:
+        with nullcontext() if enabled else fp8_disabled():
+            yield
+    finally:
+        _region.depth = depth
+        if depth == 0:
+            states, _region.states = _region.states, {}
+            if torch.is_grad_enabled():  # TE: no update at the exit of a no-grad region
+                for state in states.values():
+                    if state._pending:
+                        state._due = True
