@@ -160,6 +160,7 @@ class Monitor:
         self.collector = StepCollector(roles, every, steps, capture_no_grad)
         self.full_on_anomaly = max(0, int(full_on_anomaly))
         self.collector.fail = self._capture_failed  # adapters report their own errors here
+        self.collector.warn = self._warn  # ... and what they cannot read, once per key
         self._detach: list = []
         self.layers: list[str] = []
         self.sources: dict[str, int] = {}  # adapter name -> number of layers it monitors

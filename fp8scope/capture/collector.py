@@ -104,6 +104,12 @@ class StepCollector:
         else:
             self.caps.append((row, kid, numel))  # one append: atomic, so no lock between hook threads
 
+    def warn(self, key: str, message: str) -> None:
+        """Replaced by the Monitor (one warning per key); the default warns every time."""
+        import warnings
+
+        warnings.warn(f"fp8scope: {message}", RuntimeWarning, stacklevel=2)
+
     def fail(self, exc: BaseException) -> None:
         """Replaced by the Monitor (warn once, stop capturing); the default just stops."""
         self.enabled = False

@@ -78,18 +78,41 @@ class Scales(NamedTuple):
 
 
 def scale_from_amax(amax: torch.Tensor, scaled_max: torch.Tensor, fallback: torch.Tensor,
-                    usable: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                    usable: torch.Tensor | None = None,
+                    value_for_inf: float = _FP32_MAX) -> tuple[torch.Tensor, torch.Tensor]:
     """TE's ``compute_scale_from_amax`` on tensors: ``scaled_max / amax`` where the amax is finite
-    and > 0 (and ``usable``, where given), else ``fallback``; +inf becomes FLT_MAX. Returns the
-    scales and where they are new."""
+    and > 0 (and ``usable``, where given), else ``fallback``; +inf becomes ``value_for_inf``
+    (FLT_MAX but for block scaling, see :func:`te_scale_from_amax`). Returns the scales and where
+    they are new."""
     valid = (amax > 0) & (amax < _INF_POS)  # finite and > 0 (NaN fails both)
     if usable is not None:
         valid = usable & valid
     # A true division (TE's `max_fp8 / amax`), not `float / tensor` (= reciprocal * float). Where
     # the amax is not valid the quotient (inf, 0 or NaN) is discarded by the where below; where it
     # is valid and tiny the quotient is +inf, which TE turns into FLT_MAX (the clamp).
-    sf = torch.div(scaled_max, amax).clamp_(max=_FP32_MAX)
+    sf = torch.div(scaled_max, amax)
+    sf = sf.clamp_(max=_FP32_MAX) if value_for_inf == _FP32_MAX else torch.where(torch.isinf(sf), value_for_inf, sf)
     return torch.where(valid, sf, fallback), valid
+
+
+_POW2_MASK = -8388608  # 0xFF800000 as an int32: sign and exponent, no mantissa
+
+
+def te_scale_from_amax(amax: torch.Tensor, fp8_max: float | torch.Tensor, pow2: bool = False, epsilon: float = 0.0,
+                       value_for_inf: float = _FP32_MAX) -> torch.Tensor:
+    """TE's ``compute_scale_from_amax`` (``common/recipe/recipe_common.cuh``, v2.8+ lines 14-49; v2.2
+    gives the same results) on float32 tensors, for current and block scaling: the amax is first
+    raised to ``epsilon``; an amax of 0, Inf or NaN gives 1; else ``fp8_max / amax`` (IEEE
+    division), an infinite quotient becomes ``value_for_inf`` (FLT_MAX for per-tensor current
+    scaling, the input dtype's largest value for block scaling), and ``pow2`` clears the mantissa
+    bits (rounds down to a power of two: FLT_MAX becomes 2^127)."""
+    a = torch.where(amax < epsilon, epsilon, amax) if epsilon > 0 else amax
+    if not isinstance(fp8_max, torch.Tensor):
+        fp8_max = torch.full_like(a, fp8_max)
+    scale, _ = scale_from_amax(a, fp8_max, torch.ones_like(a), value_for_inf=value_for_inf)
+    if pow2:  # the mask leaves the fallback 1 as it is
+        scale = (scale.contiguous().view(torch.int32) & _POW2_MASK).view(torch.float32)
+    return scale
 
 
 def current_scales(recorded: torch.Tensor, scaled_max: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,

@@ -22,6 +22,8 @@ class Sink(Protocol):
 
     def fail(self, exc: BaseException) -> None: ...
 
+    def warn(self, key: str, message: str) -> None: ...
+
     def record(
         self,
         layer: str,

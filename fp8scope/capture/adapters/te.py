@@ -1,55 +1,63 @@
-"""Transformer Engine (temporary: moved as it was; rewritten below)."""
+"""Transformer Engine 2.0 -> 2.20: ``Linear``, ``LayerNormLinear``, ``LayerNormMLP`` and
+``GroupedLinear`` (so the GEMMs of ``TransformerLayer`` and ``MultiheadAttention``), read as the
+installed version lays out its state (``te_layout``). TE is imported lazily, never just to look.
+
+What each recipe gives (docs/integrations.md has the table by version):
+
+- **Delayed scaling**: the scale in use and the amax recorded come from ``fp8_meta`` (TE's own
+  numbers, copied when read: TE updates them in place). Tensors we can see (a ``Linear``'s input, a
+  high-precision weight, the output gradient) get full stats against TE's scale; tensors made inside
+  the module (the LayerNorm output, the MLP's hidden activation and gradient) get amax rows. The
+  hidden gradient of a ``LayerNormMLP`` that is the first FP8 module of its autocast is read around
+  TE's early backward update (the flag on TE's autograd node), with the scale its GEMM used.
+- **Current scaling**: in 2.2-2.15 the quantizer's own buffers (TE's reduced amax and scale); from
+  2.16, where they are per-call temporaries, the scale is measured from the tensor with the
+  quantizer's options (power-of-two scales, ``amax_epsilon``). The LayerNorm output is recomputed
+  from the module's input and norm parameters where TE keeps nothing to read.
+- **MXFP8 / Float8BlockScaling**: per-block scales from the visible tensor with TE's block shapes and
+  rounding (``emulate.blocks``), rowwise and columnwise (``role@columnwise``).
+- **NVFP4, CustomRecipe, anything else**: one warning, no rows (nothing is labelled as what it is not).
+
+Cached weights (``is_first_microbatch=False``) are reported against the scale of the cached FP8
+weight (``_fp8_workspaces``), which TE quantized at the first micro-batch.
+"""
 
 from __future__ import annotations
 
 import sys
 from contextlib import AbstractContextManager
-from typing import Any
+from typing import Any, Callable
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from fp8scope.capture.adapters.base import GradHook, Handle, Sink, first_tensor, guarded, matrix_weights
+from fp8scope.capture.adapters.base import GradHook, Handle, Sink, guarded, matrix_weights
+from fp8scope.capture.adapters.te_layout import NEWEST_READ, OLDEST, TeLayout, installed_version, layout_for
 from fp8scope.formats import Fp8Format, get_format, recipe_format
 
-# Transformer Engine 2.x. Every attribute read below was checked against TE's source
-# (transformer_engine/pytorch/module/base.py, linear.py, layernorm_linear.py,
-# layernorm_mlp.py, tensor/float8_tensor.py, tensor/mxfp8_tensor.py):
-#   module.fp8                        bool, FP8 on for this forward (set in init_fp8_metadata)
-#   module.fp8_meta["recipe"]         the Recipe: .delayed() .float8_current_scaling() .mxfp8()
-#                                     .float8_block_scaling(), .fp8_format, .margin (delayed)
-#   module.fp8_meta["num_gemms"]      1 (Linear, LayerNormLinear) or 2 (LayerNormMLP: fc1, fc2)
-#   module.fp8_meta["scaling_fwd"/"scaling_bwd"]  a RecipeState; DelayedScalingRecipeState
-#                                     has .scale [n] and .amax_history [len, n], row 0 = this step
-#   module.quantizers["scaling_fwd"/"scaling_bwd"][idx]   Float8Quantizer (delayed: .scale,
-#                                     .amax views into the state) or Float8CurrentScalingQuantizer
-#                                     (.scale, .amax: buffers the quantize kernel fills) or
-#                                     MXFP8Quantizer / Float8BlockQuantizer (no per-tensor scale)
-#   Float8Tensor._scale_inv, MXFP8Tensor._rowwise_scale_inv: scale_inv of quantized tensors
-# Index layout (FP8FwdTensors / FP8BwdTensors): forward 3g + {0 input, 1 weight, 2 output},
-# backward 2g + {0 grad_output, 1 grad_input}. LayerNormMLP: fc1 = GEMM 0, fc2 = GEMM 1; fc2's
-# grad_output is GRAD_OUTPUT2 (index 2), fc1's GRAD_OUTPUT1 (index 0).
-_TE_CLASSES = ("Linear", "LayerNormLinear", "LayerNormMLP")
-_MX_BLOCK = 32  # MXFP8: one E8M0 scale per 32 consecutive values
-_FP8_BLOCK = 128  # Float8BlockScaling: 1x128 tiles (activations, gradients); weights use 128x128
+_TE_CLASSES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
+READABLE = ("delayed", "current", "mxfp8", "block")
+COLUMNWISE = "@columnwise"  # the suffix of a tensor's columnwise copy (the other GEMM's operand)
 
 
-def _te_module_classes() -> tuple[type, ...]:
+def te_module_classes() -> tuple[type, ...]:
     if "transformer_engine" not in sys.modules:
         return ()
     try:
         import transformer_engine.pytorch as te
     except Exception:
         return ()
-    return tuple(getattr(te, n) for n in _TE_CLASSES if hasattr(te, n))
+    return tuple(getattr(te, n) for n in _TE_CLASSES if isinstance(getattr(te, n, None), type))
 
 
-def _te_kind(meta: dict) -> str:
-    """'delayed', 'current', 'mxfp8', 'block' or 'unknown' for the recipe in ``fp8_meta``."""
-    rec = meta.get("recipe")
-    for kind, attr in (("delayed", "delayed"), ("current", "float8_current_scaling"), ("mxfp8", "mxfp8"),
-                       ("block", "float8_block_scaling")):
-        fn = getattr(rec, attr, None)
+def recipe_kind(recipe: Any) -> str:
+    """'delayed', 'current', 'mxfp8', 'block', 'nvfp4', 'custom' or 'unknown', from TE's own predicates
+    (``common/recipe/__init__.py``). NVFP4 and custom come first: NVFP4BlockScaling also carries an
+    ``fp8_format`` and must not pass for per-tensor FP8."""
+    for kind, attr in (("nvfp4", "nvfp4"), ("custom", "custom"), ("delayed", "delayed"),
+                       ("current", "float8_current_scaling"), ("mxfp8", "mxfp8"), ("block", "float8_block_scaling")):
+        fn = getattr(recipe, attr, None)
         if callable(fn):
             try:
                 if fn():
@@ -59,161 +67,388 @@ def _te_kind(meta: dict) -> str:
     return "unknown"
 
 
-def _te_quantizer(mod: nn.Module, key: str, idx: int):
-    qs = getattr(mod, "quantizers", None)
+def _format(meta: dict, pass_: str) -> Fp8Format:
+    fmt_name = getattr(getattr(meta.get("recipe"), "fp8_format", None), "name", "HYBRID")
     try:
-        return qs[key][idx] if qs is not None else None
-    except (KeyError, IndexError, TypeError):
+        return recipe_format(fmt_name, pass_)
+    except ValueError:
+        return get_format("e4m3" if pass_ == "forward" else "e5m2")
+
+
+def _is_quantized(t: Any) -> bool:
+    """A TE QuantizedTensor (Float8Tensor, MXFP8Tensor, ...): carries scales, not high-precision data."""
+    return isinstance(t, torch.Tensor) and (
+        any(hasattr(t, a) for a in ("_scale_inv", "_rowwise_scale_inv", "_columnwise_scale_inv"))
+        or (hasattr(t, "_data") and t.dtype not in (torch.float32, torch.bfloat16, torch.float16)))
+
+
+def _quantizer(mod: nn.Module, key: str, idx: int):
+    try:
+        return mod.quantizers[key][idx]
+    except (AttributeError, KeyError, IndexError, TypeError):
         return None
 
 
-def block_scales(x: torch.Tensor, fmt: Fp8Format, block: int, pow2: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``x`` viewed as rows of ``block`` values, and each block's scale and amax (shape [n_blocks, 1]).
+def _scalar(t: Any) -> torch.Tensor | None:
+    return t.detach().reshape(-1)[0].float().clone() if isinstance(t, torch.Tensor) and t.numel() >= 1 else None
 
-    MXFP8 (pow2=True): the E8M0 scale_inv is the power of two that brings the block amax to at or
-    below fp8_max (rounded up, as TE's quantize kernel does, so the block never saturates).
-    Block scaling (pow2=False): fp8_max / block amax. A block amax of 0 gives scale 1."""
-    flat = x.detach().reshape(-1)
-    pad = (-flat.numel()) % block
-    if pad:
-        flat = torch.nn.functional.pad(flat, (0, pad))
-    blocks = flat.reshape(-1, block)
-    amax = blocks.abs().amax(dim=1, keepdim=True).float()
-    safe = torch.where(amax > 0, amax, torch.ones_like(amax))
-    if pow2:
-        scale_inv = torch.exp2(torch.ceil(torch.log2(safe / fmt.max)))
+
+class _Gemm:
+    """One GEMM of a module: its name, where its operands live, and its slots."""
+
+    __slots__ = ("name", "input_slot", "weight_slot", "grad_slot", "weights", "workspace", "hidden_input",
+                 "visible_grad")
+
+    def __init__(self, name, input_slot, weight_slot, grad_slot, weights, workspace, hidden_input, visible_grad):
+        self.name, self.input_slot, self.weight_slot, self.grad_slot = name, input_slot, weight_slot, grad_slot
+        self.weights: Callable[[nn.Module], list] = weights
+        self.workspace, self.hidden_input, self.visible_grad = workspace, hidden_input, visible_grad
+
+
+def _named_weights(names: tuple[str, ...]) -> Callable[[nn.Module], list]:
+    return lambda mod: [getattr(mod, n, None) for n in names]
+
+
+def _split_weights(mod: nn.Module) -> list:
+    """A Linear's / LayerNormLinear's weights: ``weight``, or the split parameters TE concatenates
+    before its one quantization (``weight_names``: ``query_weight``, ``key_weight``, ``value_weight``
+    of ``MultiheadAttention`` with ``fuse_qkv_params=False``; ``layernorm_linear.py``, v2.18 line 1859)."""
+    names = getattr(mod, "weight_names", None) or ["weight"]
+    return [getattr(mod, n, None) for n in names]
+
+
+def _gemms(layer: str, module: nn.Module, layout: TeLayout) -> list[_Gemm]:
+    kind = type(module).__name__
+    if kind == "LayerNormMLP":
+        fc1_grad, fc2_grad = layout.mlp_grad_slots
+        return [_Gemm(f"{layer}.fc1", 0, 1, fc1_grad, _named_weights(("fc1_weight",)), "fc1_weight", "norm", False),
+                _Gemm(f"{layer}.fc2", 3, 4, fc2_grad, _named_weights(("fc2_weight",)), "fc2_weight", "inner", True)]
+    if kind == "GroupedLinear":
+        n = int(getattr(module, "num_gemms", 0) or 0)
+        out = []
+        for i in range(n):
+            a, w, g = layout.grouped_slots(i, n)
+            out.append(_Gemm(f"{layer}.gemm{i}", a, w, g, _named_weights((f"weight{i}",)), f"weight{i}", None, True))
+        return out
+    hidden = "norm" if kind == "LayerNormLinear" else None
+    return [_Gemm(layer, 0, 1, 0, _split_weights, "weight", hidden, True)]
+
+
+def _norm_output(mod: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
+    """The LayerNorm / RMSNorm output TE quantizes, recomputed from the input and the module's norm
+    parameters (in float32, returned in the input's dtype, as TE's norm kernels write it)."""
+    w = getattr(mod, "layer_norm_weight", None)
+    if not isinstance(w, torch.Tensor):
+        return None
+    eps = float(getattr(mod, "eps", 1e-5))
+    b = getattr(mod, "layer_norm_bias", None)
+    w = w.detach().float() + (1.0 if getattr(mod, "zero_centered_gamma", False) else 0.0)
+    xf = x.detach().float()
+    if str(getattr(mod, "normalization", "LayerNorm")) == "RMSNorm":
+        y = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps) * w
     else:
-        scale_inv = safe / fmt.max
-    scale_inv = torch.where(amax > 0, scale_inv, torch.ones_like(scale_inv))
-    return blocks, scale_inv.reciprocal(), amax
+        y = F.layer_norm(xf, xf.shape[-1:], w, None if b is None else b.detach().float(), eps)
+    return y.to(x.dtype)
+
+
+class _Reader:
+    """Reads one TE module's FP8 state around its forward and backward and reports it to the sink."""
+
+    def __init__(self, layer: str, module: nn.Module, sink: Sink, layout: TeLayout):
+        self.layer, self.sink, self.layout = layer, sink, layout
+        self.kind = type(module).__name__
+        self.gemms = _gemms(layer, module, layout)
+        self.sees_input = self.kind in ("Linear", "GroupedLinear")
+
+    # ---- forward ---------------------------------------------------------------------
+    def forward_hook(self, mod, args, kwargs, output) -> None:
+        sink = self.sink
+        meta = getattr(mod, "fp8_meta", None) or {}
+        if not sink.active or not meta or not getattr(mod, "fp8", False):
+            return
+        kind = recipe_kind(meta.get("recipe"))
+        if kind not in READABLE:
+            sink.warn(f"te-recipe-{kind}", f"Transformer Engine recipe {type(meta.get('recipe')).__name__} is not "
+                      f"read by fp8scope (only per-tensor FP8 and FP8 block recipes are): layer {self.layer} and the "
+                      "others under it log no rows (docs/integrations.md)")
+            return
+        x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("inp")
+        first_mb = kwargs.get("is_first_microbatch", args[2] if self.kind == "GroupedLinear" and len(args) > 2
+                              else args[1] if self.kind != "GroupedLinear" and len(args) > 1 else None)
+        cached = first_mb is False
+        fwd, bwd = _format(meta, "forward"), _format(meta, "backward")
+        state = _Snapshot(meta, "scaling_fwd") if kind == "delayed" else None
+        inputs = self._inputs(mod, args, kwargs, x)
+        for g, gemm in enumerate(self.gemms):
+            if sink.wants("activation"):
+                xi = inputs[g] if inputs is not None else None
+                if xi is not None and not _is_quantized(xi):
+                    self.report_tensor(mod, meta, kind, gemm.name, "activation", xi, fwd, "scaling_fwd",
+                                       gemm.input_slot, state)
+                else:
+                    hidden = _norm_output(mod, x) if gemm.hidden_input == "norm" and x is not None else None
+                    self.report_hidden(mod, meta, kind, gemm.name, "activation", fwd, "scaling_fwd", gemm.input_slot,
+                                       state, hidden)
+            if sink.wants("weight"):
+                ws = [w for w in gemm.weights(mod) if isinstance(w, torch.Tensor)]
+                if ws and not any(_is_quantized(w) for w in ws):
+                    w = ws[0] if len(ws) == 1 else torch.cat([w.detach() for w in ws])
+                    scale = _cached_scale(mod, gemm.workspace) if cached and kind in ("delayed", "current") else None
+                    self.report_tensor(mod, meta, kind, gemm.name, "weight", w, fwd, "scaling_fwd", gemm.weight_slot,
+                                       state, scale=scale)
+                else:  # FP8 primary weights (fp8_model_init / quantized_model_init): TE's state
+                    self.report_hidden(mod, meta, kind, gemm.name, "weight", fwd, "scaling_fwd", gemm.weight_slot,
+                                       state, None)
+        if sink.wants("gradient") and torch.is_grad_enabled():
+            self._hook_gradients(mod, meta, kind, bwd, output, kwargs, args)
+
+    def _inputs(self, mod, args, kwargs, x) -> list | None:
+        """The visible input of each GEMM (None where TE makes it inside the module)."""
+        if not self.sees_input or x is None:
+            return [None] * len(self.gemms)
+        if self.kind == "GroupedLinear":
+            return _split(x, _m_splits(args, kwargs), len(self.gemms))
+        return [x]
+
+    # ---- backward --------------------------------------------------------------------
+    def _hook_gradients(self, mod, meta, kind, bwd, output, kwargs, args) -> None:
+        gemms = [g for g in self.gemms if g.visible_grad]
+        splits = _m_splits(args, kwargs) if self.kind == "GroupedLinear" else None
+
+        def on_grad(grad: torch.Tensor) -> None:
+            state = _Snapshot(meta, "scaling_bwd") if kind == "delayed" else None
+            parts = _split(grad, splits, len(gemms)) if splits is not None else [grad]
+            for gemm, part in zip(gemms, parts):
+                if part is not None:
+                    self.report_tensor(mod, meta, kind, gemm.name, "gradient", part, bwd, "scaling_bwd",
+                                       gemm.grad_slot, state)
+
+        GradHook(guarded(self.sink, on_grad)).attach(output)
+        if self.kind == "LayerNormMLP":
+            self._hook_hidden_gradient(mod, meta, kind, bwd, output)
+
+    def _hook_hidden_gradient(self, mod, meta, kind, bwd, output) -> None:
+        """fc1's gradient exists only inside TE's backward: read TE's state around the backward node.
+        When this module is the first FP8 module of its autocast, TE's backward update runs at the end
+        of this node (``layernorm_mlp.py``, v2.18 lines 1804-1805): the scale is then taken before
+        the node and the amax from the history's newest row after the roll."""
+        gemm, sink = self.gemms[0], self.sink
+        node = _te_node(output, "LayerNormMLP")
+        if node is None:
+            return
+        early = bool(getattr(node, "reduce_and_update_bwd_fp8_tensors", False))
+        slot, fmt = gemm.grad_slot, bwd
+        seen: dict[str, Any] = {}
+
+        def before(grad_outputs) -> None:
+            if kind == "delayed":
+                s = meta["scaling_bwd"]
+                seen["scale"] = s.scale[slot].detach().clone()
+                if early:
+                    seen["history"] = s.amax_history[:, slot].detach().clone()
+
+        def after(grad_inputs, grad_outputs) -> None:
+            if not sink.wants("gradient"):
+                return
+            if kind == "delayed" and "scale" in seen:
+                s = meta["scaling_bwd"]
+                scale = seen["scale"]
+                h = s.amax_history[:, slot].detach()
+                if early:
+                    before_h = seen["history"]
+                    rolled = ~(h == before_h).all()
+                    if h.shape[0] > 1:
+                        amax = torch.where(rolled, h[-1], before_h[0])
+                    else:  # a history of one row keeps nothing after the roll: the amax behind the new scale
+                        new = s.scale[slot].detach()
+                        amax = torch.where(new != scale, _scaled_max(meta, fmt) / new, before_h[0])
+                else:
+                    amax = h[0].clone()
+                sink.record_amax(gemm.name, "gradient", "te", fmt, amax, scale, scale.reciprocal(),
+                                 _scaled_max(meta, fmt) / scale)
+            elif kind == "current" and self.layout.current_buffers:
+                q = _quantizer(mod, "scaling_bwd", slot)
+                amax, scale = _scalar(getattr(q, "amax", None)), _scalar(getattr(q, "scale", None))
+                if amax is not None and scale is not None:
+                    sink.record_amax(gemm.name, "gradient", "te", fmt, amax, scale, scale.reciprocal(), amax)
+            else:
+                sink.warn(f"te-hidden-grad-{kind}", f"Transformer Engine {'.'.join(map(str, self.layout.version))} "
+                          f"{kind} scaling keeps no state for LayerNormMLP's fc1 gradient: no row for it "
+                          "(docs/integrations.md)")
+
+        node.register_prehook(guarded(sink, lambda grad_outputs: before(grad_outputs) and None))
+        node.register_hook(guarded(sink, lambda gi, go: after(gi, go) and None))
+
+    # ---- one tensor ------------------------------------------------------------------
+    def report_tensor(self, mod, meta, kind, name, role, t, fmt, key, slot, state, scale=None) -> None:
+        """Full stats (cheap steps: amax) of a visible high-precision tensor against TE's scale."""
+        sink = self.sink
+        t = t.detach()
+        # the columnwise copy feeds the backward GEMMs: a gradient always has one, a forward tensor in training
+        both = role == "gradient" or torch.is_grad_enabled()
+        if kind == "delayed":
+            s = scale if scale is not None else state.scale(slot)
+            sink.record(name, role, "te", fmt, t, s, s.reciprocal(), _scaled_max(meta, fmt) / s)
+        elif kind == "current":
+            q = _quantizer(mod, key, slot)
+            if scale is None and self.layout.current_buffers and role != "gradient":
+                scale = _scalar(getattr(q, "scale", None))  # this forward's cast wrote it (TE's reduced amax)
+                amax = _scalar(getattr(q, "amax", None))
+                if scale is not None and amax is not None:
+                    sink.record(name, role, "te", fmt, t, scale, scale.reciprocal(), amax)
+                    return
+            from fp8scope.emulate.amax import amax_pair
+            from fp8scope.emulate.scaling import te_scale_from_amax
+
+            recorded = amax_pair(t)[1]
+            if scale is None:
+                if getattr(q, "with_amax_reduction", False):
+                    sink.warn("te-current-reduction", "Transformer Engine reduces some current-scaling amaxes over its "
+                              "tensor-parallel group; fp8scope measures each rank's own (docs/integrations.md)")
+                scale = te_scale_from_amax(recorded, fmt.max, pow2=_pow2(q, meta, role), epsilon=_epsilon(q))
+            sink.record(name, role, "te", fmt, t, scale, scale.reciprocal(), recorded)
+        elif kind == "mxfp8":
+            from fp8scope.emulate.blocks import mxfp8_blocks
+
+            for columnwise in (False, True) if both else (False,):
+                b = mxfp8_blocks(t, fmt, columnwise, code0_multiplies_by_one=self.layout.mx_code0_is_one)
+                sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", fmt, b.x, b.scale, b.scale_inv,
+                            b.amax)
+        elif kind == "block":
+            from fp8scope.emulate.blocks import fp8_block_scaling_blocks
+
+            q = _quantizer(mod, key, slot)
+            dim = int(getattr(q, "block_scaling_dim", 0) or _recipe_block_dim(meta, role))
+            usages = (False, True) if both and dim != 2 else (False,)
+            for columnwise in usages:
+                b = fp8_block_scaling_blocks(t, fmt, dim, columnwise, pow2=_pow2(q, meta, role), epsilon=_epsilon(q))
+                sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", fmt, b.x, b.scale, b.scale_inv,
+                            b.amax)
+
+    def report_hidden(self, mod, meta, kind, name, role, fmt, key, slot, state, recomputed) -> None:
+        """A tensor made inside the module: TE's recorded amax and scale where TE keeps them, else
+        the recomputed tensor (the LayerNorm output) measured as TE would, else no row."""
+        sink = self.sink
+        if kind == "delayed":
+            s = state.scale(slot)
+            sink.record_amax(name, role, "te", fmt, state.amax(slot), s, s.reciprocal(), _scaled_max(meta, fmt) / s)
+        elif kind == "current" and self.layout.current_buffers:
+            q = _quantizer(mod, key, slot)
+            amax, scale = _scalar(getattr(q, "amax", None)), _scalar(getattr(q, "scale", None))
+            if amax is not None and scale is not None:
+                sink.record_amax(name, role, "te", fmt, amax, scale, scale.reciprocal(), amax)
+        elif recomputed is not None:
+            self.report_tensor(mod, meta, kind, name, role, recomputed, fmt, key, slot, state)
+        else:
+            sink.warn(f"te-hidden-{kind}-{role}", f"Transformer Engine {'.'.join(map(str, self.layout.version))} "
+                      f"{kind} scaling keeps no state for tensors made inside a module (LayerNormMLP's fc2 input): "
+                      "no row for them (docs/integrations.md)")
+
+
+class _Snapshot:
+    """TE's delayed-scaling state of one direction, copied once when first read: TE updates
+    ``scale`` and ``amax_history`` in place, and rows are gathered when the step ends."""
+
+    __slots__ = ("_state", "_scale", "_row0")
+
+    def __init__(self, meta: dict, key: str):
+        self._state = meta[key]
+        self._scale = self._row0 = None
+
+    def scale(self, slot: int) -> torch.Tensor:
+        if self._scale is None:
+            self._scale = self._state.scale.detach().clone()
+        return self._scale[slot]
+
+    def amax(self, slot: int) -> torch.Tensor:
+        if self._row0 is None:
+            self._row0 = self._state.amax_history[0].detach().clone()
+        return self._row0[slot]
+
+
+def _scaled_max(meta: dict, fmt: Fp8Format) -> float:
+    """``fp8_max * 2**-margin``: the amax a scale of 1 stands for (delayed scaling's numerator)."""
+    from fp8scope.emulate.scaling import scaled_max
+
+    return scaled_max(fmt, float(getattr(meta.get("recipe"), "margin", 0) or 0))
+
+
+_RECIPE_QPARAMS = {"activation": "fp8_quant_fwd_inp", "weight": "fp8_quant_fwd_weight", "gradient": "fp8_quant_bwd_grad"}
+
+
+def _pow2(q, meta: dict, role: str) -> bool:
+    """The quantizer's power-of-two option (TE's modules set it per slot from the recipe's QParams)."""
+    v = getattr(q, "force_pow_2_scales", None)
+    if v is None:
+        v = getattr(getattr(meta.get("recipe"), _RECIPE_QPARAMS.get(role, ""), None), "power_2_scale", False)
+    return bool(v)
+
+
+def _epsilon(q) -> float:
+    return float(getattr(q, "amax_epsilon", 0.0) or 0.0)
+
+
+def _recipe_block_dim(meta: dict, role: str) -> int:
+    attr = {"activation": "x_block_scaling_dim", "weight": "w_block_scaling_dim"}.get(role, "grad_block_scaling_dim")
+    return int(getattr(meta.get("recipe"), attr, 2 if role == "weight" else 1))
+
+
+def _cached_scale(mod: nn.Module, key: str) -> torch.Tensor | None:
+    """The scale of the cached FP8 weight a GEMM reuses when ``is_first_microbatch=False``: its own
+    ``_scale_inv`` (``module/base.py``, ``_fp8_workspaces``), not the quantizer's newer scale."""
+    ws = (getattr(mod, "_fp8_workspaces", None) or {}).get(key)
+    inv = getattr(ws, "_scale_inv", None)
+    return inv.detach().reshape(-1)[0].float().reciprocal() if isinstance(inv, torch.Tensor) else None
+
+
+def _m_splits(args: tuple, kwargs: dict) -> list[int] | None:
+    splits = kwargs.get("m_splits", args[1] if len(args) > 1 else None)
+    return [int(v) for v in splits] if isinstance(splits, (list, tuple)) else None
+
+
+def _split(t: torch.Tensor, splits: list[int] | None, n: int) -> list:
+    if splits is None or len(splits) != n or sum(splits) != t.shape[0]:
+        return [None] * n
+    return list(torch.split(t, splits, dim=0))
+
+
+def _te_node(output: Any, name: str, depth: int = 3):
+    """TE's autograd node for ``output`` (``_<name>Backward``), looking through a few nodes made after
+    it (an unfused bias add)."""
+    out = output[0] if isinstance(output, (tuple, list)) else output
+    frontier = [getattr(out, "grad_fn", None)]
+    for _ in range(depth):
+        nxt = []
+        for node in frontier:
+            if node is None:
+                continue
+            if name in type(node).__name__:
+                return node
+            nxt += [f for f, _ in getattr(node, "next_functions", ())]
+        frontier = nxt
+    return None
 
 
 class TransformerEngineSource:
-    """Transformer Engine ``Linear`` / ``LayerNormLinear`` / ``LayerNormMLP`` (and so the GEMMs
-    inside ``TransformerLayer`` and ``MultiheadAttention``, which are built from them).
-
-    - Delayed scaling: the scale in use and this step's amax come from ``fp8_meta`` (TE's own
-      numbers; nothing recomputed). Tensors we can see (a plain Linear's input, a high-precision
-      weight, the output gradient) get full stats against TE's scale; tensors produced inside
-      the module (LayerNorm output, the MLP's hidden activation, fc1's grad_output) get amax rows.
-    - Current scaling: the scale and amax the quantize kernel wrote into the quantizer's
-      buffers, else derived from the tensor as TE does.
-    - MXFP8 / Float8 block scaling: per-block scales recomputed from the visible tensor (rows
-      summarise them by their most conservative block, see ``stats._scalar32``).
-    """
+    """Transformer Engine modules; see the module docstring."""
 
     name = "te"
 
     @staticmethod
     def claims(module: nn.Module) -> bool:
-        classes = _te_module_classes()
+        classes = te_module_classes()
         return bool(classes) and isinstance(module, classes)
 
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
-        is_mlp = type(module).__name__ == "LayerNormMLP"
-        gemm_names = ["fc1", "fc2"] if is_mlp else [""]
-        sees_input = type(module).__name__ == "Linear"  # others normalise the input first
-        first_input: dict[str, torch.Tensor] = {}
-
-        def name_of(g: int) -> str:
-            return f"{layer}.{gemm_names[g]}" if gemm_names[g] else layer
-
-        def margin(meta) -> float:
-            return float(getattr(meta.get("recipe"), "margin", 0) or 0)
-
-        def weight_of(mod, g: int):
-            attr = ("fc1_weight", "fc2_weight")[g] if is_mlp else "weight"
-            return getattr(mod, attr, None)
-
-        def report_tensor(mod, meta, kind, g, role, t, fmt, key, idx) -> None:
-            """Full stats of a visible high-precision tensor against the scale TE uses."""
-            if kind == "delayed":
-                scale = meta[key].scale[idx]
-                expected = fmt.max / (scale * 2.0 ** margin(meta))
-                sink.record(name_of(g), role, "te", fmt, t, scale, scale.reciprocal(), expected)
-            elif kind in ("mxfp8", "block"):
-                pow2 = kind == "mxfp8" or bool(getattr(getattr(meta.get("recipe"), "fp8_quant_fwd_inp", None),
-                                                           "power_2_scale", True))
-                blocks, scale, amax = block_scales(t, fmt, _MX_BLOCK if kind == "mxfp8" else _FP8_BLOCK, pow2=pow2)
-                sink.record(name_of(g), role, "te", fmt, blocks, scale, scale.reciprocal(), amax)
-            else:  # current scaling (or a recipe we do not know): TE's rule, from this tensor
-                q = _te_quantizer(mod, key, idx)
-                q_scale = getattr(q, "scale", None)
-                from fp8scope.emulate import CurrentScaling, ScalingState
-
-                st = ScalingState(CurrentScaling(), fmt, device=t.device).begin(t.detach())
-                if isinstance(q_scale, torch.Tensor) and q_scale.numel() == 1 and role != "gradient":
-                    # the kernel's own buffer, filled by this forward's quantize
-                    scale = q_scale.reshape(()).float()
-                    sink.record(name_of(g), role, "te", fmt, t, scale, scale.reciprocal(), st.expected_amax)
-                else:
-                    sink.record(name_of(g), role, "te", fmt, t, st.scale, st.scale_inv, st.expected_amax)
-
-        def report_amax(mod, meta, kind, g, role, fmt, key, idx) -> None:
-            """A tensor made inside the module: TE's recorded amax and scale, no element stats."""
-            if kind == "delayed":
-                s = meta[key]
-                scale = s.scale[idx]
-                expected = fmt.max / (scale * 2.0 ** margin(meta))
-                sink.record_amax(name_of(g), role, "te", fmt, s.amax_history[0, idx], scale, scale.reciprocal(),
-                                 expected)
-            elif kind == "current":
-                q = _te_quantizer(mod, key, idx)
-                amax, scale = getattr(q, "amax", None), getattr(q, "scale", None)
-                if isinstance(amax, torch.Tensor) and isinstance(scale, torch.Tensor):
-                    sc = scale.reshape(-1)[0].float()
-                    sink.record_amax(name_of(g), role, "te", fmt, amax.reshape(-1)[0], sc, sc.reciprocal(),
-                                     amax.reshape(-1)[0])
-            # MXFP8 / block scaling keep no per-tensor state for hidden tensors: nothing to read
-
-        def pre_hook(mod, args):
-            x = first_tensor(args)
-            if x is not None and sees_input:
-                first_input["x"] = x
-
-        def post_hook(mod, args, output):
-            meta = getattr(mod, "fp8_meta", None) or {}
-            x = first_input.pop("x", None)
-            if not meta or not getattr(mod, "fp8", False):
-                return
-            kind = _te_kind(meta)
-            fwd_fmt = _te_format(meta, "fp8_max_fwd", "forward")
-            bwd_fmt = _te_format(meta, "fp8_max_bwd", "backward")
-            for g in range(len(gemm_names)):
-                if sink.wants("activation"):
-                    if g == 0 and x is not None and not _is_quantized(x):
-                        report_tensor(mod, meta, kind, g, "activation", x, fwd_fmt, "scaling_fwd", 0)
-                    else:
-                        report_amax(mod, meta, kind, g, "activation", fwd_fmt, "scaling_fwd", 3 * g)
-                if sink.wants("weight"):
-                    w = weight_of(mod, g)
-                    if isinstance(w, torch.Tensor) and not _is_quantized(w):
-                        report_tensor(mod, meta, kind, g, "weight", w, fwd_fmt, "scaling_fwd", 3 * g + 1)
-                    else:  # FP8 primary weights (fp8_model_init): TE's amax / scale
-                        report_amax(mod, meta, kind, g, "weight", fwd_fmt, "scaling_fwd", 3 * g + 1)
-            if sink.wants("gradient"):
-                last = len(gemm_names) - 1
-
-                def on_grad(grad: torch.Tensor) -> None:
-                    report_tensor(mod, meta, kind, last, "gradient", grad, bwd_fmt, "scaling_bwd", 2 * last)
-
-                GradHook(guarded(sink, on_grad)).attach(output)
-
-        def backward_hook(mod, grad_input, grad_output):
-            # fc1's grad_output (the MLP's hidden gradient) exists only inside TE's backward; once
-            # the module's backward is done, TE's state holds its amax.
-            meta = getattr(mod, "fp8_meta", None) or {}
-            if meta and getattr(mod, "fp8", False) and sink.wants("gradient"):
-                kind = _te_kind(meta)
-                report_amax(mod, meta, kind, 0, "gradient", _te_format(meta, "fp8_max_bwd", "backward"),
-                            "scaling_bwd", 0)
-
-        hooks = [module.register_forward_pre_hook(guarded(sink, pre_hook)),
-                 module.register_forward_hook(guarded(sink, post_hook))]
-        if is_mlp:
-            hooks.append(module.register_full_backward_hook(guarded(sink, backward_hook)))
-        return lambda: [h.remove() for h in hooks] and None
+        version = installed_version() or NEWEST_READ
+        if not OLDEST <= version <= NEWEST_READ:
+            sink.warn("te-version", f"Transformer Engine {'.'.join(map(str, version))}: fp8scope reads TE "
+                      f"{OLDEST[0]}.{OLDEST[1]} to {NEWEST_READ[0]}.{NEWEST_READ[1]}; this one is read with the "
+                      "nearest layout (docs/integrations.md)")
+        reader = _Reader(layer, module, sink, layout_for(version))
+        handle = module.register_forward_hook(guarded(sink, reader.forward_hook), with_kwargs=True)
+        return handle.remove
 
     @staticmethod
     def weights(module: nn.Module) -> list[nn.Parameter]:
@@ -221,9 +456,9 @@ class TransformerEngineSource:
 
     @staticmethod
     def high_precision(model: nn.Module) -> AbstractContextManager | None:
-        classes = _te_module_classes()
+        classes = te_module_classes()
         if classes and any(isinstance(m, classes) for m in model.modules()):
-            return _te_autocast_off()
+            return _autocast_off()
         return None
 
     @staticmethod
@@ -235,29 +470,11 @@ class TransformerEngineSource:
         return TransformerEngineSource.high_precision(model)
 
 
-def _te_autocast_off() -> AbstractContextManager:
-    """``fp8_autocast(enabled=False)`` (``autocast`` in newer TE): TE runs its GEMMs in the input
-    dtype and does not touch ``fp8_meta``."""
+def _autocast_off() -> AbstractContextManager:
+    """``fp8_autocast(enabled=False)`` (``autocast`` in TE 2.9+, where ``fp8_autocast`` is a deprecated
+    wrapper): TE runs its GEMMs in the input dtype and leaves ``fp8_meta`` alone."""
     te = sys.modules.get("transformer_engine.pytorch")
     if te is None:
         import transformer_engine.pytorch as te  # noqa: PLC0415
-    autocast = getattr(te, "fp8_autocast", None) or getattr(te, "autocast")
+    autocast = getattr(te, "autocast", None) or getattr(te, "fp8_autocast")
     return autocast(enabled=False)
-
-
-def _is_quantized(t: torch.Tensor) -> bool:
-    """TE QuantizedTensor (Float8Tensor, MXFP8Tensor, ...): carries its scale_inv, not a high-precision copy."""
-    return any(hasattr(t, a) for a in ("_scale_inv", "_rowwise_scale_inv", "_columnwise_scale_inv")) or (
-        hasattr(t, "_data") and t.dtype not in (torch.float32, torch.bfloat16, torch.float16)
-    )
-
-
-def _te_format(meta: dict, key: str, pass_: str) -> Fp8Format:
-    rec = meta.get("recipe")
-    fmt_name = getattr(getattr(rec, "fp8_format", None), "name", "HYBRID")
-    try:
-        return recipe_format(fmt_name, pass_)
-    except ValueError:
-        return get_format("e4m3" if pass_ == "forward" else "e5m2")
-
-

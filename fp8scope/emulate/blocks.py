@@ -1,0 +1,141 @@
+"""Transformer Engine's block-scaled FP8 recipes as tensors: which scale each block of a tensor gets.
+
+Two recipes scale blocks instead of tensors (facts read from TE's source; ../shared/te-internals.md):
+
+- **MXFP8** (``MXFP8BlockScaling``, TE 2.0+): 32 consecutive values share one E8M0 scale, rowwise
+  (1x32 along the last dim) for one GEMM and columnwise (32x1) for the other. The code is
+  ``float_to_e8m0(block_amax * fl(1/fp8_max))``, which rounds *up* to the next power of two and
+  saturates to [2^-127, 2^127] (``common/util/ptx.cuh``, ``float_to_e8m0``; v2.18 lines 386-418),
+  called from ``cast/mxfp8/quantize_mxfp8.cuh``. An all-zero block stores code 0 (2^-127). The
+  elements are multiplied by ``2^(127 - code)`` before the cast (``exp2f_rcp``), except that before
+  TE 2.13 a code of 0 multiplied by 1 (``common/util/ptx.cuh``, v2.8 lines 114-118).
+- **Float8BlockScaling** (TE 2.3+): 1x128 blocks for activations and gradients (columnwise: 128x1
+  blocks of the original), 128x128 tiles for weights (both usages: the same scales). Each block's
+  scale is TE's ``compute_scale_from_types``: :func:`te_scale_from_amax` with the quantizer's
+  power-of-two option (on by default) and epsilon, and the input dtype's largest value for an
+  overflowing division (``common/transpose/quantize_transpose_{vector,square}_blockwise.cu``).
+
+Block amaxes ignore NaN elements (TE reduces with ``fmaxf``). Every function returns the tensor
+viewed as rows of one block each, and one ``(scale, scale_inv, amax)`` per row, which is what the
+stats pass takes (``capture.stats``: per-row scales). A tensor whose sides are not multiples of the
+block is viewed one element per row, each with its block's scales, so no padding enters the counts.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from ..formats import Fp8Format
+from .scaling import te_scale_from_amax
+
+MX_BLOCK = 32
+FP8_BLOCK = 128
+_MANTISSA = 0x7FFFFF
+
+
+def e8m0_codes(v: torch.Tensor) -> torch.Tensor:
+    """TE's ``float_to_e8m0`` (the software path; the sm100 ``cvt.rp.satfinite.ue8m0x2.f32`` rounds
+    the same way): the biased exponent of the smallest power of two >= ``v``, clamped to [0, 254];
+    NaN 255, Inf 254, 0 gives 0. ``v`` float32; returns int32 codes."""
+    bits = v.contiguous().view(torch.int32)
+    exponent = (bits >> 23) & 0xFF
+    mantissa = bits & _MANTISSA
+    up = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    code = exponent + up.to(torch.int32)
+    code = torch.where(v == 0, 0, code)
+    code = torch.where(torch.isinf(v), 0xFE, code)
+    return torch.where(torch.isnan(v), 0xFF, code)
+
+
+def e8m0_value(code: torch.Tensor) -> torch.Tensor:
+    """2^(code - 127) as float32 (the decode factor, the block's scale_inv); 255 is NaN."""
+    out = torch.ldexp(torch.ones_like(code, dtype=torch.float32), code - 127)
+    return torch.where(code == 0xFF, float("nan"), out)
+
+
+def e8m0_encode_factor(code: torch.Tensor, code0_multiplies_by_one: bool = False) -> torch.Tensor:
+    """What the elements are multiplied by before the cast: TE's ``exp2f_rcp``, 2^(127 - code);
+    254 gives 2^-127 and 255 NaN (TE 2.13+). ``code0_multiplies_by_one``: TE before 2.13."""
+    out = torch.ldexp(torch.ones_like(code, dtype=torch.float32), 127 - code)
+    out = torch.where(code == 0xFE, 2.0 ** -127, out)
+    out = torch.where(code == 0xFF, float("nan"), out)
+    if code0_multiplies_by_one:
+        out = torch.where(code == 0, 1.0, out)
+    return out
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    """TE's view of a tensor as a matrix: leading dims flattened, the last one kept."""
+    x = x.detach()
+    return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
+
+
+def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """Per-row amax, NaN elements ignored (``fmaxf`` from 0), float32, shape [rows, 1]."""
+    return torch.nan_to_num(blocks.abs().float(), nan=0.0, posinf=float("inf")).amax(dim=1, keepdim=True)
+
+
+def _tiles(x2d: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """``x2d`` cut into ``rows x cols`` tiles: ``(tiles as [n_tiles, rows*cols], None)`` when the
+    sides divide, else ``(zero-padded tiles, the per-element tile index)`` so the caller can
+    hand each element its tile's scale without counting the padding."""
+    m, k = x2d.shape
+    pm, pk = (-m) % rows, (-k) % cols
+    padded = F.pad(x2d, (0, pk, 0, pm)) if pm or pk else x2d
+    mt, kt = padded.shape[0] // rows, padded.shape[1] // cols
+    tiles = padded.reshape(mt, rows, kt, cols).permute(0, 2, 1, 3).reshape(mt * kt, rows * cols)
+    if not (pm or pk):
+        return tiles, None
+    ti = torch.arange(m, device=x2d.device).div(rows, rounding_mode="floor").unsqueeze(1) * kt
+    tj = torch.arange(k, device=x2d.device).div(cols, rounding_mode="floor").unsqueeze(0)
+    return tiles, (ti + tj).reshape(-1)
+
+
+class BlockScales:
+    """A tensor as rows of one block (``x``) and one scale per row: what the stats pass takes."""
+
+    __slots__ = ("x", "scale", "scale_inv", "amax")
+
+    def __init__(self, x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor):
+        self.x, self.scale, self.scale_inv, self.amax = x, scale, scale_inv, amax
+
+
+def _per_block(x2d: torch.Tensor, rows: int, cols: int, scales_of) -> BlockScales:
+    tiles, index = _tiles(x2d, rows, cols)
+    amax = _block_amax(tiles)
+    scale, scale_inv = scales_of(amax)
+    if index is None:
+        return BlockScales(tiles, scale, scale_inv, amax)
+    # sides that do not divide: one element per row, each with its tile's scales
+    return BlockScales(x2d.reshape(-1, 1), scale[index], scale_inv[index], amax[index])
+
+
+def mxfp8_blocks(x: torch.Tensor, fmt: Fp8Format, columnwise: bool = False,
+                 code0_multiplies_by_one: bool = False) -> BlockScales:
+    """MXFP8 scales of ``x``: rowwise 1x32 blocks along the last dim, or columnwise 32x1 blocks."""
+    x2d = _as_2d(x)
+    rcp = torch.tensor(1.0 / fmt.max, dtype=torch.float32, device=x2d.device)  # TE's max_norm_rcp, a float
+
+    def scales_of(amax):
+        code = e8m0_codes(amax * rcp)
+        return e8m0_encode_factor(code, code0_multiplies_by_one), e8m0_value(code)
+
+    return _per_block(x2d, MX_BLOCK, 1, scales_of) if columnwise else _per_block(x2d, 1, MX_BLOCK, scales_of)
+
+
+def fp8_block_scaling_blocks(x: torch.Tensor, fmt: Fp8Format, block_dim: int = 1, columnwise: bool = False,
+                             pow2: bool = True, epsilon: float = 0.0) -> BlockScales:
+    """Float8BlockScaling scales of ``x``: ``block_dim`` 1 gives 1x128 blocks (columnwise: 128x1),
+    2 gives 128x128 tiles (the same for both usages)."""
+    x2d = _as_2d(x)
+    dtype = x2d.dtype if x2d.dtype.is_floating_point else torch.float32
+    inf_value = float(torch.finfo(dtype).max)  # TE: the input type's largest value
+
+    def scales_of(amax):
+        scale = te_scale_from_amax(amax, fmt.max, pow2=pow2, epsilon=epsilon, value_for_inf=inf_value)
+        return scale, scale.reciprocal()
+
+    if block_dim == 2:
+        return _per_block(x2d, FP8_BLOCK, FP8_BLOCK, scales_of)
+    return _per_block(x2d, FP8_BLOCK, 1, scales_of) if columnwise else _per_block(x2d, 1, FP8_BLOCK, scales_of)
