@@ -313,3 +313,22 @@ def test_a_version_outside_the_read_range_is_said(tmp_path, monkeypatch):
     with pytest.warns(RuntimeWarning, match="Transformer Engine 3.1"):
         with fp8scope.Monitor(nn.Sequential(pt.Linear(16, 16)), tmp_path, every=1, detect=False):
             pass
+
+
+def test_the_gpu_self_check_passes_on_a_stand_in_and_catches_a_wrong_scale(tmp_path, monkeypatch):
+    """examples/te_hopper.py --check (run on a GPU by tests/test_integrations_te.py) checks the rows
+    against TE's state with the installed version's slots: its checker, run here on a stand-in."""
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("te_hopper", Path(__file__).parents[1] / "examples" / "te_hopper.py")
+    te_hopper = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(te_hopper)
+    pt = te_standin.install(monkeypatch, "2.3.0")
+    torch.manual_seed(0)
+    model = nn.Sequential(pt.LayerNormLinear(16, 16), pt.LayerNormMLP(16, 32))
+    df, states, _ = train(pt, model, te_standin.DelayedScaling(amax_history_len=4), tmp_path, steps=3)
+    assert te_hopper.check_run("delayed", model, df, states) == []
+    wrong = df.copy()
+    wrong.loc[(wrong.layer == "1.fc2") & (wrong.tensor == "gradient") & (wrong.step == 2), "scale"] = 3.0
+    assert any("1.fc2 gradient step 2" in p for p in te_hopper.check_run("delayed", model, wrong, states))

@@ -117,7 +117,7 @@ def _split_weights(mod: nn.Module) -> list:
     return [getattr(mod, n, None) for n in names]
 
 
-def _gemms(layer: str, module: nn.Module, layout: TeLayout) -> list[_Gemm]:
+def gemm_slots(layer: str, module: nn.Module, layout: TeLayout) -> list[_Gemm]:
     kind = type(module).__name__
     if kind == "LayerNormMLP":
         fc1_grad, fc2_grad = layout.mlp_grad_slots
@@ -157,7 +157,7 @@ class _Reader:
     def __init__(self, layer: str, module: nn.Module, sink: Sink, layout: TeLayout):
         self.layer, self.sink, self.layout = layer, sink, layout
         self.kind = type(module).__name__
-        self.gemms = _gemms(layer, module, layout)
+        self.gemms = gemm_slots(layer, module, layout)
         self.sees_input = self.kind in ("Linear", "GroupedLinear")
 
     # ---- forward ---------------------------------------------------------------------
