@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import socket
 import sys
 
 import pytest
@@ -22,6 +23,13 @@ except ImportError:  # hypothesis is a dev extra
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 PYTHON = sys.executable
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (a dashboard's, a process group's rendezvous)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def has_cuda() -> bool:

@@ -10,7 +10,6 @@ import json
 import os
 import tempfile
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +19,7 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.browser
 
@@ -38,12 +38,6 @@ pytest.importorskip("dash")
 
 TRAIN = ["-m", "fp8scope.demo.train", "--n-layers", "4", "--d-model", "32", "--n-heads", "2", "--seq-len", "32",
          "--batch-size", "4", "--corpus-chars", "20000", "--every", "5", "--quiet", "--overwrite"]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _env():
@@ -119,7 +113,7 @@ def env(tmp_path_factory):
     s.write_bytes(s.read_bytes()[:-1000])  # crashed mid-write: torn tail
     _xss_run(root / "xss")
     _planted_runs(root)
-    port = _free_port()
+    port = free_port()
     log = open(base / "server.log", "w")
     srv = subprocess.Popen([PY, "-m", "fp8scope", "dashboard", str(root), "--port", str(port), "--refresh-ms", "700"],
                            stdout=log, stderr=subprocess.STDOUT, env=_env(), cwd=ROOT_DIR)

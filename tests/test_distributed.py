@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 
 import numpy as np
 import pandas as pd
@@ -19,15 +18,10 @@ import torch.multiprocessing as mp
 
 import fp8scope
 from fp8scope.distributed import AGGREGATE_RANK, CrossRankCheck, cross_rank_scale_mismatch
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 4
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _train_one(rank: int, run_dir: str, reduce: str, check, plant: bool) -> None:
@@ -74,7 +68,7 @@ def _worker(rank: int, world: int, port: int, runs: list) -> None:
 
 def _launch(tmp_path, world: int, configs: dict) -> dict:
     runs = [(str(tmp_path / name), *cfg) for name, cfg in configs.items()]
-    mp.spawn(_worker, args=(world, _free_port(), runs), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), runs), nprocs=world, join=True)
     out = {}
     for name in configs:
         run_dir = tmp_path / name

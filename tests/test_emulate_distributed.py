@@ -11,22 +11,16 @@ histories must be exactly the elementwise maximum of the ranks' unreduced ones.
 from __future__ import annotations
 
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from torch import nn
+from tests.conftest import free_port
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 5
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
@@ -64,7 +58,7 @@ def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_reduce_amax_gives_every_rank_the_max_over_ranks(tmp_path, world):
-    mp.spawn(_worker, args=(world, _free_port(), str(tmp_path)), nprocs=world, join=True)
+    mp.spawn(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
     res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
     for layer in range(1):
         reduced = [r["states"][True][layer] for r in res]

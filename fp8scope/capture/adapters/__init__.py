@@ -42,14 +42,19 @@ def adapter_for(module: nn.Module):
 
 
 @contextmanager
-def high_precision(model: nn.Module) -> Iterator[None]:
-    """Run ``model`` with every FP8 layer in high precision; FP8 state is left untouched."""
+def _entered(model: nn.Module, method: str) -> Iterator[None]:
+    """Every adapter's ``method(model)`` context entered (None: nothing to enter)."""
     with ExitStack() as stack:
         for adapter in ADAPTERS:
-            ctx = adapter.high_precision(model)
+            ctx = getattr(adapter, method)(model)
             if ctx is not None:
                 stack.enter_context(ctx)
         yield
+
+
+def high_precision(model: nn.Module):
+    """Run ``model`` with every FP8 layer in high precision; FP8 state is left untouched."""
+    return _entered(model, "high_precision")
 
 
 def make_plain(model: nn.Module) -> None:
@@ -60,12 +65,6 @@ def make_plain(model: nn.Module) -> None:
             adapter.make_plain(m)
 
 
-@contextmanager
-def plain_context(model: nn.Module) -> Iterator[None]:
+def plain_context(model: nn.Module):
     """The context a plain replica's passes run in (frameworks switched off per pass)."""
-    with ExitStack() as stack:
-        for adapter in ADAPTERS:
-            ctx = adapter.plain_context(model)
-            if ctx is not None:
-                stack.enter_context(ctx)
-        yield
+    return _entered(model, "plain_context")
