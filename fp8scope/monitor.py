@@ -105,6 +105,10 @@ class Monitor:
             (default thresholds), ``False``, or a :class:`fp8scope.detect.DetectConfig`. Events go to
             the run's ``events`` table and to the ``fp8scope.detect`` logger.
         on_event: optional ``callback(event_dict)`` called (writer thread) for each event.
+        whatif_recipes: other recipes to measure every captured tensor under on full-stats steps
+            (``"current"``, ``"mxfp8"``, ``"block128"``, ``"nvfp4"``, ``"bf16"``;
+            ``fp8scope.emulate.recipe_table``): underflow, overflow, saturation and error per
+            recipe, in the run's ``recipes`` table, ranked by ``fp8scope whatif RUN``.
     """
 
     def __init__(
@@ -129,6 +133,7 @@ class Monitor:
         on_event: Any = None,
         reduce: str = "none",
         cross_rank_check: Any = None,
+        whatif_recipes: Iterable[str] = (),
     ):
         roles = tuple(tensors)
         bad = [r for r in roles if r not in ROLES]
@@ -158,6 +163,12 @@ class Monitor:
         self._closed = False
         self._warned: set[str] = set()
         self.collector = StepCollector(roles, every, steps, capture_no_grad)
+        try:
+            from fp8scope.emulate.recipe_table import check_recipes
+
+            self.collector.whatif_recipes = check_recipes(whatif_recipes)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from None
         self.full_on_anomaly = max(0, int(full_on_anomaly))
         self.collector.fail = self._capture_failed  # adapters report their own errors here
         self.collector.warn = self._warn  # ... and what they cannot read, once per key
@@ -260,6 +271,7 @@ class Monitor:
         meta = {
             **(meta or {}),
             "whatif_recipe": self.recipe.to_dict() if hasattr(self.recipe, "to_dict") else None,
+            "whatif_recipes": list(self.collector.whatif_recipes),
             "sources": self.sources,
         }
         if self.world_size > 1 or self.reduce != "none":

@@ -100,7 +100,29 @@ EVENT_SCHEMA = pa.schema(
     metadata={b"fp8scope.table": b"events", b"fp8scope.schema_version": str(SCHEMA_VERSION).encode()},
 )
 
-TABLE_SCHEMAS = {"tensors": TENSOR_SCHEMA, "scalars": SCALAR_SCHEMA, "events": EVENT_SCHEMA}
+# Other recipes measured on the same tensors (``Monitor(whatif_recipes=...)``, ``capture.recipe_stats``):
+# long, one row per (step, tensor, recipe), so a recipe is one more dimension for readers and SQL.
+RECIPE_FIELDS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq_signal")
+RECIPE_SCHEMA = pa.schema(
+    [
+        ("step", pa.int64()),
+        ("rank", pa.int32()),
+        ("layer", pa.string()),
+        ("tensor", pa.string()),
+        ("recipe", pa.string()),
+        ("numel", pa.int64()),
+        ("nonzero", pa.int64()),
+        ("underflow", pa.int64()),
+        ("overflow", pa.int64()),
+        ("saturated", pa.int64()),
+        ("sq_err", pa.float64()),
+        ("sq_signal", pa.float64()),
+        ("sqnr_db", pa.float64()),
+    ],
+    metadata={b"fp8scope.table": b"recipes", b"fp8scope.schema_version": str(SCHEMA_VERSION).encode()},
+)
+
+TABLE_SCHEMAS = {"tensors": TENSOR_SCHEMA, "scalars": SCALAR_SCHEMA, "events": EVENT_SCHEMA, "recipes": RECIPE_SCHEMA}
 
 
 def register_table(name: str, schema: pa.Schema) -> None:

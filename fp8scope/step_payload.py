@@ -8,7 +8,8 @@ A step's rows come in two widths, both on the device until the step's single tra
 - *narrow* rows, ``CHEAP_FIELDS`` (the logged amax and the scales in use), what a cheap step
   records without reading the tensor where the recipe already did.
 
-``host`` is one flat float64 array: the wide rows, then the narrow rows, then the scalar tensors.
+``host`` is one flat float64 array: the wide rows, then the narrow rows, then the rows of other
+recipes measured on the same tensors (``schema.RECIPE_FIELDS``), then the scalar tensors.
 ``order`` lists the captures in execution order as indices into the wide rows (``>= 0``) or the
 narrow rows (``-1 - i``). A narrow row's ``nonfinite`` is a flag, 1 where its amax is NaN or Inf
 (a non-finite amax is exactly a non-finite element); its ``numel`` comes from the host-side shape.
@@ -21,7 +22,9 @@ from typing import Any
 
 import numpy as np
 
-from fp8scope.schema import FIELD_INDEX, N_FIELDS
+from fp8scope.schema import FIELD_INDEX, N_FIELDS, RECIPE_FIELDS
+
+N_RECIPE = len(RECIPE_FIELDS)
 
 # What a narrow (cheap) row holds on the device, in this order.
 CHEAP_FIELDS = ("amax", "scale", "scale_inv", "expected_amax")
@@ -57,6 +60,10 @@ class StepPayload:
     scalar_names: list[str]  # names of the scalar tensors at the tail of ``host``
     host_scalars: dict[str, float] = field(default_factory=dict)  # scalars given as Python numbers
     numels: list[int] = field(default_factory=list)  # per capture (-1: no tensor at hand)
+    # other recipes measured on the same tensors (full steps with whatif_recipes): rows of
+    # RECIPE_FIELDS after the narrow rows in ``host``, each (key id, recipe name)
+    n_recipe: int = 0
+    recipe_keys: list[tuple[int, str]] = field(default_factory=list)
 
     @property
     def n_rows(self) -> int:
@@ -70,7 +77,14 @@ class StepPayload:
         arr = self.host.numpy() if hasattr(self.host, "numpy") else np.asarray(self.host)
         w = self.n_wide * N_FIELDS
         n = w + self.n_narrow * N_CHEAP
-        return arr[:w].reshape(self.n_wide, N_FIELDS), arr[w:n].reshape(self.n_narrow, N_CHEAP), arr[n:]
+        r = n + self.n_recipe * N_RECIPE
+        return arr[:w].reshape(self.n_wide, N_FIELDS), arr[w:n].reshape(self.n_narrow, N_CHEAP), arr[r:]
+
+    def recipe_matrix(self) -> np.ndarray:
+        """The (n_recipe, N_RECIPE) rows of the other recipes, in ``recipe_keys`` order."""
+        arr = self.host.numpy() if hasattr(self.host, "numpy") else np.asarray(self.host)
+        n = self.n_wide * N_FIELDS + self.n_narrow * N_CHEAP
+        return arr[n:n + self.n_recipe * N_RECIPE].reshape(self.n_recipe, N_RECIPE)
 
     @property
     def all_narrow(self) -> bool:

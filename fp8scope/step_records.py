@@ -13,7 +13,7 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from fp8scope.schema import FIELD_INDEX, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
+from fp8scope.schema import FIELD_INDEX, RECIPE_FIELDS, RECIPE_SCHEMA, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
 from fp8scope.step_payload import CHEAP_FIELDS, TensorKey, nonfinite_flags, widen_cheap_rows
 
 _COUNT_FIELDS = ("numel", "zeros", "nonfinite", "overflow", "underflow", "saturated")
@@ -184,3 +184,31 @@ def scalar_batch(
         ],
         schema=SCALAR_SCHEMA,
     )
+
+
+def recipe_batch(step: int, rank: int, matrix: np.ndarray, recipe_keys: Sequence[tuple[int, str]],
+                 keys: Sequence[TensorKey]) -> pa.RecordBatch:
+    """The ``recipes`` rows of one step: one per (tensor, recipe), the captures of a tensor within the
+    step (micro-batches) summed, as every field is a count or a sum."""
+    merged: dict[tuple[int, str], np.ndarray] = {}
+    for (kid, recipe), values in zip(recipe_keys, matrix):
+        prev = merged.get((kid, recipe))
+        merged[(kid, recipe)] = values.copy() if prev is None else prev + values
+    rows = list(merged.items())
+    m = np.array([v for _, v in rows]).reshape(len(rows), len(RECIPE_FIELDS))
+    f = {name: m[:, i] for i, name in enumerate(RECIPE_FIELDS)}
+    with np.errstate(divide="ignore", invalid="ignore"):
+        sqnr = np.where(f["sq_err"] > 0, 10 * np.log10(f["sq_signal"] / f["sq_err"]), np.inf)
+    n = len(rows)
+    cols = {
+        "step": pa.array(np.full(n, step, dtype=np.int64)),
+        "rank": pa.array(np.full(n, rank, dtype=np.int32)),
+        "layer": pa.array([keys[k].layer for (k, _), _ in rows], type=pa.string()),
+        "tensor": pa.array([keys[k].role for (k, _), _ in rows], type=pa.string()),
+        "recipe": pa.array([r for (_, r), _ in rows], type=pa.string()),
+        **{name: _int_col(f[name]) for name in ("numel", "nonzero", "underflow", "overflow", "saturated")},
+        "sq_err": _float_col(f["sq_err"]),
+        "sq_signal": _float_col(f["sq_signal"]),
+        "sqnr_db": _float_col(sqnr),
+    }
+    return pa.RecordBatch.from_arrays([cols[name] for name in RECIPE_SCHEMA.names], schema=RECIPE_SCHEMA)

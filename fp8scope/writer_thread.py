@@ -27,7 +27,7 @@ from typing import Callable
 import pyarrow as pa
 
 from fp8scope.step_payload import StepPayload, TensorKey, cheap_rows, stats_matrix
-from fp8scope.step_records import cheap_tensor_batch, scalar_batch, tensor_batch
+from fp8scope.step_records import cheap_tensor_batch, recipe_batch, scalar_batch, tensor_batch
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
 Listener = Callable[[int, int, "pa.RecordBatch | None", pa.RecordBatch], "dict[str, pa.RecordBatch] | None"]
@@ -188,6 +188,9 @@ class BackgroundWriter:
                         self.suspicious_step = payload.step
         if tensors is not None:
             self._writer.write("tensors", tensors)
+        if payload.n_recipe:
+            self._writer.write("recipes", recipe_batch(payload.step, self.rank, payload.recipe_matrix(),
+                                                       payload.recipe_keys, self._keys))
         names = list(payload.scalar_names) + list(payload.host_scalars)
         values = list(tail) + list(payload.host_scalars.values())
         scalars = scalar_batch(payload.step, self.rank, names, values, payload.wall_time, self._scalar_names)

@@ -1,9 +1,14 @@
-"""``fp8scope whatif RUN``: replay the logged amax series through other scaling recipes.
+"""``fp8scope whatif RUN``: the recipe advisor.
 
-Answers "which amax_history_len / margin should I use?" (TE issue #1169) from the run's own
-data: per layer and tensor, how many steps would have saturated (amax above the range the
-scale allowed) and how many would have wasted >= RISK binades of range at the top
-(underflow risk), under each recipe.
+Two answers from the run's own data:
+
+- "which amax_history_len / margin should I use?" (TE issue #1169): the logged amax series replayed
+  through per-tensor recipes, per layer and tensor, how many steps would have saturated (amax above
+  the range the scale allowed) and how many would have wasted >= RISK binades of range at the top
+  (underflow risk);
+- "which recipe for which layer?": where the run measured other recipes on its tensors
+  (``Monitor(whatif_recipes=...)``), each recipe's underflow, overflow and SQNR, and for each tensor
+  the detector would flag, the recipes that remove the fault (``fp8scope.detect.advisor``).
 """
 
 from __future__ import annotations
@@ -56,10 +61,14 @@ def run(args) -> int:
     from fp8scope.detect.whatif import SAT_WEIGHT, pivot, recommend, replay
     from fp8scope.run import load_run
 
+    from fp8scope.detect.advisor import advise, measured
+
     recipes = recipes_from_args(args)
     r = load_run(args.run)
     if "tensors" not in r.table_names():
         raise UsageError(f"{args.run}: no tensor statistics to replay")
+    by_recipe = measured(r)
+    advice, summary = advise(by_recipe)
     with items("replaying recipes", len(recipes)) as advance:
         res = replay(r, recipes, risk_binades=args.risk_binades, progress=advance)
     if args.json:
@@ -70,7 +79,8 @@ def run(args) -> int:
                     d[k] = v.item()
                 if isinstance(d[k], float) and d[k] != d[k]:
                     d[k] = None
-        print_json({"rows": rows, "recommendation": recommend(res)})
+        print_json({"rows": rows, "recommendation": recommend(res),
+                    "recipes": _records(by_recipe), "advice": [a.__dict__ for a in advice], "recipe_summary": summary})
         return 0
     table = pivot(res, by_layer=args.by_layer)
     print_frame(table, title=f"{args.run}: saturation steps / underflow-risk steps (>= {args.risk_binades:g} binades "
@@ -81,4 +91,33 @@ def run(args) -> int:
     else:
         print(f"recommended: {rec['recipe']} ({rec['why']}; a clipped step counts {SAT_WEIGHT}x an underflow-risk "
               "step)")
+    if not by_recipe.empty:
+        print_recipes(by_recipe, advice, summary, args.run)
     return 0
+
+
+def print_recipes(table, advice, summary, run: str) -> None:
+    from fp8scope.cli.output import print_frame
+
+    shown = table.assign(underflow_pct=100 * table["underflow_frac"], overflow_pct=100 * table["overflow_frac"])
+    wide = shown.pivot_table(index=["layer", "tensor"], columns="recipe", values=["underflow_pct", "sqnr_db"],
+                             sort=False)
+    wide.columns = [f"{recipe} {'underflow %' if v == 'underflow_pct' else 'SQNR dB'}" for v, recipe in wide.columns]
+    print_frame(wide.reset_index().round(3), title=f"{run}: each recipe on the run's own tensors (full-stats steps)")
+    for line in summary:
+        print(line)
+    if not advice:
+        print("no tensor is at fault under the recipe in use: nothing to change")
+    for a in advice:
+        print(a.text())
+
+
+def _records(table) -> list[dict]:
+    out = table.to_dict("records")
+    for d in out:
+        for k, v in list(d.items()):
+            if hasattr(v, "item"):
+                v = d[k] = v.item()
+            if isinstance(v, float) and (v != v or v in (float("inf"), float("-inf"))):
+                d[k] = None
+    return out

@@ -139,3 +139,41 @@ def fp8_block_scaling_blocks(x: torch.Tensor, fmt: Fp8Format, block_dim: int = 1
     if block_dim == 2:
         return _per_block(x2d, FP8_BLOCK, FP8_BLOCK, scales_of)
     return _per_block(x2d, FP8_BLOCK, 1, scales_of) if columnwise else _per_block(x2d, 1, FP8_BLOCK, scales_of)
+
+
+# ---- NVFP4 (TE 2.8+, NVFP4BlockScaling): E2M1 values, 1x16 blocks with E4M3 scales, one FP32 scale --
+NVFP4_BLOCK = 16
+E2M1_MAX = 6.0
+_FLT_MAX = float(torch.finfo(torch.float32).max)
+
+
+def e2m1_round(y: torch.Tensor) -> torch.Tensor:
+    """``y`` (float32) rounded to E2M1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6), to nearest with ties to
+    even and saturating at 6 (the cast TE's kernels use, ``satfinite``). NaN stays NaN."""
+    a = y.abs().clamp(max=E2M1_MAX)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    return torch.copysign(torch.round(a / step) * step, y)  # torch.round: ties to even
+
+
+def nvfp4_blocks(x: torch.Tensor, block_2d: bool = False) -> BlockScales:
+    """NVFP4 scales of ``x`` as TE 2.16+ computes them (``common/cast/nvfp4/core_nvfp4.cuh`` 40-53,
+    81-95; ``quantize_transpose_nvfp4.cuh`` 426-435, 549-550): a per-tensor encode scale
+    ``S_enc = 448 * 6 / amax`` (1 for an all-zero tensor), each block's decode scale
+    ``e4m3(block_amax * (S_enc / 6))``, and the elements multiplied by ``1 / (s_block * S_dec)``.
+    Blocks are 1x16 along the last dim (``block_2d``: 16x16, TE's default for weights). ``scale``
+    is the elements' encode factor, ``scale_inv`` their decode factor."""
+    x2d = _as_2d(x)
+    dev = x2d.device
+    g = _block_amax(x2d.reshape(1, -1)).reshape(())
+    s_enc = torch.div(torch.tensor(448.0 * 6.0, device=dev), g).clamp(max=_FLT_MAX)
+    s_enc = torch.where((g == 0) | (s_enc == 0), 1.0, s_enc)
+    s_dec = s_enc.reciprocal()
+    sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=dev)
+
+    def scales_of(amax):
+        s_block = (amax * (s_enc * sixth)).clamp(max=_FLT_MAX).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+        enc = torch.reciprocal(s_block * s_dec).clamp(max=_FLT_MAX)
+        return enc, s_block * s_dec
+
+    rows, cols = (NVFP4_BLOCK, NVFP4_BLOCK) if block_2d else (1, NVFP4_BLOCK)
+    return _per_block(x2d, rows, cols, scales_of)

@@ -36,6 +36,7 @@ class Sink(Protocol):
         expected_amax: Any,
         deq: torch.Tensor | None = None,
         amax: torch.Tensor | None = None,
+        original: torch.Tensor | None = None,
     ) -> Any: ...
 
     def record_values(self, layer: str, role: str, source: str, fmt: Fp8Format, x: torch.Tensor,

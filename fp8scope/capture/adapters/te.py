@@ -313,7 +313,7 @@ class _Reader:
             for columnwise in (False, True) if both else (False,):
                 b = mxfp8_blocks(t, fmt, columnwise, code0_multiplies_by_one=self.layout.mx_code0_is_one)
                 sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", fmt, b.x, b.scale, b.scale_inv,
-                            b.amax)
+                            b.amax, original=t)
         elif kind == "block":
             from fp8scope.emulate.blocks import fp8_block_scaling_blocks
 
@@ -323,7 +323,7 @@ class _Reader:
             for columnwise in usages:
                 b = fp8_block_scaling_blocks(t, fmt, dim, columnwise, pow2=_pow2(q, meta, role), epsilon=_epsilon(q))
                 sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", fmt, b.x, b.scale, b.scale_inv,
-                            b.amax)
+                            b.amax, original=t)
 
     def report_hidden(self, mod, meta, kind, name, role, fmt, key, slot, state, recomputed) -> None:
         """A tensor made inside the module: TE's recorded amax and scale where TE keeps them, else

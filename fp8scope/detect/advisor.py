@@ -1,0 +1,189 @@
+"""The recipe advisor: for each layer and tensor, what each recipe did to this run's own tensors.
+
+Capture measures other recipes on full-stats steps (``Monitor(whatif_recipes=...)``, the run's
+``recipes`` table); the recipe in use is the ``tensors`` table's full rows, less the steps a tensor
+ran at delayed scaling's initial scale of 1 (before its first update: the first step's weights
+and gradients underflow there under any delayed recipe, which says nothing about the recipe). Both are summed over the
+run (or a step range) per (layer, tensor, recipe) into the same three numbers, defined once here and
+in ``fp8scope.derived``: underflow as a share of the non-zero finite values, overflow as a share of
+the elements, and SQNR from the summed squares.
+
+A tensor has a *fault* under a recipe when the detector would flag it (``DetectConfig``): underflow
+at or above ``underflow_warn`` (``underflow_grad_warn`` for gradients), or overflow at or above
+``sat_warn_fraction``; for a recipe that loses more than that by design on a Gaussian tensor
+(NVFP4), from 3x what it loses there (:func:`thresholds`). The advisor recommends, for each tensor at fault under the recipe in use,
+the recipes that remove the fault, cheapest first (:data:`COST_ORDER`: fewer bits, then coarser
+scales), and says for each recipe which roles it is safe for across all layers. Where no tensor is
+at fault, or no recipe removes a fault, it recommends nothing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+import pandas as pd
+
+from fp8scope.detect.config import DetectConfig
+from fp8scope.schema import base_role
+
+IN_USE = "in use"
+# cheapest first: 4-bit, per-tensor FP8, FP8 with 128-value blocks, FP8 with 32-value blocks, no FP8
+COST_ORDER = ("nvfp4", "current", "block128", "mxfp8", "bf16")
+NAMES = {"nvfp4": "NVFP4", "current": "per-tensor current FP8", "block128": "1x128 block FP8",
+         "mxfp8": "MXFP8", "bf16": "BF16", IN_USE: "the recipe in use"}
+_SUMS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq_signal")
+
+
+def measured(run, steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
+    """Per (layer, tensor, recipe): the summed counts and the derived shares and SQNR, the recipe in
+    use included (``recipe == "in use"``). Empty when the run measured no other recipe."""
+    if "recipes" not in run.table_names():
+        return pd.DataFrame(columns=["layer", "tensor", "recipe", *_SUMS])
+    rec = run.table("recipes").to_pandas()
+    t = run.tensors()
+    t = t[t["full"] & t["rank"].ge(0) & ~t["tensor"].str.contains("@", regex=False)]
+    rec, t = _in_steps(rec, steps), _in_steps(t, steps)
+    # a tensor's steps at delayed scaling's initial scale (1, before any amax was recorded: the first
+    # step of a run) say nothing about the recipe: left out on both sides, as are steps one side lacks
+    with np.errstate(divide="ignore", invalid="ignore"):
+        ratio = np.log2(t["fp8_max"] / t["expected_amax"])
+    initial = (t["scale"] == 1.0) & np.isfinite(ratio) & (ratio >= 0) & (ratio == np.round(ratio))
+    keys = ["step", "layer", "tensor"]
+    t = t[~initial].merge(rec[keys].drop_duplicates(), on=keys).copy()
+    rec = rec.merge(t[keys].drop_duplicates(), on=keys)
+    finite_n = t["numel"] - t["nonfinite"].fillna(0)
+    t["nonzero"] = finite_n - t["zeros"].fillna(0)
+    t["sq_err"] = t["qerr_mse"] * finite_n
+    with np.errstate(over="ignore"):
+        t["sq_signal"] = np.where(np.isinf(t["sqnr_db"]), np.nan, t["sq_err"] * 10.0 ** (t["sqnr_db"] / 10.0))
+    t["recipe"] = IN_USE
+    both = pd.concat([t[["layer", "tensor", "recipe", *_SUMS]], rec[["layer", "tensor", "recipe", *_SUMS]]])
+    out = both.groupby(["layer", "tensor", "recipe"], sort=False, as_index=False)[list(_SUMS)].sum(min_count=1)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        out["underflow_frac"] = np.where(out["nonzero"] > 0, out["underflow"] / out["nonzero"], np.nan)
+        out["overflow_frac"] = np.where(out["numel"] > 0, out["overflow"] / out["numel"], np.nan)
+        out["sqnr_db"] = np.where(out["sq_err"] > 0, 10 * np.log10(out["sq_signal"] / out["sq_err"]), np.inf)
+    return out
+
+
+def _in_steps(df: pd.DataFrame, steps: tuple[int | None, int | None] | None) -> pd.DataFrame:
+    lo, hi = steps if steps is not None else (None, None)
+    if lo is not None:
+        df = df[df["step"] >= lo]
+    if hi is not None:
+        df = df[df["step"] < hi]
+    return df
+
+
+BASELINE_FACTOR = 3.0  # a recipe is at fault beyond 3x what it does to a Gaussian tensor
+
+
+@lru_cache(maxsize=None)
+def gaussian_baseline(recipe: str, role: str) -> tuple[float, float]:
+    """(underflow share, overflow share) of ``recipe`` on a standard normal 256x256 tensor: what the
+    recipe loses by design (NVFP4's E2M1 flushes about 8 % of a Gaussian's values, and its E4M3
+    block scales, rounded down, push about 3 % past 6). Thresholds start from it, so a 4-bit
+    recipe is not judged by FP8's."""
+    if recipe == IN_USE:
+        return 0.0, 0.0
+    import torch
+
+    from fp8scope.capture.recipe_stats import recipe_stats
+    from fp8scope.schema import RECIPE_FIELDS
+
+    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
+    v = dict(zip(RECIPE_FIELDS, recipe_stats(x, recipe, role).tolist()))
+    return v["underflow"] / v["nonzero"], v["overflow"] / v["numel"]
+
+
+def thresholds(recipe: str, role: str, cfg: DetectConfig) -> tuple[float, float]:
+    """The underflow and overflow shares from which a tensor is at fault under ``recipe``: the
+    detector's (``underflow_warn``, ``underflow_grad_warn`` for gradients, ``sat_warn_fraction``),
+    or :data:`BASELINE_FACTOR` x the recipe's Gaussian baseline where that is higher."""
+    under, over = gaussian_baseline(recipe, role)
+    u = cfg.underflow_grad_warn if role == "gradient" else cfg.underflow_warn
+    return max(u, BASELINE_FACTOR * under), max(cfg.sat_warn_fraction, BASELINE_FACTOR * over)
+
+
+def fault(row, cfg: DetectConfig) -> str | None:
+    """Why ``row`` (one tensor under one recipe) would be flagged, or None."""
+    under, over = thresholds(row["recipe"], base_role(row["tensor"]), cfg)
+    if row["underflow_frac"] >= under:
+        return f"{100 * row['underflow_frac']:.3g} % of non-zero values underflow"
+    if row["overflow_frac"] >= over:
+        return f"{100 * row['overflow_frac']:.3g} % of values overflow"
+    return None
+
+
+@dataclass
+class Advice:
+    layer: str
+    tensor: str
+    problem: str  # the fault under the recipe in use
+    fixes: list[str]  # recipes that remove it, cheapest first
+    evidence: str
+
+    def text(self) -> str:
+        if not self.fixes:
+            return f"{self.layer} {self.tensor}: {self.problem} under the recipe in use; no measured recipe removes it"
+        first = " or ".join(NAMES[r] for r in self.fixes[:2])
+        return f"{self.layer} {self.tensor}: use {first}: {self.evidence}"
+
+
+def advise(table: pd.DataFrame, cfg: DetectConfig | None = None) -> tuple[list[Advice], list[str]]:
+    """Per tensor at fault under the recipe in use, the recipes that remove the fault; and per
+    recipe, the roles it is safe for across all layers."""
+    cfg = cfg or DetectConfig()
+    advice: list[Advice] = []
+    if table.empty:
+        return advice, []
+    faults = {(r.layer, r.tensor, r.recipe): fault(r._asdict(), cfg) for r in table.itertuples(index=False)}
+    for (layer, tensor), group in table.groupby(["layer", "tensor"], sort=False):
+        rows = {r.recipe: r for r in group.itertuples(index=False)}
+        now = rows.get(IN_USE)
+        problem = faults.get((layer, tensor, IN_USE)) if now is not None else None
+        if problem is None:
+            continue
+        fixes = [r for r in COST_ORDER if r in rows and faults[(layer, tensor, r)] is None]
+        shown = [IN_USE] + fixes[:2]
+        evidence = ", ".join(f"{NAMES[r]} {_pct(rows[r].underflow_frac)} underflow, "
+                             f"{_pct(rows[r].overflow_frac)} overflow, SQNR {_db(rows[r].sqnr_db)}" for r in shown)
+        advice.append(Advice(layer, tensor, problem, fixes, evidence))
+    summary = []
+    for recipe in COST_ORDER:
+        sub = table[table["recipe"] == recipe]
+        if sub.empty:
+            continue
+        roles = {}
+        for r in sub.itertuples(index=False):
+            roles.setdefault(base_role(r.tensor), []).append((r.layer, faults[(r.layer, r.tensor, recipe)]))
+        safe = [role for role, items in roles.items() if all(f is None for _, f in items)]
+        unsafe = {role: [layer for layer, f in items if f is not None] for role, items in roles.items()
+                  if any(f is not None for _, f in items)}
+        parts = []
+        if safe:
+            parts.append(f"safe for every layer's {', '.join(_plural(r) for r in safe)}")
+        for role, layers in unsafe.items():
+            parts.append(f"not for the {_plural(role)} of {_layers(layers)}")
+        summary.append(f"{NAMES[recipe]}: {'; '.join(parts)}")
+    return advice, summary
+
+
+def _plural(role: str) -> str:
+    return {"activation": "activations", "weight": "weights", "gradient": "gradients", "output": "outputs"}.get(role,
+                                                                                                               role)
+
+
+def _layers(layers: list[str]) -> str:
+    return ", ".join(layers) if len(layers) <= 4 else f"{len(layers)} layers ({', '.join(layers[:3])}, ...)"
+
+
+def _pct(v: float) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.3g} %"
+
+
+def _db(v: float) -> str:
+    return "inf" if math.isinf(v) else f"{v:.1f} dB"

@@ -1,0 +1,59 @@
+"""The recipes a tensor can be measured under, as one table: name -> how a tensor of a role is scaled.
+
+The advisor (``fp8scope whatif``) ranks them by the error each makes on the run's own tensors, which
+capture measures on full-stats steps (``Monitor(whatif_recipes=...)``, ``capture.recipe_stats``).
+Each follows a framework's rules (``emulate.blocks``, ``emulate.scaling``):
+
+- ``current``: per-tensor current scaling (TE ``Float8CurrentScaling``, HYBRID: E4M3 forward, E5M2
+  gradients), ``scale = fp8_max / amax``;
+- ``mxfp8``: TE ``MXFP8BlockScaling``: 1x32 blocks along the last dim, E8M0 scales rounded up, E4M3;
+- ``block128``: TE ``Float8BlockScaling`` (DeepSeek-style): 1x128 blocks, 128x128 tiles for weights,
+  power-of-two scales, E4M3;
+- ``nvfp4``: TE ``NVFP4BlockScaling``: E2M1 values, 1x16 blocks (16x16 for weights) with E4M3 block
+  scales under one FP32 tensor scale (without the random Hadamard transform and the stochastic
+  rounding TE adds for gradients);
+- ``bf16``: no FP8: the tensor rounded to bfloat16 (what keeping a layer in BF16 costs).
+
+Only the rowwise usage is measured (the operand of the forward GEMM and of the data gradient).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..formats import recipe_format
+from .blocks import BlockScales, fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks
+from .scaling import te_scale_from_amax
+
+RECIPES = ("current", "mxfp8", "block128", "nvfp4", "bf16")
+E2M1 = "e2m1"  # the element format name of NVFP4's values (max 6)
+
+
+def scaled(x: torch.Tensor, recipe: str, role: str) -> tuple[BlockScales | None, str]:
+    """``x`` under ``recipe`` as a tensor of ``role``: its blocks and their encode / decode factors,
+    and the element format (``e4m3``, ``e5m2``, ``e2m1``, or ``bf16`` with no blocks)."""
+    if recipe == "current":
+        fmt = recipe_format("HYBRID", "backward" if role == "gradient" else "forward")
+        flat = x.detach().reshape(1, -1)
+        amax = torch.nan_to_num(flat.abs().float(), nan=0.0, posinf=float("inf")).amax(dim=1, keepdim=True)
+        scale = te_scale_from_amax(amax, fmt.max)
+        return BlockScales(flat, scale, scale.reciprocal(), amax), fmt.name
+    e4m3 = recipe_format("E4M3", "forward")
+    if recipe == "mxfp8":
+        return mxfp8_blocks(x, e4m3), e4m3.name
+    if recipe == "block128":
+        return fp8_block_scaling_blocks(x, e4m3, 2 if role == "weight" else 1), e4m3.name
+    if recipe == "nvfp4":
+        return nvfp4_blocks(x, block_2d=role == "weight"), E2M1
+    if recipe == "bf16":
+        return None, "bf16"
+    raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
+
+
+def check_recipes(names) -> tuple[str, ...]:
+    """``names`` validated (a typo must not silently measure nothing)."""
+    names = tuple(names or ())
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        raise ValueError(f"unknown what-if recipe(s) {unknown}; known: {', '.join(RECIPES)}")
+    return names
