@@ -251,3 +251,35 @@ def test_a_massive_activation_gets_a_block_recipe_that_removes_its_underflow(tmp
     text = subprocess.run([sys.executable, "-m", "fp8scope", "whatif", str(tmp_path)], capture_output=True, text=True,
                           timeout=120).stdout
     assert "transformer.h.0.mlp.c_fc activation: use 1x128 block FP8 or MXFP8" in text
+
+
+# ---- cost --------------------------------------------------------------------------------------
+def test_each_recipe_is_a_constant_number_of_eager_ops_and_one_compiled_kernel():
+    """Eager (the CPU default): the same ops for any size, no chunking. Compiled (GPUs by default):
+    one generated kernel per recipe per tensor (inductor's C++ here, the same graph is Triton on CUDA)."""
+    import re
+
+    from torch._inductor.utils import run_and_get_code
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from fp8scope.capture import recipe_stats as rs
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    for recipe in RECIPES:
+        counts = set()
+        for shape in ((256, 512), (2048, 1024)):
+            with Count() as c:
+                rs._recipe_stats(torch.randn(shape), recipe, "activation")
+            counts.add(c.n)
+        assert len(counts) == 1 and counts.pop() <= 100, recipe
+    for recipe, role in (("mxfp8", "activation"), ("nvfp4", "weight")):
+        torch._dynamo.reset()
+        key = ("cpu", torch.float32, recipe, role)
+        _, codes = run_and_get_code(torch.compile(rs.RECIPE_STATS.eager(key), dynamic=True), *rs._examples(key))
+        assert len(re.findall(r"async_compile\.(?:cpp_pybinding|cpp|triton)\(", "\n".join(codes))) == 1, recipe

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from fp8scope.compiled import CompiledFn
 from fp8scope.emulate.blocks import E2M1_MAX, e2m1_round
 from fp8scope.emulate.recipe_table import E2M1, scaled
 from fp8scope.formats import get_format
@@ -26,7 +27,17 @@ _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
 
 def recipe_stats(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
-    """:data:`RECIPE_FIELDS` of ``x`` under ``recipe`` as a float64 vector on ``x``'s device."""
+    """:data:`RECIPE_FIELDS` of ``x`` under ``recipe`` as a float64 vector on ``x``'s device: one
+    function per (device type, dtype, recipe, role), compiled ahead where ``fp8scope.compiled``
+    compiles (one generated kernel per recipe: ``tests/test_recipe_advisor.py``), eager until then
+    (a constant number of ops, whatever the tensor's size)."""
+    x = x.detach()
+    if x.dim() != 2:
+        x = x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x.reshape(1, -1)
+    return RECIPE_STATS.get((x.device.type, x.dtype, recipe, role))(x)
+
+
+def _recipe_stats(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
     blocks, elem = scaled(x, recipe, role)
     a = (x.detach() if blocks is None else blocks.x).float()
     m = a.abs()
@@ -56,3 +67,21 @@ def recipe_stats(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
         torch.linalg.vector_norm(err, 2, dtype=f64).square(),
         torch.linalg.vector_norm(clean, 2, dtype=f64).square(),
     ])
+
+
+def _make(key):
+    _device, _dtype, recipe, role = key
+
+    def stats(x: torch.Tensor) -> torch.Tensor:
+        return _recipe_stats(x, recipe, role)
+
+    return stats
+
+
+def _examples(key):
+    """A large matrix whose sides divide every block (128): the common case compiles."""
+    device, dtype, _recipe, _role = key
+    return (torch.randn(1024, 1536, device=device).to(dtype),)
+
+
+RECIPE_STATS = CompiledFn("recipe_stats", _make, _examples)
