@@ -8,11 +8,15 @@
    ``mon.step``, against the same step unmonitored), on a cheap and on a full step, for the
    what-if model (plain FP32) and the emulated FP8 one, with the stats eager (the op counts of
    compiled code are not visible to a dispatch mode; section 1 counts its kernels).
+1b. Per other recipe measured on a tensor (``Monitor(whatif_recipes=...)``): eager ops, generated
+   kernels, one call's time eager and compiled.
 3. Monitored / unmonitored step time of the demo model, eager and ``torch.compile``d, at
-   ``every=50`` and ``every=1``: paired ratios, timed interleaved (round-robin blocks of steps).
+   ``every=50`` and ``every=1``: paired ratios, timed interleaved (round-robin blocks of steps);
+   ``--whatif-recipes`` adds a monitor that also measures those recipes.
 
     python benchmarks/capture_cost.py                 # all sections, ~6 minutes on a 2-core CPU
-    python benchmarks/capture_cost.py --sections ops  # sections 1 and 2 only (deterministic)
+    python benchmarks/capture_cost.py --sections ops  # section 2 only (deterministic)
+    python benchmarks/capture_cost.py --sections recipes,ratio --whatif-recipes all  # other recipes' cost
     python benchmarks/capture_cost.py --device cuda   # on a GPU
 
 Op and kernel counts are deterministic; timings are this machine's, printed as ratios measured in
@@ -120,6 +124,30 @@ def per_tensor(device: str, reps: int) -> None:
               f" {t_comp * 1e3:>12.2f}   {cheap_ops:>11d} (+{cheap_views}) {cheap_kernels:>8d}")
 
 
+def per_recipe(device: str, reps: int) -> None:
+    from fp8scope.capture import recipe_stats as rs
+    from fp8scope.compiled import reset_dynamo
+    from fp8scope.emulate.recipe_table import RECIPES
+
+    rows, cols = SIZES[1]
+    print(f"\n1b. other recipes measured on one captured tensor (Monitor(whatif_recipes=...), full steps; "
+          f"bf16 {rows}x{cols}, activation)")
+    print(f"   {'recipe':>9s} {'eager ops':>10s} {'kernels':>8s} {'eager ms':>9s} {'compiled ms':>12s}")
+    x = torch.randn(rows, cols, device=device).to(torch.bfloat16)
+    for recipe in RECIPES:
+        key = (device, torch.bfloat16, recipe, "activation")
+        kernels = generated_kernels(rs.RECIPE_STATS.eager(key), *rs._examples(key))
+        reset_dynamo()
+        os.environ["FP8SCOPE_COMPILE"] = "0"
+        ops, _ = count_ops(lambda: rs._recipe_stats(x, recipe, "activation"))
+        t_eager = timed(lambda: rs.recipe_stats(x, recipe, "activation"), reps)
+        os.environ["FP8SCOPE_COMPILE"] = "sync"
+        rs.recipe_stats(x, recipe, "activation")
+        rs.RECIPE_STATS.wait(key)
+        t_comp = timed(lambda: rs.recipe_stats(x, recipe, "activation"), reps)
+        print(f"   {recipe:>9s} {ops:>10d} {kernels:>8d} {t_eager * 1e3:>9.2f} {t_comp * 1e3:>12.2f}")
+
+
 def step_ops(device: str) -> None:
     print("\n2. aten ops the monitor adds to one step of the tiny GPT (stats eager)")
     os.environ["FP8SCOPE_COMPILE"] = "0"
@@ -146,7 +174,7 @@ def step_ops(device: str) -> None:
 
 
 def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("eager", "compiled"),
-           models=("off", "delayed")) -> None:
+           models=("off", "delayed"), whatif_recipes=()) -> None:
     print("\n3. monitored / unmonitored step time, demo model (paired ratios, interleaved)")
     os.environ["FP8SCOPE_COMPILE"] = "sync" if compile_stats else "0"
     for compiled in [m == "compiled" for m in modes]:
@@ -155,21 +183,23 @@ def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("ea
             for every in (50, 1):  # apart: a monitor's writer and detector threads must not load the other's timing
                 setups = {}
                 with tempfile.TemporaryDirectory() as tmp:
-                    for cfg in ("plain", "monitored"):
+                    for cfg in ("plain", "monitored") + (("recipes",) if whatif_recipes else ()):
                         setup = train.build(fp8=fp8, quiet=True, device=device)
                         if compiled:
                             setup.model = torch.compile(setup.model)
                         mon = None
                         if cfg != "plain":
                             mon = fp8scope.Monitor(setup.model, os.path.join(tmp, cfg), every=every,
-                                                   recipe=setup.recipe or None)
+                                                   recipe=setup.recipe or None,
+                                                   whatif_recipes=whatif_recipes if cfg == "recipes" else ())
                         setups[cfg] = (setup, mon)
                     sync = torch.cuda.synchronize if device.startswith("cuda") else None
                     medians, paired = time_interleaved(setups, rounds, block, warmup=6 if compiled else 3, sync=sync)
                     for _, m in setups.values():
                         if m is not None:
                             m.close()
-                cells.append(f"every={every} {paired['monitored']:.3f}x")
+                cells.append(f"every={every} {paired['monitored']:.3f}x"
+                             + (f" (+recipes {paired['recipes']:.3f}x)" if whatif_recipes else ""))
                 plain_ms.append(medians["plain"] * 1e3)
             mode = "compiled" if compiled else "eager   "
             print(f"   {mode} {label:9s} plain {min(plain_ms):7.1f} ms/step   {'  '.join(cells)}")
@@ -178,7 +208,7 @@ def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("ea
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--sections", default="tensor,ops,ratio")
+    ap.add_argument("--sections", default="tensor,recipes,ops,ratio")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
@@ -186,17 +216,24 @@ def main() -> int:
     ap.add_argument("--no-compile-stats", action="store_true", help="section 3: eager stats on a GPU too")
     ap.add_argument("--modes", default="eager,compiled", help="section 3: the model eager, compiled, or both")
     ap.add_argument("--models", default="off,delayed", help="section 3: off (what-if), delayed (emulated)")
+    ap.add_argument("--whatif-recipes", default="", help="section 3: also time a monitor measuring these recipes "
+                                                         "(comma-separated; 'all': every one)")
     args = ap.parse_args()
     sections = args.sections.split(",")
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
     if "tensor" in sections:
         per_tensor(args.device, args.reps)
+    if "recipes" in sections:
+        per_recipe(args.device, args.reps)
     if "ops" in sections:
         step_ops(args.device)
     if "ratio" in sections:
         compile_stats = args.compile_stats or (args.device != "cpu" and not args.no_compile_stats)
+        from fp8scope.emulate.recipe_table import RECIPES
+
+        recipes = RECIPES if args.whatif_recipes == "all" else tuple(r for r in args.whatif_recipes.split(",") if r)
         ratios(args.device, args.rounds, args.block, compile_stats, args.modes.split(","),
-               args.models.split(","))
+               args.models.split(","), recipes)
     return 0
 
 

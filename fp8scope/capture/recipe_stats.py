@@ -24,6 +24,7 @@ from fp8scope.emulate.recipe_table import E2M1, scaled
 from fp8scope.formats import get_format
 from fp8scope.schema import RECIPE_FIELDS
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+_ELEMENT = {name: get_format(name) for name in ("e4m3", "e5m2")}  # no lru_cache call in traced code
 
 
 def recipe_stats(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
@@ -49,7 +50,7 @@ def _recipe_stats(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
         if elem == E2M1:
             q, top = e2m1_round(a * blocks.scale), E2M1_MAX
         else:
-            fmt = get_format(elem)
+            fmt = _ELEMENT[elem]
             top = fmt.max
             q = (a * blocks.scale).clamp(-top, top).to(fmt.dtype).float()
         deq = q * blocks.scale_inv

@@ -27,18 +27,21 @@ from .scaling import te_scale_from_amax
 
 RECIPES = ("current", "mxfp8", "block128", "nvfp4", "bf16")
 E2M1 = "e2m1"  # the element format name of NVFP4's values (max 6)
+# looked up once here: the functions below are traced by torch.compile, which skips lru_caches
+_E4M3 = recipe_format("E4M3", "forward")
+_HYBRID = {"forward": recipe_format("HYBRID", "forward"), "backward": recipe_format("HYBRID", "backward")}
 
 
 def scaled(x: torch.Tensor, recipe: str, role: str) -> tuple[BlockScales | None, str]:
     """``x`` under ``recipe`` as a tensor of ``role``: its blocks and their encode / decode factors,
     and the element format (``e4m3``, ``e5m2``, ``e2m1``, or ``bf16`` with no blocks)."""
     if recipe == "current":
-        fmt = recipe_format("HYBRID", "backward" if role == "gradient" else "forward")
+        fmt = _HYBRID["backward" if role == "gradient" else "forward"]
         flat = x.detach().reshape(1, -1)
         amax = torch.nan_to_num(flat.abs().float(), nan=0.0, posinf=float("inf")).amax(dim=1, keepdim=True)
         scale = te_scale_from_amax(amax, fmt.max)
         return BlockScales(flat, scale, scale.reciprocal(), amax), fmt.name
-    e4m3 = recipe_format("E4M3", "forward")
+    e4m3 = _E4M3
     if recipe == "mxfp8":
         return mxfp8_blocks(x, e4m3), e4m3.name
     if recipe == "block128":
