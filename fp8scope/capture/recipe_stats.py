@@ -19,8 +19,8 @@ from __future__ import annotations
 import torch
 
 from fp8scope.compiled import CompiledFn
-from fp8scope.emulate.blocks import E2M1_MAX, e2m1_round
-from fp8scope.emulate.recipe_table import E2M1, scaled
+from fp8scope.emulate.blocks import E2M1_MAX
+from fp8scope.emulate.recipe_table import E2M1, quantize, scaled
 from fp8scope.formats import get_format
 from fp8scope.schema import RECIPE_FIELDS
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
@@ -47,13 +47,8 @@ def _recipe_stats(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
         q, y, top = deq, m, _BF16_MAX
     else:
         y = m * blocks.scale
-        if elem == E2M1:
-            q, top = e2m1_round(a * blocks.scale), E2M1_MAX
-        else:
-            fmt = _ELEMENT[elem]
-            top = fmt.max
-            q = (a * blocks.scale).clamp(-top, top).to(fmt.dtype).float()
-        deq = q * blocks.scale_inv
+        q, deq = quantize(blocks, elem)
+        top = E2M1_MAX if elem == E2M1 else _ELEMENT[elem].max
     err = torch.nan_to_num(deq - a, nan=0.0, posinf=0.0, neginf=0.0)
     clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
     f64 = torch.float64

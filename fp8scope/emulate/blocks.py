@@ -93,12 +93,22 @@ def _tiles(x2d: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch
 
 
 class BlockScales:
-    """A tensor as rows of one block (``x``) and one scale per row: what the stats pass takes."""
+    """A tensor as rows of one block (``x``) and one scale per row: what the stats pass takes.
+    :meth:`unview` turns a tensor laid out like ``x`` back into the original matrix's layout."""
 
-    __slots__ = ("x", "scale", "scale_inv", "amax")
+    __slots__ = ("x", "scale", "scale_inv", "amax", "_tile")
 
-    def __init__(self, x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor):
+    def __init__(self, x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, amax: torch.Tensor,
+                 tile: tuple[int, int, int, int] | None = None):
         self.x, self.scale, self.scale_inv, self.amax = x, scale, scale_inv, amax
+        self._tile = tile  # (rows, cols, block rows, block cols) when x holds whole tiles
+
+    def unview(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` (shaped like :attr:`x`) as the ``[rows, cols]`` matrix the blocks were cut from."""
+        if self._tile is None:
+            return t.reshape(-1)  # one element per row, in the matrix's order
+        m, k, r, c = self._tile
+        return t.reshape(m // r, k // c, r, c).permute(0, 2, 1, 3).reshape(m, k)
 
 
 def _per_block(x2d: torch.Tensor, rows: int, cols: int, scales_of) -> BlockScales:
@@ -106,7 +116,7 @@ def _per_block(x2d: torch.Tensor, rows: int, cols: int, scales_of) -> BlockScale
     amax = _block_amax(tiles)
     scale, scale_inv = scales_of(amax)
     if index is None:
-        return BlockScales(tiles, scale, scale_inv, amax)
+        return BlockScales(tiles, scale, scale_inv, amax, (x2d.shape[0], x2d.shape[1], rows, cols))
     # sides that do not divide: one element per row, each with its tile's scales
     return BlockScales(x2d.reshape(-1, 1), scale[index], scale_inv[index], amax[index])
 

@@ -18,7 +18,7 @@ from torch import nn
 from ..linear_like import describe_skipped, linear_kind
 from .linear import Fp8Linear, _set_globally_disabled, fp8_globally_disabled
 from .scaling import UpdateGroup
-from .recipes import CurrentScaling, DelayedScaling
+from .recipes import CurrentScaling, DelayedScaling, Recipe
 
 Selection = str | Iterable[str] | None
 
@@ -57,7 +57,7 @@ def _matcher(selection: Selection, what: str, candidates: list[str]):
 
 def convert_to_fp8(
     model: nn.Module,
-    recipe: DelayedScaling | CurrentScaling | None = None,
+    recipe: Recipe | None = None,
     layers: Selection = None,
     skip: Selection = None,
     amax_reduction_group=None,

@@ -44,7 +44,7 @@ from torch import nn
 
 from ..formats import Fp8Format
 from .quantize import quantize_dequantize
-from .recipes import CurrentScaling, DelayedScaling
+from .recipes import BLOCK_RECIPES, CurrentScaling, DelayedScaling, Recipe
 from ..autograd_phase import in_backward
 from .amax import amax_pair
 from .autocast import note_recorded, region_open
@@ -140,19 +140,23 @@ class Fp8Linear(nn.Linear):
         bias: bool = True,
         device=None,
         dtype=None,
-        recipe: DelayedScaling | CurrentScaling | None = None,
+        recipe: Recipe | None = None,
     ) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._init_fp8(recipe)
 
-    def _init_fp8(self, recipe: DelayedScaling | CurrentScaling | None) -> None:
+    def _init_fp8(self, recipe: Recipe | None) -> None:
         self.recipe = recipe if recipe is not None else DelayedScaling()
         self._formats = (self.recipe.forward_format, self.recipe.backward_format)  # looked up once
         dev = self.weight.device
         self._current_gradient = isinstance(self.recipe, CurrentScaling)
-        self.activation_state = ScalingState(self.recipe, self.recipe.forward_format, dev)
-        self.weight_state = ScalingState(self.recipe, self.recipe.forward_format, dev)
-        self.gradient_state = ScalingState(self.recipe, self.recipe.backward_format, dev)
+        # block-scaled recipes (MXFP8, Float8BlockScaling) keep no state: every block from its own amax
+        self.block_scaled = isinstance(self.recipe, BLOCK_RECIPES)
+        states = (None, None, None) if self.block_scaled else (
+            ScalingState(self.recipe, self.recipe.forward_format, dev),
+            ScalingState(self.recipe, self.recipe.forward_format, dev),
+            ScalingState(self.recipe, self.recipe.backward_format, dev))
+        self.activation_state, self.weight_state, self.gradient_state = states
         self.join_update_group(UpdateGroup())
         self.fp8_enabled = True
         self.fp8scope_tap: Tap | None = None
@@ -164,7 +168,7 @@ class Fp8Linear(nn.Linear):
         self.prepare_compile()
 
     @classmethod
-    def from_linear(cls, linear: nn.Module, recipe: DelayedScaling | CurrentScaling | None = None) -> "Fp8Linear":
+    def from_linear(cls, linear: nn.Module, recipe: Recipe | None = None) -> "Fp8Linear":
         """Wrap the layer's own Parameter objects, so an existing optimizer keeps working.
 
         ``linear``: an ``nn.Linear`` or a ``transformers`` ``Conv1D`` (its ``[in, out]`` weight is
@@ -188,8 +192,9 @@ class Fp8Linear(nn.Linear):
         """The weight as the GEMM reads it, ``[out, in]`` (a view of the Parameter)."""
         return self.weight.t() if self.weight_transposed else self.weight
 
-    def scaling_state(self, role: str) -> ScalingState:
-        """The state for ``role`` in ("activation", "weight", "gradient")."""
+    def scaling_state(self, role: str) -> ScalingState | None:
+        """The state for ``role`` in ("activation", "weight", "gradient"); None under a block-scaled
+        recipe, which keeps none."""
         if role not in ROLES:
             raise ValueError(f"role must be one of {ROLES}, got {role!r}")
         return getattr(self, f"{role}_state")
@@ -198,15 +203,17 @@ class Fp8Linear(nn.Linear):
         """Have this layer's states updated together with the other states of ``group`` (a model's
         layers: ``convert_to_fp8`` does it; see :class:`~fp8scope.emulate.scaling.UpdateGroup`)."""
         for role in ROLES:
-            group.join(self.scaling_state(role))
+            if self.scaling_state(role) is not None:
+                group.join(self.scaling_state(role))
 
     def reset_scaling(self) -> None:
         """Forget all amax history and scales (e.g. after loading new weights)."""
         for role in ROLES:
-            self.scaling_state(role).reset()
+            if self.scaling_state(role) is not None:
+                self.scaling_state(role).reset()
 
     def _emit(self, role: str, x: torch.Tensor, deq: torch.Tensor, amax: torch.Tensor, s: Scales,
-              fmt: Fp8Format, grad: bool) -> None:
+              fmt: Fp8Format, grad: bool, original: torch.Tensor | None = None) -> None:
         if torch.compiler.is_compiling():
             taps = self.fp8scope_monitor_taps
             if taps is not None:  # one opaque op in the graph; the monitor's Python runs at run time
@@ -219,7 +226,7 @@ class Fp8Linear(nn.Linear):
             return
         try:  # x detached (forward) or a gradient: nothing the tap does is recorded by autograd
             if monitor is not None:
-                monitor(role, x, deq, amax, s.scale, s.scale_inv, s.expected_amax, fmt, grad)
+                monitor(role, x, deq, amax, s.scale, s.scale_inv, s.expected_amax, fmt, grad, original)
             if tap is not None:
                 tap(role, x, deq, s.scale, s.scale_inv, s.expected_amax, fmt)
         except Exception as exc:  # noqa: BLE001 - a monitoring bug must not stop training
@@ -231,6 +238,16 @@ class Fp8Linear(nn.Linear):
                     RuntimeWarning,
                     stacklevel=2,
                 )
+
+    def _emit_blocks(self, role: str, x2d: torch.Tensor, blocks, deq_blocks: torch.Tensor, grad: bool) -> None:
+        """Report a block-scaled operand: its blocks, their dequantized values and per-block scales."""
+        if self.fp8scope_monitor is None and self.fp8scope_tap is None:
+            return
+        from .block_linear import block_scales
+
+        amax, scales = block_scales(x2d, blocks)
+        fmt = self._formats[1] if role == "gradient" else self._formats[0]
+        self._emit(role, blocks.x, deq_blocks, amax, scales, fmt, grad, original=x2d)
 
     def _gradient_done(self, grad_out: torch.Tensor, g_deq: torch.Tensor, scale: torch.Tensor,
                        scale_inv: torch.Tensor, expected: torch.Tensor, pair=None) -> None:
@@ -269,8 +286,12 @@ class Fp8Linear(nn.Linear):
             return F.linear(input, self.gemm_weight(), self.bias)
         if not torch.compiler.is_compiling():
             self.prepare_compile()  # a no-op but for a copy's first forward
-        grad = torch.is_grad_enabled()
         out_dtype = _autocast_dtype(input)
+        if self.block_scaled:
+            from .block_linear import block_forward
+
+            return block_forward(self, input, out_dtype)
+        grad = torch.is_grad_enabled()
         eager = not torch.compiler.is_compiling()
         # a forward re-run inside backward (activation checkpointing) uses the scales of its first
         # run and records nothing (TE's recompute buffers); no update can have run in between

@@ -22,7 +22,8 @@ from __future__ import annotations
 import torch
 
 from ..formats import recipe_format
-from .blocks import BlockScales, fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks
+from ..formats import get_format
+from .blocks import BlockScales, e2m1_round, fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks
 from .scaling import te_scale_from_amax
 
 RECIPES = ("current", "mxfp8", "block128", "nvfp4", "bf16")
@@ -30,11 +31,16 @@ E2M1 = "e2m1"  # the element format name of NVFP4's values (max 6)
 # looked up once here: the functions below are traced by torch.compile, which skips lru_caches
 _E4M3 = recipe_format("E4M3", "forward")
 _HYBRID = {"forward": recipe_format("HYBRID", "forward"), "backward": recipe_format("HYBRID", "backward")}
+_ELEMENTS = {name: get_format(name) for name in ("e4m3", "e5m2")}
 
 
-def scaled(x: torch.Tensor, recipe: str, role: str) -> tuple[BlockScales | None, str]:
+def scaled(x: torch.Tensor, recipe: str, role: str, columnwise: bool = False) -> tuple[BlockScales | None, str]:
     """``x`` under ``recipe`` as a tensor of ``role``: its blocks and their encode / decode factors,
-    and the element format (``e4m3``, ``e5m2``, ``e2m1``, or ``bf16`` with no blocks)."""
+    and the element format (``e4m3``, ``e5m2``, ``e2m1``, or ``bf16`` with no blocks).
+    ``columnwise``: the usage TE's backward GEMMs read (MXFP8 32x1 blocks, Float8BlockScaling 128x1;
+    a weight's 128x128 tiles serve both)."""
+    if columnwise and recipe in ("mxfp8", "block128") and not (recipe == "block128" and role == "weight"):
+        return _columnwise(x, recipe)
     if recipe == "current":
         fmt = _HYBRID["backward" if role == "gradient" else "forward"]
         flat = x.detach().reshape(1, -1)
@@ -60,3 +66,34 @@ def check_recipes(names) -> tuple[str, ...]:
     if unknown:
         raise ValueError(f"unknown what-if recipe(s) {unknown}; known: {', '.join(RECIPES)}")
     return names
+
+
+def quantize(blocks: BlockScales, elem: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' values cast to ``elem`` with their scales: ``(codes as float32, in the scaled
+    domain, saturating; dequantized values)``, both laid out like ``blocks.x``. The one cast of
+    the block recipes, for the error capture measures and for the emulated layer alike."""
+    y = blocks.x.float() * blocks.scale
+    if elem == E2M1:
+        q = e2m1_round(y)
+    else:
+        fmt = _ELEMENTS[elem]
+        q = y.clamp(-fmt.max, fmt.max).to(fmt.dtype).float()
+    return q, q * blocks.scale_inv
+
+
+def quantize_dequantize(x: torch.Tensor, recipe: str, role: str, columnwise: bool = False) -> torch.Tensor:
+    """``x`` (2-D) quantized under ``recipe`` as a tensor of ``role`` and decoded, in ``x``'s layout
+    and float32: ``columnwise`` takes the usage TE's backward GEMMs read (blocks along dim 0)."""
+    if recipe == "bf16":
+        return x.detach().to(torch.bfloat16).float()
+    blocks, elem = scaled(x, recipe, role, columnwise)
+    _, deq = quantize(blocks, elem)
+    return blocks.unview(deq).reshape(x.shape)
+
+
+def _columnwise(x: torch.Tensor, recipe: str) -> tuple[BlockScales, str]:
+    if recipe == "mxfp8":
+        return mxfp8_blocks(x, _E4M3, columnwise=True), _E4M3.name
+    if recipe == "block128":
+        return fp8_block_scaling_blocks(x, _E4M3, 1, columnwise=True), _E4M3.name
+    raise ValueError(f"recipe {recipe!r} has no columnwise usage here")

@@ -17,7 +17,7 @@ everywhere); the element formats come from :mod:`fp8scope.formats`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any, ClassVar
 
 from ..formats import Fp8Format, recipe_format
@@ -69,7 +69,7 @@ class _RecipeBase:
     def to_dict(self) -> dict[str, Any]:
         """JSON-able description; ``recipe_from_dict(r.to_dict()) == r``."""
         d: dict[str, Any] = {"kind": self.kind}
-        d.update({f: getattr(self, f) for f in self.__dataclass_fields__})  # type: ignore[attr-defined]
+        d.update({f.name: getattr(self, f.name) for f in fields(self)})  # type: ignore[arg-type]
         return d
 
 
@@ -126,8 +126,41 @@ class CurrentScaling(_RecipeBase):
         object.__setattr__(self, "fp8_format", _normalize_format(self.fp8_format))
 
 
-Recipe = DelayedScaling | CurrentScaling
-_KINDS: dict[str, type] = {"delayed": DelayedScaling, "current": CurrentScaling}
+@dataclass(frozen=True)
+class MXFP8BlockScaling(_RecipeBase):
+    """TE ``MXFP8BlockScaling``: E4M3 values in both passes, one E8M0 scale per 32 values (rowwise
+    1x32 for the forward GEMM, columnwise 32x1 for the backward ones), from each block's own amax
+    (``emulate.blocks``). No state between steps."""
+
+    fp8_format: str = "E4M3"
+    kind: ClassVar[str] = "mxfp8"
+    margin: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        if _normalize_format(self.fp8_format) != "E4M3":
+            raise ValueError(f"MXFP8 uses E4M3 values here, got {self.fp8_format!r}")
+        object.__setattr__(self, "fp8_format", "E4M3")
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(_RecipeBase):
+    """TE ``Float8BlockScaling`` (DeepSeek-style): E4M3, a power-of-two scale per 1x128 block of
+    activations and gradients (128x1 for their backward usage) and per 128x128 tile of weights."""
+
+    fp8_format: str = "E4M3"
+    kind: ClassVar[str] = "block128"
+    margin: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        if _normalize_format(self.fp8_format) != "E4M3":
+            raise ValueError(f"Float8BlockScaling uses E4M3 values here, got {self.fp8_format!r}")
+        object.__setattr__(self, "fp8_format", "E4M3")
+
+
+BLOCK_RECIPES = (MXFP8BlockScaling, Float8BlockScaling)
+Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling | Float8BlockScaling
+_KINDS: dict[str, type] = {"delayed": DelayedScaling, "current": CurrentScaling, "mxfp8": MXFP8BlockScaling,
+                           "block128": Float8BlockScaling}
 
 
 def recipe_from_dict(d: dict[str, Any]) -> Recipe:
@@ -138,8 +171,8 @@ def recipe_from_dict(d: dict[str, Any]) -> Recipe:
     if kind not in _KINDS:
         raise ValueError(f"unknown recipe kind {kind!r}; expected one of {sorted(_KINDS)}")
     cls = _KINDS[kind]
-    fields = {k: v for k, v in d.items() if k != "kind"}
-    unknown = set(fields) - set(cls.__dataclass_fields__)
+    fields_ = {k: v for k, v in d.items() if k != "kind"}
+    unknown = set(fields_) - {f.name for f in fields(cls)}
     if unknown:
         raise ValueError(f"unknown field(s) {sorted(unknown)} for recipe kind {kind!r}")
-    return cls(**fields)
+    return cls(**fields_)

@@ -159,6 +159,13 @@ def _local_fp8_output(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     rec = m.recipe
     fmt = rec.forward_format
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
+        if getattr(m, "block_scaled", False):  # per-block scales from the operands themselves
+            from fp8scope.emulate.recipe_table import quantize_dequantize as block_qdq
+
+            x2 = x.detach().reshape(-1, x.shape[-1])
+            xd = block_qdq(x2, rec.kind, "activation").reshape(x.shape)
+            wd = block_qdq(m.gemm_weight().detach(), rec.kind, "weight")
+            return F.linear(xd, wd, None if m.bias is None else m.bias.detach().float())
         if isinstance(rec, CurrentScaling):
             sx = ScalingState(rec, fmt, x.device).begin(x)
             sw = ScalingState(rec, fmt, x.device).begin(m.gemm_weight().detach())

@@ -28,14 +28,15 @@ class EmulatedSource:
         fmts = {"activation": module.recipe.forward_format, "weight": module.recipe.forward_format,
                 "gradient": module.recipe.backward_format}
 
-        def monitor(role, x, deq, amax, scale, scale_inv, expected_amax, fmt, grad_enabled):
+        def monitor(role, x, deq, amax, scale, scale_inv, expected_amax, fmt, grad_enabled, original=None):
             # the layer's scaling state already computed this tensor's amax: on cheap steps the row
             # is those tensors, no op at all
             try:
                 if not sink.wants(role, grad_enabled=grad_enabled):
                     return
                 if sink.full:
-                    sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq, amax=amax)
+                    sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq, amax=amax,
+                                original=original)
                 else:
                     sink.record_values(layer, role, "emulated", fmt, x, (amax, scale, scale_inv, expected_amax))
             except Exception as exc:  # a monitor problem must not reach training (see guarded)
