@@ -89,6 +89,21 @@ def compute_scale_from_amax(amax: float, max_fp8: float, pow2: bool, epsilon: fl
     return scale
 
 
+def float_to_e8m0(val: float) -> int:
+    """``float_to_e8m0``, the software path (``common/util/ptx.cuh`` v2.18 386-418), on Python floats."""
+    if math.isnan(val):
+        return 0xFF
+    if math.isinf(val):
+        return 0xFE
+    if val == 0.0:
+        return 0
+    u = struct.unpack("<I", struct.pack("<f", val))[0]
+    exponent, mantissa = (u >> 23) & 0xFF, u & 0x7FFFFF
+    if (mantissa > 0 and exponent != 0xFE) and not (exponent == 0 and mantissa <= 0x400000):
+        exponent += 1
+    return exponent
+
+
 def te_amax(t: torch.Tensor) -> float:
     """fmaxf(|x|) from 0: NaN elements ignored."""
     return float(torch.nan_to_num(t.detach().float().abs(), nan=0.0, posinf=math.inf).max()) if t.numel() else 0.0

@@ -10,8 +10,6 @@ multiples).
 from __future__ import annotations
 
 import json
-import math
-import struct
 import subprocess
 import sys
 
@@ -26,6 +24,7 @@ from fp8scope.detect.advisor import IN_USE, advise, measured
 from fp8scope.emulate.blocks import e2m1_round, mxfp8_blocks, nvfp4_blocks
 from fp8scope.emulate.recipe_table import RECIPES
 from fp8scope.schema import RECIPE_FIELDS
+from tests.te_standin import float_to_e8m0
 
 F32_MAX = float(np.finfo(np.float32).max)
 
@@ -56,18 +55,6 @@ def f32(v):
     return np.float32(v)
 
 
-def ref_e8m0(v: float) -> int:
-    if math.isnan(v):
-        return 255
-    if math.isinf(v):
-        return 254
-    if v == 0.0:
-        return 0
-    u = struct.unpack("<I", struct.pack("<f", v))[0]
-    e, m = (u >> 23) & 0xFF, u & 0x7FFFFF
-    return e + 1 if (m > 0 and e != 0xFE) and not (e == 0 and m <= 0x400000) else e
-
-
 def ref_mxfp8(x: np.ndarray) -> np.ndarray:
     """TE's MXFP8 quantize-dequantize, rowwise 1x32 (rows a multiple of 32)."""
     blocks = x.reshape(-1, 32).astype(np.float32)
@@ -75,7 +62,7 @@ def ref_mxfp8(x: np.ndarray) -> np.ndarray:
     rcp = f32(1 / 448)
     for i, b in enumerate(blocks):
         amax = np.float32(np.nanmax(np.abs(np.where(np.isnan(b), 0, b))))
-        code = ref_e8m0(float(f32(amax * rcp)))
+        code = float_to_e8m0(float(f32(amax * rcp)))
         enc = 2.0 ** (127 - code) if code < 254 else 2.0 ** -127
         out[i] = e4m3(b.astype(np.float64) * enc) * 2.0 ** (code - 127)
     return out.reshape(x.shape)

@@ -24,7 +24,7 @@ from fp8scope.emulate.blocks import e8m0_codes, fp8_block_scaling_blocks, mxfp8_
 from fp8scope.emulate.scaling import te_scale_from_amax
 from fp8scope.formats import get_format
 from tests import te_standin
-from tests.te_standin import compute_scale_from_amax, te_amax
+from tests.te_standin import compute_scale_from_amax, float_to_e8m0, te_amax
 
 VERSIONS = ["2.0.0", "2.3.0", "2.4.0", "2.8.0", "2.12.0", "2.16.0", "2.18.0", "2.20.0.dev0+d0067d0"]
 E4M3, E5M2 = get_format("e4m3"), get_format("e5m2")
@@ -209,21 +209,6 @@ def test_te_scale_rule_matches_te_on_adversarial_amaxes():
 
 
 # ---- MXFP8 and Float8BlockScaling -------------------------------------------------------------
-def _ref_e8m0(val: float) -> int:
-    """float_to_e8m0, the software path (common/util/ptx.cuh v2.18 386-418), on Python floats."""
-    if math.isnan(val):
-        return 0xFF
-    if math.isinf(val):
-        return 0xFE
-    if val == 0.0:
-        return 0
-    u = struct.unpack("<I", struct.pack("<f", val))[0]
-    exponent, mantissa = (u >> 23) & 0xFF, u & 0x7FFFFF
-    if (mantissa > 0 and exponent != 0xFE) and not (exponent == 0 and mantissa <= 0x400000):
-        exponent += 1
-    return exponent
-
-
 def test_e8m0_codes_round_up_as_te_does():
     rcp = struct.unpack("<f", struct.pack("<f", 1 / 448))[0]  # TE's max_norm_rcp, a float
     vals = [0.0, 1e-45, 2.0 ** -127, 2.0 ** -126, 3e-39, 1.0, 2.0, 2.0 * (1 + 2.0 ** -23), 448.0, 448.0 * 2 ** 10,
@@ -233,7 +218,7 @@ def test_e8m0_codes_round_up_as_te_does():
     products = [struct.unpack("<f", struct.pack("<f", v * rcp))[0] if math.isfinite(v * rcp) else v * rcp
                 for v in vals]
     got = e8m0_codes(torch.tensor(vals, dtype=torch.float32) * torch.tensor(rcp)).tolist()
-    assert got == [_ref_e8m0(p) for p in products]
+    assert got == [float_to_e8m0(p) for p in products]
     # just above a power of two: one binade up (log2 in float32 rounds these to the power itself)
     assert e8m0_codes(torch.tensor([2.0 ** 20 * (1 + 2.0 ** -23)])).item() == 127 + 21
 

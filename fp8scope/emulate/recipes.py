@@ -126,35 +126,33 @@ class CurrentScaling(_RecipeBase):
         object.__setattr__(self, "fp8_format", _normalize_format(self.fp8_format))
 
 
-@dataclass(frozen=True)
-class MXFP8BlockScaling(_RecipeBase):
-    """TE ``MXFP8BlockScaling``: E4M3 values in both passes, one E8M0 scale per 32 values (rowwise
-    1x32 for the forward GEMM, columnwise 32x1 for the backward ones), from each block's own amax
-    (``emulate.blocks``). No state between steps."""
+class _BlockRecipe(_RecipeBase):
+    """A block-scaled recipe: E4M3 values in both passes, scales from each block's own amax."""
 
-    fp8_format: str = "E4M3"
-    kind: ClassVar[str] = "mxfp8"
     margin: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         if _normalize_format(self.fp8_format) != "E4M3":
-            raise ValueError(f"MXFP8 uses E4M3 values here, got {self.fp8_format!r}")
+            raise ValueError(f"{type(self).__name__} uses E4M3 values here, got {self.fp8_format!r}")
         object.__setattr__(self, "fp8_format", "E4M3")
 
 
 @dataclass(frozen=True)
-class Float8BlockScaling(_RecipeBase):
-    """TE ``Float8BlockScaling`` (DeepSeek-style): E4M3, a power-of-two scale per 1x128 block of
+class MXFP8BlockScaling(_BlockRecipe):
+    """TE ``MXFP8BlockScaling``: one E8M0 scale per 32 values (rowwise 1x32 for the forward GEMM,
+    columnwise 32x1 for the backward ones), rounded up (``emulate.blocks``). No state between steps."""
+
+    fp8_format: str = "E4M3"
+    kind: ClassVar[str] = "mxfp8"
+
+
+@dataclass(frozen=True)
+class Float8BlockScaling(_BlockRecipe):
+    """TE ``Float8BlockScaling`` (DeepSeek-style): a power-of-two scale per 1x128 block of
     activations and gradients (128x1 for their backward usage) and per 128x128 tile of weights."""
 
     fp8_format: str = "E4M3"
     kind: ClassVar[str] = "block128"
-    margin: ClassVar[int] = 0
-
-    def __post_init__(self) -> None:
-        if _normalize_format(self.fp8_format) != "E4M3":
-            raise ValueError(f"Float8BlockScaling uses E4M3 values here, got {self.fp8_format!r}")
-        object.__setattr__(self, "fp8_format", "E4M3")
 
 
 BLOCK_RECIPES = (MXFP8BlockScaling, Float8BlockScaling)
