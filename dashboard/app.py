@@ -25,12 +25,13 @@ from dashboard.ui import error_card, link, note, panel, plot_label
 from fp8scope.errors import Fp8ScopeError
 
 VIEWS = [("runs", "Runs"), ("overview", "Overview"), ("heatmap", "Heatmap"), ("outliers", "Outlier layers"),
-         ("tensor", "Tensor"), ("compare", "Compare"), ("live", "Live")]
+         ("tensor", "Tensor"), ("recipes", "Recipes"), ("compare", "Compare"), ("live", "Live")]
 PARAMS = ("view", "run", "b", "stat", "role", "agg", "layer", "q", "s0", "s1", "page", "info")
 # view -> (controls, body); controls None: the page has none
 PAGES = {"overview": (None, P.overview_body), "heatmap": (P.heatmap_controls, P.heatmap_body),
          "outliers": (P.outliers_controls, P.outliers_body), "tensor": (P.tensor_controls, P.tensor_body),
-         "compare": (P.compare_controls, P.compare_body), "live": (None, P.live_body)}
+         "recipes": (P.recipes_controls, P.recipes_body), "compare": (P.compare_controls, P.compare_body),
+         "live": (None, P.live_body)}
 ZOOMABLE = ("heatmap-graph", "tensor-amax")
 
 

@@ -383,6 +383,41 @@ def outliers_body(app, e, p):
             data_table("outliers-table", cols, rows, {0} | set(range(4, 15)))]
 
 
+# ---- Recipes (the advisor) ------------------------------------------------------------------
+def recipes_controls(app, e, p):
+    rl = Q.roles(e)
+    role = p.get("role") if p.get("role") in rl else None
+    return html.Div([ctl("role", dcc.Dropdown, "tensor role (empty = all)",
+                         options=[{"label": r, "value": r} for r in rl], value=role)], className="controls")
+
+
+def recipes_body(app, e, p):
+    """Each recipe the run measured on its own tensors, and the advisor's verdict: the one analysis
+    of ``fp8scope whatif`` (``fp8scope.detect.advisor``)."""
+    from fp8scope.detect.advisor import NAMES, advise, fault, measured
+
+    if not e.has("recipes"):
+        return note("This run measured no other recipe. Monitor(..., whatif_recipes=[\"current\", \"mxfp8\", "
+                    "\"block128\", \"nvfp4\", \"bf16\"]) measures them on full-stats steps.", id="recipes-none")
+    table = e.cached(("advisor-table",), lambda: measured(e.run))
+    advice, summary = e.cached(("advisor-advice",), lambda: advise(table))
+    rl = Q.roles(e)
+    role = p.get("role") if p.get("role") in rl else None
+    shown = table if role is None else table[table["tensor"] == role]
+    from fp8scope.detect.config import DetectConfig
+
+    cfg = DetectConfig()
+    rows = [[r.layer, r.tensor, NAMES.get(r.recipe, r.recipe), fmt(100 * r.underflow_frac, ".3g"),
+             fmt(100 * r.overflow_frac, ".3g"), fmt(r.sqnr_db, ".1f"), fault(r._asdict(), cfg) or ""]
+            for r in shown.itertuples(index=False)]
+    verdict = ([html.Li(a.text()) for a in advice] if advice
+               else [html.Li("No tensor is at fault under the recipe in use: nothing to change.")])
+    return [html.H3("Advice"), html.Ul(verdict, id="recipes-advice"),
+            html.Ul([html.Li(line) for line in summary], id="recipes-summary", className="muted"),
+            data_table("recipes-table", ["layer", "role", "recipe", "underflow %", "overflow %", "SQNR dB", "fault"],
+                       rows, {3, 4, 5})]
+
+
 # ---- Tensor ---------------------------------------------------------------------------------
 def tensor_pick(e, p):
     """(layers, roles, layer, role, problem): the URL's tensor, or the report's culprit, or the top

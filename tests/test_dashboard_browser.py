@@ -101,8 +101,8 @@ def env(tmp_path_factory):
     # the logged demo run, with an outlier planted in blocks.1.mlp.down at step 12 (1000x: clipped far beyond
     # what warm-up may mute)
     subprocess.run([PY, *TRAIN, "--steps", "24", "--run-dir", str(root / "demo"),
-                    "--inject", "outlier:blocks.1.mlp.down:12:1000:2"], check=True, env=_env(), cwd=ROOT_DIR,
-                   timeout=240)
+                    "--inject", "outlier:blocks.1.mlp.down:12:1000:2", "--whatif-recipes", "current,mxfp8"],
+                   check=True, env=_env(), cwd=ROOT_DIR, timeout=240)
     shutil.copytree(root / "demo", outside)  # a real run outside the root
     os.symlink(outside, root / "escape")  # symlink out of the root: must be refused
     (root / "bad").mkdir()
@@ -205,6 +205,19 @@ def test_outliers_click_through_to_tensor(page, env):
     assert page.inner_text("#tensor-title") == "blocks.1.mlp.down / activation"
     assert "view=tensor" in page.url
     shot(page, "tensor")
+
+
+def test_recipes_view_gives_the_advisor(page, env):
+    """The run measured per-tensor current scaling and MXFP8 beside its own recipe: the Recipes view
+    lists each per tensor, with the advisor's summary (the one analysis `fp8scope whatif` prints)."""
+    go(page, env, "?run=demo&view=recipes", "#recipes-table td")
+    recipes = set(cells(page, "recipes-table", "recipe"))
+    assert recipes == {"the recipe in use", "per-tensor current FP8", "MXFP8"}
+    assert "blocks.1.mlp.down" in cells(page, "recipes-table", "layer")
+    assert "MXFP8" in page.inner_text("#recipes-summary")
+    shot(page, "recipes")
+    go(page, env, "?run=xss&view=recipes", "#recipes-none")  # a run without recipes says how to get them
+    assert "whatif_recipes" in page.inner_text("#recipes-none")
 
 
 def test_path_traversal_is_refused(page, env):

@@ -71,6 +71,9 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--fp8-skip", action="append", default=None, metavar="LAYER",
                    help="keep this Linear in high precision (repeatable; default: lm_head)")
     p.add_argument("--every", type=int, default=10, help="monitor: full statistics every N steps")
+    p.add_argument("--whatif-recipes", default="", metavar="R1,R2",
+                   help="monitor: also measure these recipes on full-stats steps (current, mxfp8, block128, nvfp4, "
+                        "bf16; 'all': every one), for `fp8scope whatif` and the dashboard's Recipes view")
     p.add_argument("--inject", action="append", default=[], metavar="SPEC", type=_inject_arg,
                    help="plant an instability: outlier:LAYER:STEP[:FACTOR[:DURATION]], nan:LAYER:STEP, "
                         "gradscale:LAYER:STEP[:FACTOR], lr:STEP[:FACTOR] (repeatable)")
@@ -410,8 +413,12 @@ def open_monitor(setup: Setup, run_dir: str | Path):
     recipe = setup.recipe
     if recipe is None:  # --fp8 off: what-if stats against the delayed recipe the flags describe
         recipe = make_recipe(argparse.Namespace(**{**vars(setup.args), "fp8": "delayed"}))
+    from fp8scope.emulate.recipe_table import RECIPES
+
+    names = getattr(setup.args, "whatif_recipes", "") or ""
+    recipes = RECIPES if names == "all" else tuple(r for r in names.split(",") if r)
     return fp8scope.Monitor(setup.model, str(run_dir), every=setup.args.every,
-                            recipe=recipe, meta=setup.meta())
+                            recipe=recipe, meta=setup.meta(), whatif_recipes=recipes)
 
 
 def main(argv: list[str] | None = None) -> int:
