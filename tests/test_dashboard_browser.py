@@ -213,7 +213,8 @@ def test_recipes_view_gives_the_advisor(page, env):
     go(page, env, "?run=demo&view=recipes", "#recipes-table td")
     recipes = set(cells(page, "recipes-table", "recipe"))
     assert recipes == {"the recipe in use", "per-tensor current FP8", "MXFP8"}
-    assert "blocks.1.mlp.down" in cells(page, "recipes-table", "layer")
+    layers, roles = cells(page, "recipes-table", "layer"), cells(page, "recipes-table", "role")
+    assert layers[:3] == ["blocks.0.attn.qkv"] * 3 and len(set(roles[:3])) == 1  # a tensor's recipes together
     assert "MXFP8" in page.inner_text("#recipes-summary")
     shot(page, "recipes")
     go(page, env, "?run=xss&view=recipes", "#recipes-none")  # a run without recipes says how to get them

@@ -62,6 +62,12 @@ def measured(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
     t["recipe"] = IN_USE
     both = pd.concat([t[["layer", "tensor", "recipe", *_SUMS]], rec[["layer", "tensor", "recipe", *_SUMS]]])
     out = both.groupby(["layer", "tensor", "recipe"], sort=False, as_index=False)[list(_SUMS)].sum(min_count=1)
+    # each tensor's recipes together: the recipe in use first, then cheapest first; tensors in run order
+    first = {k: i for i, k in enumerate(dict.fromkeys(zip(out["layer"], out["tensor"])))}
+    rank = {r: i for i, r in enumerate((IN_USE, *COST_ORDER))}
+    out = out.assign(_t=[first[k] for k in zip(out["layer"], out["tensor"])],
+                     _r=out["recipe"].map(lambda r: rank.get(r, len(rank))))
+    out = out.sort_values(["_t", "_r"], kind="stable").drop(columns=["_t", "_r"]).reset_index(drop=True)
     with np.errstate(divide="ignore", invalid="ignore"):
         out["underflow_frac"] = np.where(out["nonzero"] > 0, out["underflow"] / out["nonzero"], np.nan)
         out["overflow_frac"] = np.where(out["numel"] > 0, out["overflow"] / out["numel"], np.nan)
