@@ -394,13 +394,14 @@ def recipes_controls(app, e, p):
 def recipes_body(app, e, p):
     """Each recipe the run measured on its own tensors, and the advisor's verdict: the one analysis
     of ``fp8scope whatif`` (``fp8scope.detect.advisor``)."""
-    from fp8scope.detect.advisor import NAMES, advise, fault, measured
+    from fp8scope.detect.advisor import NAMES, advise, fault, per_step, summed
 
     if not e.has("recipes"):
         return note("This run measured no other recipe. Monitor(..., whatif_recipes=[\"current\", \"mxfp8\", "
                     "\"block128\", \"nvfp4\", \"bf16\"]) measures them on full-stats steps.", id="recipes-none")
-    table = e.cached(("advisor-table",), lambda: measured(e.run))
-    advice, summary = e.cached(("advisor-advice",), lambda: advise(table))
+    rows = e.cached(("advisor-rows",), lambda: per_step(e.run))
+    table = e.cached(("advisor-table",), lambda: summed(rows))
+    advice, summary = e.cached(("advisor-advice",), lambda: advise(rows))
     rl = Q.roles(e)
     role = p.get("role") if p.get("role") in rl else None
     shown = table if role is None else table[table["tensor"] == role]

@@ -102,7 +102,7 @@ EVENT_SCHEMA = pa.schema(
 
 # Other recipes measured on the same tensors (``Monitor(whatif_recipes=...)``, ``capture.recipe_stats``):
 # long, one row per (step, tensor, recipe), so a recipe is one more dimension for readers and SQL.
-RECIPE_FIELDS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq_signal")
+RECIPE_FIELDS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq_signal", "clip_ratio")
 RECIPE_SCHEMA = pa.schema(
     [
         ("step", pa.int64()),
@@ -118,6 +118,7 @@ RECIPE_SCHEMA = pa.schema(
         ("sq_err", pa.float64()),
         ("sq_signal", pa.float64()),
         ("sqnr_db", pa.float64()),
+        ("clip_ratio", pa.float64()),  # the largest |x * scale| / the format's max: > 1 clips
     ],
     metadata={b"fp8scope.table": b"recipes", b"fp8scope.schema_version": str(SCHEMA_VERSION).encode()},
 )

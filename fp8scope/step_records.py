@@ -189,11 +189,18 @@ def scalar_batch(
 def recipe_batch(step: int, rank: int, matrix: np.ndarray, recipe_keys: Sequence[tuple[int, str]],
                  keys: Sequence[TensorKey]) -> pa.RecordBatch:
     """The ``recipes`` rows of one step: one per (tensor, recipe), the captures of a tensor within the
-    step (micro-batches) summed, as every field is a count or a sum."""
+    step (micro-batches) summed (every field is a count or a sum but the clip ratio, which keeps its
+    largest)."""
     merged: dict[tuple[int, str], np.ndarray] = {}
+    clip = RECIPE_FIELDS.index("clip_ratio")
     for (kid, recipe), values in zip(recipe_keys, matrix):
         prev = merged.get((kid, recipe))
-        merged[(kid, recipe)] = values.copy() if prev is None else prev + values
+        if prev is None:
+            merged[(kid, recipe)] = values.copy()
+        else:
+            both = prev + values
+            both[clip] = max(prev[clip], values[clip])  # the worst capture's, not a sum
+            merged[(kid, recipe)] = both
     rows = list(merged.items())
     m = np.array([v for _, v in rows]).reshape(len(rows), len(RECIPE_FIELDS))
     f = {name: m[:, i] for i, name in enumerate(RECIPE_FIELDS)}
@@ -210,5 +217,6 @@ def recipe_batch(step: int, rank: int, matrix: np.ndarray, recipe_keys: Sequence
         "sq_err": _float_col(f["sq_err"]),
         "sq_signal": _float_col(f["sq_signal"]),
         "sqnr_db": _float_col(sqnr),
+        "clip_ratio": _float_col(f["clip_ratio"]),
     }
     return pa.RecordBatch.from_arrays([cols[name] for name in RECIPE_SCHEMA.names], schema=RECIPE_SCHEMA)

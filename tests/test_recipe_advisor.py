@@ -20,7 +20,7 @@ from torch import nn
 
 import fp8scope
 from fp8scope.capture.recipe_stats import recipe_stats
-from fp8scope.detect.advisor import IN_USE, advise, measured
+from fp8scope.detect.advisor import IN_USE, advise, per_step, summed
 from fp8scope.emulate.blocks import e2m1_round, mxfp8_blocks, nvfp4_blocks
 from fp8scope.emulate.recipe_table import RECIPES
 from fp8scope.schema import RECIPE_FIELDS
@@ -215,15 +215,16 @@ def test_unknown_recipe_is_a_usage_error(tmp_path):
 # ---- the advisor -----------------------------------------------------------------------------
 def test_a_healthy_run_gets_no_advice(tmp_path):
     run = _train(_gpt2(), tmp_path, steps=6)
-    advice, summary = advise(measured(run))
+    advice, summary = advise(per_step(run))
     assert advice == []
     assert any(line.startswith("MXFP8: safe for every layer's activations, weights, gradients") for line in summary)
 
 
 def test_a_massive_activation_gets_a_block_recipe_that_removes_its_underflow(tmp_path):
     run = _train(_gpt2(), tmp_path, steps=6, plant=1e6)
-    table = measured(run)
-    advice, _ = advise(table)
+    rows = per_step(run)
+    table = summed(rows)
+    advice, _ = advise(rows)
     flagged = {(a.layer, a.tensor): a for a in advice}
     for i in range(2):
         a = flagged[(f"transformer.h.{i}.mlp.c_fc", "activation")]
@@ -308,7 +309,7 @@ def test_the_advised_recipe_removes_the_fault_when_the_run_is_repeated_with_it(t
     per-tensor delayed scaling the activations underflow, with MXFP8 they do not."""
     from fp8scope.emulate import DelayedScaling, MXFP8BlockScaling, convert_to_fp8
 
-    advice, _ = advise(measured(_train(_gpt2(), tmp_path / "whatif", steps=6, plant=1e6)))
+    advice, _ = advise(per_step(_train(_gpt2(), tmp_path / "whatif", steps=6, plant=1e6)))
     assert any(a.tensor == "activation" and "mxfp8" in a.fixes for a in advice)
     shares = {}
     for name, rec in (("delayed", DelayedScaling(amax_history_len=16)), ("mxfp8", MXFP8BlockScaling())):
@@ -317,3 +318,19 @@ def test_the_advised_recipe_removes_the_fault_when_the_run_is_repeated_with_it(t
         rows = t[t.full & t.layer.str.endswith("mlp.c_fc") & (t.tensor == "activation") & (t.step > 0)]
         shares[name] = float(rows.underflow.sum() / (rows.numel - rows.zeros).sum())
     assert shares["delayed"] > 0.02 > shares["mxfp8"], shares
+
+
+def test_a_one_step_outlier_is_advised_at_its_step(tmp_path):
+    """The demo's planted outlier (1000x on a few channels of one layer's input for one step): delayed
+    scaling clips it by far more than the detector's 8x; the advisor scopes the fault to that step and
+    names per-tensor current scaling, the cheapest recipe that does not clip it there."""
+    from fp8scope.demo.train import main
+
+    main(["--n-layers", "2", "--d-model", "32", "--n-heads", "2", "--seq-len", "32", "--batch-size", "4",
+          "--corpus-chars", "20000", "--every", "2", "--quiet", "--steps", "16", "--run-dir", str(tmp_path),
+          "--inject", "outlier:blocks.1.mlp.down:12:1000:1", "--whatif-recipes", "all"])
+    advice, _ = advise(per_step(fp8scope.load_run(tmp_path)))
+    by = {(a.layer, a.tensor): a for a in advice}
+    a = by[("blocks.1.mlp.down", "activation")]
+    assert ("overflow" in a.problem or "clipped" in a.problem) and a.problem.endswith("at step 12"), a
+    assert a.fixes[0] == "current", a

@@ -11,7 +11,8 @@ keeps it long, one row per (tensor, recipe), in the ``recipes`` table.
   scales under a tensor scale set by a huge outlier); ``overflow``: ``|x * scale|`` above the element
   format's maximum before the cast (a block scale rounded down can push an element past it);
   ``saturated``: landed on the format's largest magnitude;
-- ``sq_err``, ``sq_signal``: sums of squares of the error and of ``x`` over the finite elements.
+- ``sq_err``, ``sq_signal``: sums of squares of the error and of ``x`` over the finite elements;
+- ``clip_ratio``: the largest ``|x * scale|`` over the format's maximum (above 1: clipped by that much).
 """
 
 from __future__ import annotations
@@ -62,6 +63,7 @@ def _recipe_stats(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
                                                                                                        device=a.device),
         torch.linalg.vector_norm(err, 2, dtype=f64).square(),
         torch.linalg.vector_norm(clean, 2, dtype=f64).square(),
+        (torch.nan_to_num(y, nan=0.0).amax() / top).to(f64),  # how far the worst value clips (> 1)
     ])
 
 

@@ -61,14 +61,15 @@ def run(args) -> int:
     from fp8scope.detect.whatif import SAT_WEIGHT, pivot, recommend, replay
     from fp8scope.run import load_run
 
-    from fp8scope.detect.advisor import advise, measured
+    from fp8scope.detect.advisor import advise, per_step, summed
 
     recipes = recipes_from_args(args)
     r = load_run(args.run)
     if "tensors" not in r.table_names():
         raise UsageError(f"{args.run}: no tensor statistics to replay")
-    by_recipe = measured(r)
-    advice, summary = advise(by_recipe)
+    rows = per_step(r)
+    by_recipe = summed(rows)
+    advice, summary = advise(rows)
     with items("replaying recipes", len(recipes)) as advance:
         res = replay(r, recipes, risk_binades=args.risk_binades, progress=advance)
     if args.json:

@@ -8,11 +8,12 @@ run (or a step range) per (layer, tensor, recipe) into the same three numbers, d
 in ``fp8scope.derived``: underflow as a share of the non-zero finite values, overflow as a share of
 the elements, and SQNR from the summed squares.
 
-A tensor has a *fault* under a recipe when the detector would flag it (``DetectConfig``): underflow
-at or above ``underflow_warn`` (``underflow_grad_warn`` for gradients), or overflow at or above
-``sat_warn_fraction``; for a recipe that loses more than that by design on a Gaussian tensor
+A tensor has a *fault* under a recipe, on a step, when the detector would flag it
+(``DetectConfig``): underflow at or above ``underflow_warn`` (``underflow_grad_warn`` for gradients),
+overflow at or above ``sat_warn_fraction``, or values clipped ``sat_warn_ratio`` (8x) or more; for a recipe that loses more than that by design on a Gaussian tensor
 (NVFP4), from 3x what it loses there (:func:`thresholds`). The advisor recommends, for each tensor at fault under the recipe in use,
-the recipes that remove the fault, cheapest first (:data:`COST_ORDER`: fewer bits, then coarser
+on the steps where it is (all of them: a persistent fault; one: an outlier), the recipes that remove
+the fault on those steps, cheapest first (:data:`COST_ORDER`: fewer bits, then coarser
 scales), and says for each recipe which roles it is safe for across all layers. Where no tensor is
 at fault, or no recipe removes a fault, it recommends nothing.
 """
@@ -37,11 +38,13 @@ NAMES = {"nvfp4": "NVFP4", "current": "per-tensor current FP8", "block128": "1x1
 _SUMS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq_signal")
 
 
-def measured(run, steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
-    """Per (layer, tensor, recipe): the summed counts and the derived shares and SQNR, the recipe in
-    use included (``recipe == "in use"``). Empty when the run measured no other recipe."""
+def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
+    """Per (step, layer, tensor, recipe) on full-stats steps: the counts, sums and clip ratio, the
+    recipe in use included (``recipe == "in use"``, from the ``tensors`` table). Empty when the run
+    measured no other recipe."""
+    cols = ["step", "layer", "tensor", "recipe", *_SUMS, "clip_ratio"]
     if "recipes" not in run.table_names():
-        return pd.DataFrame(columns=["layer", "tensor", "recipe", *_SUMS])
+        return pd.DataFrame(columns=cols)
     rec = run.table("recipes").to_pandas()
     t = run.tensors()
     t = t[t["full"] & t["rank"].ge(0) & ~t["tensor"].str.contains("@", regex=False)]
@@ -57,22 +60,38 @@ def measured(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
     finite_n = t["numel"] - t["nonfinite"].fillna(0)
     t["nonzero"] = finite_n - t["zeros"].fillna(0)
     t["sq_err"] = t["qerr_mse"] * finite_n
-    with np.errstate(over="ignore"):
+    with np.errstate(over="ignore", divide="ignore", invalid="ignore"):
         t["sq_signal"] = np.where(np.isinf(t["sqnr_db"]), np.nan, t["sq_err"] * 10.0 ** (t["sqnr_db"] / 10.0))
+        t["clip_ratio"] = t["amax"] / (t["fp8_max"] * t["scale_inv"])  # derived.amax_over_range
     t["recipe"] = IN_USE
-    both = pd.concat([t[["layer", "tensor", "recipe", *_SUMS]], rec[["layer", "tensor", "recipe", *_SUMS]]])
-    out = both.groupby(["layer", "tensor", "recipe"], sort=False, as_index=False)[list(_SUMS)].sum(min_count=1)
-    # each tensor's recipes together: the recipe in use first, then cheapest first; tensors in run order
+    return pd.concat([t[cols], rec[cols]], ignore_index=True)
+
+
+def summed(rows: pd.DataFrame) -> pd.DataFrame:
+    """``per_step`` rows summed per (layer, tensor, recipe) (the clip ratio: its largest), with the
+    derived shares and SQNR; each tensor's recipes together, the recipe in use first, then cheapest
+    first, tensors in run order."""
+    if rows.empty:
+        return rows.assign(underflow_frac=[], overflow_frac=[]).drop(columns=["step"], errors="ignore")
+    agg = {**{c: (c, lambda v: v.sum(min_count=1)) for c in _SUMS}, "clip_ratio": ("clip_ratio", "max")}
+    out = rows.groupby(["layer", "tensor", "recipe"], sort=False, as_index=False).agg(**agg)
     first = {k: i for i, k in enumerate(dict.fromkeys(zip(out["layer"], out["tensor"])))}
     rank = {r: i for i, r in enumerate((IN_USE, *COST_ORDER))}
     out = out.assign(_t=[first[k] for k in zip(out["layer"], out["tensor"])],
                      _r=out["recipe"].map(lambda r: rank.get(r, len(rank))))
     out = out.sort_values(["_t", "_r"], kind="stable").drop(columns=["_t", "_r"]).reset_index(drop=True)
+    return _with_shares(out)
+
+
+def _with_shares(df: pd.DataFrame) -> pd.DataFrame:
+    """The derived columns of counts and sums: underflow as a share of the non-zero finite values,
+    overflow of the elements (as ``fp8scope.derived``), SQNR from the squares."""
+    df = df.copy()
     with np.errstate(divide="ignore", invalid="ignore"):
-        out["underflow_frac"] = np.where(out["nonzero"] > 0, out["underflow"] / out["nonzero"], np.nan)
-        out["overflow_frac"] = np.where(out["numel"] > 0, out["overflow"] / out["numel"], np.nan)
-        out["sqnr_db"] = np.where(out["sq_err"] > 0, 10 * np.log10(out["sq_signal"] / out["sq_err"]), np.inf)
-    return out
+        df["underflow_frac"] = np.where(df["nonzero"] > 0, df["underflow"] / df["nonzero"], np.nan)
+        df["overflow_frac"] = np.where(df["numel"] > 0, df["overflow"] / df["numel"], np.nan)
+        df["sqnr_db"] = np.where(df["sq_err"] > 0, 10 * np.log10(df["sq_signal"] / df["sq_err"]), np.inf)
+    return df
 
 
 def _in_steps(df: pd.DataFrame, steps: tuple[int | None, int | None] | None) -> pd.DataFrame:
@@ -121,6 +140,9 @@ def fault(row, cfg: DetectConfig) -> str | None:
         return f"{100 * row['underflow_frac']:.3g} % of non-zero values underflow"
     if row["overflow_frac"] >= over:
         return f"{100 * row['overflow_frac']:.3g} % of values overflow"
+    clip = row.get("clip_ratio")
+    if clip is not None and clip >= cfg.sat_warn_ratio:  # the detector's saturation: clipped 8x or more
+        return f"values clipped {clip:.3g}x past the format's range"
     return None
 
 
@@ -139,33 +161,51 @@ class Advice:
         return f"{self.layer} {self.tensor}: use {first}: {self.evidence}"
 
 
-def advise(table: pd.DataFrame, cfg: DetectConfig | None = None) -> tuple[list[Advice], list[str]]:
-    """Per tensor at fault under the recipe in use, the recipes that remove the fault; and per
-    recipe, the roles it is safe for across all layers."""
+def advise(rows: pd.DataFrame, cfg: DetectConfig | None = None) -> tuple[list[Advice], list[str]]:
+    """``rows`` from :func:`per_step`. Per tensor at fault under the recipe in use, on the steps where
+    it is (every step: a persistent fault; a few: an outlier), the recipes that remove the fault on
+    those steps; and per recipe, over the run, the roles it is safe for across all layers."""
     cfg = cfg or DetectConfig()
+    if rows.empty:
+        return [], []
     advice: list[Advice] = []
-    if table.empty:
-        return advice, []
-    faults = {(r.layer, r.tensor, r.recipe): fault(r._asdict(), cfg) for r in table.itertuples(index=False)}
-    for (layer, tensor), group in table.groupby(["layer", "tensor"], sort=False):
-        rows = {r.recipe: r for r in group.itertuples(index=False)}
-        now = rows.get(IN_USE)
-        problem = faults.get((layer, tensor, IN_USE)) if now is not None else None
-        if problem is None:
+    for (layer, tensor), group in rows.groupby(["layer", "tensor"], sort=False):
+        at_fault = _fault_steps(group, cfg)
+        if not at_fault:
             continue
-        fixes = [r for r in COST_ORDER if r in rows and faults[(layer, tensor, r)] is None]
-        shown = [IN_USE] + fixes[:2]
-        evidence = ", ".join(f"{NAMES[r]} {_pct(rows[r].underflow_frac)} underflow, "
-                             f"{_pct(rows[r].overflow_frac)} overflow, SQNR {_db(rows[r].sqnr_db)}" for r in shown)
-        advice.append(Advice(layer, tensor, problem, fixes, evidence))
+        steps = sorted(set(group["step"]))
+        where = ("over the run" if at_fault == steps else f"at step {at_fault[0]}" if len(at_fault) == 1
+                 else f"at {len(at_fault)} of {len(steps)} full steps ({at_fault[0]}-{at_fault[-1]})")
+        advice.append(_advice(layer, tensor, summed(group[group["step"].isin(at_fault)]), where, cfg))
+    return advice, _summary(summed(rows), cfg)
+
+
+def _fault_steps(group: pd.DataFrame, cfg: DetectConfig) -> list[int]:
+    """The steps where the recipe in use is at fault on this tensor."""
+    now = _with_shares(group[group["recipe"] == IN_USE])
+    return [int(r["step"]) for _, r in now.iterrows() if fault(r, cfg) is not None]
+
+
+def _advice(layer: str, tensor: str, scope: pd.DataFrame, where: str, cfg: DetectConfig) -> Advice:
+    by = {r.recipe: r._asdict() for r in scope.itertuples(index=False)}
+    problem = f"{fault(by[IN_USE], cfg)} {where}"
+    fixes = [r for r in COST_ORDER if r in by and fault(by[r], cfg) is None]
+    shown = [IN_USE] + fixes[:2]
+    evidence = f"{where}, " + ", ".join(
+        f"{NAMES[r]} {_pct(by[r]['underflow_frac'])} underflow, {_pct(by[r]['overflow_frac'])} overflow, "
+        f"clipped {_ratio(by[r].get('clip_ratio'))}, SQNR {_db(by[r]['sqnr_db'])}" for r in shown)
+    return Advice(layer, tensor, problem, fixes, evidence)
+
+
+def _summary(table: pd.DataFrame, cfg: DetectConfig) -> list[str]:
     summary = []
     for recipe in COST_ORDER:
         sub = table[table["recipe"] == recipe]
         if sub.empty:
             continue
-        roles = {}
+        roles: dict[str, list] = {}
         for r in sub.itertuples(index=False):
-            roles.setdefault(base_role(r.tensor), []).append((r.layer, faults[(r.layer, r.tensor, recipe)]))
+            roles.setdefault(base_role(r.tensor), []).append((r.layer, fault(r._asdict(), cfg)))
         safe = [role for role, items in roles.items() if all(f is None for _, f in items)]
         unsafe = {role: [layer for layer, f in items if f is not None] for role, items in roles.items()
                   if any(f is not None for _, f in items)}
@@ -175,7 +215,7 @@ def advise(table: pd.DataFrame, cfg: DetectConfig | None = None) -> tuple[list[A
         for role, layers in unsafe.items():
             parts.append(f"not for the {_plural(role)} of {_layers(layers)}")
         summary.append(f"{NAMES[recipe]}: {'; '.join(parts)}")
-    return advice, summary
+    return summary
 
 
 def _plural(role: str) -> str:
@@ -189,6 +229,10 @@ def _layers(layers: list[str]) -> str:
 
 def _pct(v: float) -> str:
     return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else f"{100 * v:.3g} %"
+
+
+def _ratio(v) -> str:
+    return "n/a" if v is None or (isinstance(v, float) and math.isnan(v)) else ("no" if v <= 1 else f"{v:.3g}x")
 
 
 def _db(v: float) -> str:
