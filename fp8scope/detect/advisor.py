@@ -11,10 +11,12 @@ the elements, and SQNR from the summed squares.
 A tensor has a *fault* under a recipe, on a step, when the detector would flag it
 (``DetectConfig``): underflow at or above ``underflow_warn`` (``underflow_grad_warn`` for gradients),
 overflow at or above ``sat_warn_fraction``, or values clipped ``sat_warn_ratio`` (8x) or more; for a recipe that loses more than that by design on a Gaussian tensor
-(NVFP4), from 3x what it loses there (:func:`thresholds`). The advisor recommends, for each tensor at fault under the recipe in use,
-on the steps where it is (all of them: a persistent fault; one: an outlier), the recipes that remove
-the fault on those steps, cheapest first (:data:`COST_ORDER`: fewer bits, then coarser
-scales), and says for each recipe which roles it is safe for across all layers. Where no tensor is
+(NVFP4), from 3x what it loses there (:func:`thresholds`).
+
+The advisor recommends, for each tensor at fault under the recipe in use, on the steps where it is
+(all of them: a persistent fault; one: an outlier), the recipes that remove the fault on those
+steps, cheapest first (:data:`COST_ORDER`: fewer bits, then coarser scales), and says for each
+recipe which roles it is safe for across all layers. Where no tensor is
 at fault, or no recipe removes a fault, it recommends nothing.
 """
 
@@ -116,11 +118,11 @@ def gaussian_baseline(recipe: str, role: str) -> tuple[float, float]:
         return 0.0, 0.0
     import torch
 
-    from fp8scope.capture.recipe_stats import recipe_stats
+    from fp8scope.emulate.recipe_table import counts
     from fp8scope.schema import RECIPE_FIELDS
 
     x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
-    v = dict(zip(RECIPE_FIELDS, recipe_stats(x, recipe, role).tolist()))
+    v = dict(zip(RECIPE_FIELDS, counts(x, recipe, role).tolist()))
     return v["underflow"] / v["nonzero"], v["overflow"] / v["numel"]
 
 

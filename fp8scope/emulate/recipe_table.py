@@ -23,7 +23,7 @@ import torch
 
 from ..formats import recipe_format
 from ..formats import get_format
-from .blocks import BlockScales, e2m1_round, fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks
+from .blocks import E2M1_MAX, BlockScales, e2m1_round, fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks
 from .scaling import te_scale_from_amax
 
 RECIPES = ("current", "mxfp8", "block128", "nvfp4", "bf16")
@@ -32,6 +32,7 @@ E2M1 = "e2m1"  # the element format name of NVFP4's values (max 6)
 _E4M3 = recipe_format("E4M3", "forward")
 _HYBRID = {"forward": recipe_format("HYBRID", "forward"), "backward": recipe_format("HYBRID", "backward")}
 _ELEMENTS = {name: get_format(name) for name in ("e4m3", "e5m2")}
+_BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 
 
 def scaled(x: torch.Tensor, recipe: str, role: str, columnwise: bool = False) -> tuple[BlockScales | None, str]:
@@ -97,3 +98,33 @@ def _columnwise(x: torch.Tensor, recipe: str) -> tuple[BlockScales, str]:
     if recipe == "block128":
         return fp8_block_scaling_blocks(x, _E4M3, 1, columnwise=True), _E4M3.name
     raise ValueError(f"recipe {recipe!r} has no columnwise usage here")
+
+
+def counts(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
+    """``x`` (2-D) under ``recipe``: ``schema.RECIPE_FIELDS`` as a float64 vector on its device (see
+    ``capture.recipe_stats`` for what each count means)."""
+    blocks, elem = scaled(x, recipe, role)
+    a = (x.detach() if blocks is None else blocks.x).float()
+    m = a.abs()
+    if blocks is None:  # bf16: a rounding, no scale
+        deq = a.to(torch.bfloat16).float()
+        q, y, top = deq, m, _BF16_MAX
+    else:
+        y = m * blocks.scale
+        q, deq = quantize(blocks, elem)
+        top = E2M1_MAX if elem == E2M1 else _ELEMENTS[elem].max
+    err = torch.nan_to_num(deq - a, nan=0.0, posinf=0.0, neginf=0.0)
+    clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+    f64 = torch.float64
+    nonzero = (m > 0) & (m < float("inf"))  # what can underflow (derived.nonzero_finite)
+    return torch.stack([
+        torch.full((), a.numel(), dtype=f64, device=a.device),
+        nonzero.sum().to(f64),
+        (nonzero & (deq == 0)).sum().to(f64),
+        (y > top).sum().to(f64) if blocks is not None else (m > top).sum().to(f64),
+        ((q.abs() == top) & (m < float("inf"))).sum().to(f64) if blocks is not None else torch.zeros((), dtype=f64,
+                                                                                                       device=a.device),
+        torch.linalg.vector_norm(err, 2, dtype=f64).square(),
+        torch.linalg.vector_norm(clean, 2, dtype=f64).square(),
+        (torch.nan_to_num(y, nan=0.0).amax() / top).to(f64),  # how far the worst value clips (> 1)
+    ])
