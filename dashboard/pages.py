@@ -360,11 +360,15 @@ def heatmap_body(app, e, p):
 
 
 # ---- Outliers -------------------------------------------------------------------------------
-def outliers_controls(app, e, p):
+def role_filter_controls(app, e, p):
+    """One optional role filter: the controls of the Outlier layers and Recipes views."""
     rl = Q.roles(e)
     role = p.get("role") if p.get("role") in rl else None
     return html.Div([ctl("role", dcc.Dropdown, "tensor role (empty = all)",
                          options=[{"label": r, "value": r} for r in rl], value=role)], className="controls")
+
+
+outliers_controls = role_filter_controls
 
 
 def outliers_body(app, e, p):
@@ -384,11 +388,7 @@ def outliers_body(app, e, p):
 
 
 # ---- Recipes (the advisor) ------------------------------------------------------------------
-def recipes_controls(app, e, p):
-    rl = Q.roles(e)
-    role = p.get("role") if p.get("role") in rl else None
-    return html.Div([ctl("role", dcc.Dropdown, "tensor role (empty = all)",
-                         options=[{"label": r, "value": r} for r in rl], value=role)], className="controls")
+recipes_controls = role_filter_controls
 
 
 def recipes_body(app, e, p):
