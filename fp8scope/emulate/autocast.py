@@ -25,6 +25,27 @@ if TYPE_CHECKING:
     from .scaling import ScalingState
 
 _region = threading.local()
+_switch = threading.local()  # the per-thread off switch of ``fp8_disabled()`` (convert.py) and of a disabled region
+
+
+def fp8_globally_disabled() -> bool:
+    """True inside ``fp8_disabled()`` (no model given) or ``fp8_autocast(enabled=False)`` in this thread."""
+    return getattr(_switch, "disabled", False)
+
+
+def set_globally_disabled(value: bool) -> None:
+    _switch.disabled = value
+
+
+@contextmanager
+def globally_disabled() -> Iterator[None]:
+    """Every emulated layer of this thread runs as ``nn.Linear`` inside; restored on exit."""
+    previous = fp8_globally_disabled()
+    set_globally_disabled(True)
+    try:
+        yield
+    finally:
+        set_globally_disabled(previous)
 
 
 def region_open() -> bool:
@@ -44,14 +65,12 @@ def fp8_autocast(enabled: bool = True) -> Iterator[None]:
     ``enabled=False`` runs every emulated layer as ``nn.Linear`` inside (as TE's
     ``fp8_autocast(enabled=False)``), with the scaling state untouched. Regions nest; the
     outermost one decides."""
-    from .convert import fp8_disabled
-
     depth = getattr(_region, "depth", 0)
     if depth == 0:
         _region.states = {}
     _region.depth = depth + 1
     try:
-        with nullcontext() if enabled else fp8_disabled():
+        with nullcontext() if enabled else globally_disabled():
             yield
     finally:
         _region.depth = depth

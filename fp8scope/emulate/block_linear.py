@@ -16,17 +16,12 @@ in cheap rows by the most conservative one.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import torch.nn.functional as F
 
 from .amax import amax_pair
 from .recipe_table import quantize, scaled
 from .scaling import Scales
-
-if TYPE_CHECKING:
-    from .linear import Fp8Linear
 
 
 def operand(x2d: torch.Tensor, kind: str, role: str, columnwise: bool = False):
@@ -48,7 +43,7 @@ class _BlockLinearFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         x, w = ctx.saved_tensors
-        layer: Fp8Linear = ctx.layer
+        layer = ctx.layer  # the Fp8Linear
         kind = layer.recipe.kind
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
@@ -70,8 +65,8 @@ class _BlockLinearFn(torch.autograd.Function):
         return grad_x, grad_w, grad_b, None, None, None, None
 
 
-def block_forward(layer: "Fp8Linear", input: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
-    """The layer's forward under its block recipe (see the module docstring)."""
+def block_forward(layer, input: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+    """The forward of ``layer`` (an ``Fp8Linear``) under its block recipe (see the module docstring)."""
     kind = layer.recipe.kind
     grad = torch.is_grad_enabled()
     with torch.autocast(input.device.type, enabled=False):

@@ -16,7 +16,8 @@ from typing import Iterable, Iterator
 from torch import nn
 
 from ..linear_like import describe_skipped, linear_kind
-from .linear import Fp8Linear, _set_globally_disabled, fp8_globally_disabled
+from .autocast import globally_disabled
+from .linear import Fp8Linear
 from .scaling import UpdateGroup
 from .recipes import CurrentScaling, DelayedScaling, Recipe
 
@@ -109,12 +110,8 @@ def fp8_disabled(model: nn.Module | None = None) -> Iterator[None]:
     exit, exceptions included, so nested uses compose.
     """
     if model is None:
-        previous = fp8_globally_disabled()
-        _set_globally_disabled(True)
-        try:
+        with globally_disabled():
             yield
-        finally:
-            _set_globally_disabled(previous)
         return
     layers = [m for m in model.modules() if isinstance(m, Fp8Linear)]
     previous_flags = [m.fp8_enabled for m in layers]

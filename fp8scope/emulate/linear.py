@@ -34,7 +34,6 @@ the backward records the gradient's amax through one opaque op
 
 from __future__ import annotations
 
-import threading
 import warnings
 from typing import Callable
 
@@ -47,25 +46,12 @@ from .quantize import quantize_dequantize
 from .recipes import BLOCK_RECIPES, CurrentScaling, DelayedScaling, Recipe
 from ..autograd_phase import in_backward
 from .amax import amax_pair
-from .autocast import note_recorded, region_open
+from .autocast import fp8_globally_disabled, note_recorded, region_open
 from .scaling import Scales, ScalingState, UpdateGroup, current_scales
 
 ROLES = ("activation", "weight", "gradient")
 
 Tap = Callable[[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, Fp8Format], None]
-
-# Global (per-thread) off switch used by ``fp8_disabled()``; see convert.py.
-_switch = threading.local()
-
-
-def fp8_globally_disabled() -> bool:
-    """True inside ``fp8_disabled()`` (no model given) in this thread."""
-    return getattr(_switch, "disabled", False)
-
-
-def _set_globally_disabled(value: bool) -> None:
-    _switch.disabled = value
-
 
 def _autocast_dtype(x: torch.Tensor) -> torch.dtype:
     """Output dtype ``nn.Linear`` would produce: the autocast dtype if autocast is on."""
