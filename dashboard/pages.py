@@ -290,7 +290,7 @@ def colour(fig, stat: str, fr: pd.DataFrame) -> str | None:
             return "Every value here is 0." if (v == 0).all() else None
         fig.update_traces(colorscale="Reds", zmin=0, zmax=top, selector=sel)
         return None
-    fig.update_traces(colorscale="Viridis", reversescale=stat == "sqnr_db", selector=sel)
+    fig.update_traces(colorscale="Viridis", reversescale=stat.endswith("sqnr_db"), selector=sel)
     return None
 
 
@@ -312,7 +312,7 @@ def _heatmap_figure(e, stat, role, agg, layer_re, title, last_steps, span, zrang
                      + (" (cheap-stats steps carry only amax and scales)" if "pct" in stat else "") + ".")
     fr = fr.assign(layer=fr["layer"].map(plot_label))
     tensors = Q.STATS[stat][3] == "tensors"
-    ev = flagged(e, role if tensors else None)
+    ev = flagged(e, role if Q.STATS[stat][3] in ("tensors", "recipes") else None)
     marks = []
     if ev is not None and not ev.empty:
         marks.append(plot_events(ev)[["layer", "step", "severity", "rule"]])
@@ -350,6 +350,9 @@ def heatmap_body(app, e, p):
            "Drag to zoom: the columns re-bucket to the range. Click a cell to open that tensor.")
     if stat.startswith("shadow"):
         msg += " Shadow error is per layer (role does not apply)."
+    if stat.startswith("recipe_"):
+        msg += (" A what-if recipe, measured on this run's tensors on full-stats steps only; the Recipes view "
+                "ranks them.")
     if stat == "headroom":
         msg += (" Headroom: red = the amax overflowed the range the scale could represent, grey = normal, blue = "
                 "range wasted (a stale or reset scale).")

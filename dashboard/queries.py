@@ -15,6 +15,7 @@ from dashboard.rollup import (MAX_COLS, MAX_POINTS, ROLLED, NoData, _heatmap_rol
                               bucket_width, rollup)
 from dashboard.runcache import Entry
 from fp8scope.derived import DERIVED
+from fp8scope.detect.advisor import COST_ORDER as RECIPES, NAMES as RECIPE_NAMES  # no torch import
 
 # key -> (label, SQL expression per row, worst-case aggregate, source table): the tensor statistics are
 # the one table of derived statistics; the shadow ones are per layer
@@ -23,6 +24,12 @@ STATS: dict[str, tuple[str, str, str, str]] = {
     "shadow_out": ("shadow: FP8 vs BF16 output rel. error", "output_rel_err", "max", "shadow_compare"),
     "shadow_wgrad": ("shadow: FP8 vs BF16 wgrad rel. error", "wgrad_rel_err", "max", "shadow_compare"),
     "shadow_local": ("shadow: layer's own FP8 GEMM rel. error", "local_rel_err", "max", "shadow_compare"),
+    # each recipe the run measured on its tensors (Monitor(whatif_recipes=...)): full-stats steps only
+    **{f"recipe_{r}_underflow_pct": (f"{RECIPE_NAMES[r]} (what-if): underflow % of non-zeros",
+                                     f"case when recipe = '{r}' then 100.0 * underflow / nullif(nonzero, 0) end",
+                                     "max", "recipes") for r in RECIPES},
+    **{f"recipe_{r}_sqnr_db": (f"{RECIPE_NAMES[r]} (what-if): SQNR dB", f"case when recipe = '{r}' then sqnr_db end",
+                               "min", "recipes") for r in RECIPES},
 }
 SEVERITIES = ("critical", "warning", "info")
 
@@ -119,7 +126,7 @@ def heatmap_frame(e: Entry, stat: str, role: str | None, agg: str = "worst", lay
         fn = worst if agg == "worst" else "avg"
         where = [f"step >= {int(span[0])}", f"step <= {int(span[1])}"] if span else []
         params: list = []
-        if table == "tensors" and role:
+        if table in ("tensors", "recipes") and role:
             where.append("tensor = ?")
             params.append(role)
         if layer_re:

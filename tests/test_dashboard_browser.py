@@ -217,6 +217,9 @@ def test_recipes_view_gives_the_advisor(page, env):
     assert layers[:3] == ["blocks.0.attn.qkv"] * 3 and len(set(roles[:3])) == 1  # a tensor's recipes together
     assert "MXFP8" in page.inner_text("#recipes-summary")
     shot(page, "recipes")
+    # the heatmap takes a what-if recipe as its statistic
+    go(page, env, "?run=demo&view=heatmap&stat=recipe_mxfp8_underflow_pct&role=activation", "#heatmap-graph .ytick")
+    assert "blocks.0.attn.qkv" in yticks(page) and "what-if recipe" in page.inner_text("#page")
     go(page, env, "?run=xss&view=recipes", "#recipes-none")  # a run without recipes says how to get them
     assert "whatif_recipes" in page.inner_text("#recipes-none")
 
