@@ -487,6 +487,11 @@ def tensor_body(app, e, p):
                  ("saturated_pct", "saturation %")):
         d = s[s[c].notna()]
         fig.add_trace(go.Scatter(x=d["step"], y=d[c], mode="lines+markers", name=n, marker={"size": 4}), row=3, col=1)
+    for recipe, d in Q.recipe_series(e, layer, role, span).groupby("recipe", sort=False):
+        # what the measured recipes would have done, on the same steps (click the legend to show)
+        fig.add_trace(go.Scatter(x=d["step"], y=d["underflow_pct"], mode="lines+markers", visible="legendonly",
+                                 name=f"underflow % under {Q.RECIPE_NAMES.get(recipe, recipe)} (what-if)",
+                                 line={"dash": "dash"}, marker={"size": 4}), row=3, col=1)
     if len(s) and int(s["step"].iloc[0]) == (Q.step_span(e) or (0, 0))[0]:
         fig.add_annotation(x=int(s["step"].iloc[0]), y=0.28, yref="paper", yanchor="bottom", showarrow=False,
                            text="first step: no amax history", font={"size": 10, "color": "#555"})

@@ -152,6 +152,20 @@ def heatmap_frame(e: Entry, stat: str, role: str | None, agg: str = "worst", lay
     return e.cached(("heatmap", stat, role, agg, layer_re, max_cols, last_steps, span), f, rollup=True)
 
 
+def recipe_series(e: Entry, layer: str, role: str, span: tuple[int, int] | None = None) -> pd.DataFrame:
+    """Per step and measured recipe, one tensor's underflow % (of non-zeros) and SQNR from the
+    ``recipes`` table (empty when the run measured none)."""
+    def f():
+        if not e.has("recipes"):
+            return pd.DataFrame({"step": [], "recipe": [], "underflow_pct": [], "sqnr_db": []})
+        where = "layer = ? and tensor = ?" + (f" and step >= {int(span[0])} and step <= {int(span[1])}" if span else "")
+        return e.sql(f"""select step, recipe, 100.0 * sum(underflow) / nullif(sum(nonzero), 0) as underflow_pct,
+                                min(sqnr_db) as sqnr_db
+                         from recipes where {where} group by step, recipe order by recipe, step""", [layer, role])
+
+    return e.cached(("recipe_series", layer, role, span), f)
+
+
 def nonfinite_cells(e: Entry, role: str | None) -> pd.DataFrame:
     def f():
         if not e.has("tensors"):

@@ -220,6 +220,10 @@ def test_recipes_view_gives_the_advisor(page, env):
     # the heatmap takes a what-if recipe as its statistic
     go(page, env, "?run=demo&view=heatmap&stat=recipe_mxfp8_underflow_pct&role=activation", "#heatmap-graph .ytick")
     assert "blocks.0.attn.qkv" in yticks(page) and "what-if recipe" in page.inner_text("#page")
+    # the tensor view carries each measured recipe's underflow % (in the legend, shown on a click)
+    go(page, env, "?run=demo&view=tensor&layer=blocks.0.mlp.up&role=activation", "#tensor-amax .legendtext")
+    legend = page.eval_on_selector_all("#tensor-amax .legendtext", "els => els.map(e => e.textContent)")
+    assert "underflow % under MXFP8 (what-if)" in legend, legend
     go(page, env, "?run=xss&view=recipes", "#recipes-none")  # a run without recipes says how to get them
     assert "whatif_recipes" in page.inner_text("#recipes-none")
 

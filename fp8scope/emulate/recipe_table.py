@@ -110,7 +110,9 @@ def counts(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
         deq = a.to(torch.bfloat16).float()
         q, y, top = deq, m, _BF16_MAX
     else:
-        y = m * blocks.scale
+        # a block whose own scale flushed to zero (NVFP4's E4M3 block scale under a tensor scale set by
+        # a far larger value) decodes to 0: its values underflow, they are not clipped
+        y = torch.where(blocks.scale_inv > 0, m * blocks.scale, 0.0)
         q, deq = quantize(blocks, elem)
         top = E2M1_MAX if elem == E2M1 else _ELEMENTS[elem].max
     err = torch.nan_to_num(deq - a, nan=0.0, posinf=0.0, neginf=0.0)
