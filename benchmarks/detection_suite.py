@@ -3,6 +3,7 @@ plant expects (layer, role, step, cause).
 
     .venv/bin/python benchmarks/detection_suite.py [--steps 400] [--jobs 2] [--only NAME,...] [--out results.json]
         [--markdown]                      # the table for docs/detection.md
+        [--advisor]                       # also: the recipe advisor on each planted FP8 fault, and a rerun with its advice
 
 Cases train two at a time by default (``--jobs``, one torch thread each: these small models are
 bound by Python overhead, so two processes get more done on two cores than one with two threads);
@@ -151,8 +152,10 @@ def _llama_setup(setup, d: int = 128):
     return setup
 
 
-def train(case: Case, run_dir: Path, steps: int, every: int = 10) -> dict:
-    """One training run of ``case`` logged to ``run_dir``; returns the loss per step and timing."""
+def train(case: Case, run_dir: Path, steps: int, every: int = 10, whatif_recipes=(), recipe: str | None = None) -> dict:
+    """One training run of ``case`` logged to ``run_dir``; returns the loss per step and timing.
+    ``whatif_recipes``: the monitor measures them (the advisor's input); ``recipe``: every emulated layer
+    trains under this recipe of ``fp8scope.emulate.recipe_table`` instead (the advisor's rerun)."""
     import torch
 
     import fp8scope
@@ -164,6 +167,13 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10) -> dict:
     if not gpt:
         setup.args.inject = list(case.inject)
         setup = _llama_setup(setup)
+    if recipe is not None:  # the advised recipe, on the same seed: every emulated layer switches to it
+        from fp8scope.emulate import CurrentScaling, Float8BlockScaling, Fp8Linear, MXFP8BlockScaling
+
+        new = {"current": CurrentScaling(), "mxfp8": MXFP8BlockScaling(), "block128": Float8BlockScaling()}[recipe]
+        for m in setup.model.modules():
+            if isinstance(m, Fp8Linear):
+                m._init_fp8(new)
     if case.e4m3_layer:  # a per-layer recipe override gone wrong: the wrong format for one layer's gradients
         import dataclasses
 
@@ -185,7 +195,8 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         mon = fp8scope.Monitor(setup.model, run_dir, every=every, recipe=setup.recipe, on_event=on_event,
-                               meta={**setup.meta(), "model": case.arch, "suite_case": case.name})
+                               meta={**setup.meta(), "model": case.arch, "suite_case": case.name},
+                               whatif_recipes=whatif_recipes)
     shadow = None
     if case.shadow_every or case.forks:
         from fp8scope.demo.train import demo_loss
@@ -285,6 +296,54 @@ def score(case: Case, run_dir: Path, losses: list[float]) -> dict:
     return out
 
 
+EMULATED = ("current", "block128", "mxfp8")  # the advised recipes the emulated layer can train with
+
+
+def advise_case(case: Case, run_dir: Path) -> dict:
+    """The advisor's answer for the planted tensor: the fault it saw under the recipe in use, and the
+    recipes that remove it (cheapest first)."""
+    import fp8scope
+    from fp8scope.detect.advisor import advise, per_step
+
+    advice, _ = advise(per_step(fp8scope.load_run(run_dir)))
+    mine = [a for a in advice if a.layer == case.layer and a.tensor == case.role]
+    if not mine:
+        return {"problem": None, "fixes": [], "rerun_with": None}
+    a = mine[0]
+    return {"problem": a.problem, "fixes": a.fixes, "rerun_with": next((r for r in a.fixes if r in EMULATED), None)}
+
+
+RECIPE_FAULTS = ("saturation", "saturation_rate", "underflow", "stale_scale")  # what a recipe can cause (an
+# amax spike is the data's: it fires under every recipe)
+
+
+def fault_gone(case: Case, run_dir: Path) -> dict:
+    """The rerun under the advised recipe: warning-or-worse events of the rules a recipe can cause
+    (:data:`RECIPE_FAULTS`) on the planted tensor around its step."""
+    import fp8scope
+    from fp8scope.detect import detect
+    from fp8scope.schema import base_role
+
+    ev = detect(fp8scope.load_run(run_dir))
+    hi = case.until if case.until is not None else case.step + 10
+    near = ev[(ev["severity"] != "info") & (ev["layer"] == case.layer) & (ev["tensor"].map(base_role) == case.role)
+              & (ev["step"] >= case.step - 1) & (ev["step"] <= hi) & ev["rule"].isin(RECIPE_FAULTS)]
+    return {"events_after": int(len(near)), "rules_after": sorted(set(near["rule"]))}
+
+
+def advisor_markdown(results: list[dict]) -> str:
+    rows = ["| case | planted tensor | fault under the recipe in use | advised (cheapest first) | rerun with | "
+            "its saturation / underflow / stale-scale events in the rerun |", "|---|---|---|---|---|---|"]
+    for r in results:
+        a = r.get("advisor")
+        if not a:
+            continue
+        rows.append(f"| {r['case']} | {a['tensor']} | {a['problem'] or 'none seen'} | {', '.join(a['fixes']) or '-'} | "
+                    f"{a['rerun_with'] or '-'} | {'-' if a.get('events_after') is None else a['events_after']}"
+                    f"{' (' + ', '.join(a['rules_after']) + ')' if a.get('rules_after') else ''} |")
+    return "\n".join(rows)
+
+
 def markdown(results: list[dict], steps: int, seconds: float) -> str:
     header = ("| case | planted | expected | detected (first warning+) | verdict side | forks | lead (steps) | "
               "online lag | warn / crit | ok |")
@@ -314,14 +373,25 @@ def _one_thread(jobs: int) -> None:
 
 def _run_case(job) -> dict:
     """Train (or, with ``rescore``, reread) one case and score it: the unit of work of the pool."""
-    case, run_dir, steps, rescore = job
+    case, run_dir, steps, rescore, advisor = job
     run_dir = Path(run_dir)
+    recipes = ()
+    if advisor and case.cause == "fp8":
+        from fp8scope.emulate.recipe_table import RECIPES as recipes
     if rescore:
         trained = {"losses": _logged_losses(run_dir), "seconds": float("nan")}
     else:
         shutil.rmtree(run_dir, ignore_errors=True)
-        trained = train(case, run_dir, steps)
+        trained = train(case, run_dir, steps, whatif_recipes=recipes)
     r = score(case, run_dir, trained["losses"])
+    if recipes:  # the advisor on the planted fault, and the same seed trained with its advice
+        a = {"tensor": f"{case.layer} {case.role}", **advise_case(case, run_dir)}
+        if a["rerun_with"] is not None:
+            rerun = run_dir.with_name(run_dir.name + "-advised")
+            shutil.rmtree(rerun, ignore_errors=True)
+            train(case, rerun, steps, recipe=a["rerun_with"])
+            a.update(fault_gone(case, rerun))
+        r["advisor"] = a
     r["seconds"] = round(trained["seconds"], 1)
     r["max_lag"] = trained.get("max_lag")
     if case.loaded:  # the events of step t reached on_event before step t + 2 ended
@@ -331,7 +401,7 @@ def _run_case(job) -> dict:
 
 def _show(r: dict) -> dict:
     print(json.dumps({k: r.get(k) for k in ("case", "ok", "detected", "side", "lead", "warnings", "criticals", "forks",
-                                            "max_lag", "seconds")}, default=str), flush=True)
+                                            "max_lag", "seconds", "advisor")}, default=str), flush=True)
     return r
 
 
@@ -345,6 +415,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rescore", action="store_true", help="score the runs already in --keep (no training)")
     ap.add_argument("--jobs", type=int, default=2, help="cases trained at once, one torch thread each (a loaded case "
                                                           "always runs alone, after the others)")
+    ap.add_argument("--advisor", action="store_true", help="FP8 cases also measure every what-if recipe; the advisor's "
+                                                            "answer for the planted tensor is scored, and the case is "
+                                                            "trained again with the advised recipe")
     args = ap.parse_args(argv)
     chosen = cases(args.steps)
     if args.only:
@@ -354,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--rescore needs --keep DIR (the runs to score)")
     root = Path(args.keep) if args.keep else Path(tempfile.mkdtemp(prefix="fp8suite-"))
     results, t0 = {}, time.perf_counter()
-    jobs = [(c, str(root / c.name), args.steps, args.rescore) for c in chosen]
+    jobs = [(c, str(root / c.name), args.steps, args.rescore, args.advisor) for c in chosen]
     try:
         parallel = [j for j in jobs if not j[0].loaded]
         alone = [j for j in jobs if j[0].loaded]  # its lag is measured against a known load
@@ -379,6 +452,9 @@ def main(argv: list[str] | None = None) -> int:
                                               "results": results}, indent=2, default=str))
     if args.markdown:
         print(markdown(results, args.steps, total))
+        if args.advisor:
+            print()
+            print(advisor_markdown(results))
     print(f"{sum(r['ok'] for r in results)} / {len(results)} correct in {total / 60:.1f} min")
     return 0 if all(r["ok"] for r in results) else 1
 
