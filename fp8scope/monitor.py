@@ -1,7 +1,7 @@
 """``fp8scope.Monitor``: attach to a model, capture FP8 stats every step, log them to a run folder.
 
 The monitor owns the pieces of the data path and wires them in one direction:
-adapters. hooks (``capture.adapters``) -> on-device stats (``capture.stats``) ->
+adapters' hooks (``capture.adapters``) -> on-device stats (``capture.stats``) ->
 one batch per step (``capture.collector``) -> writer thread (``writer_thread``) ->
 store (``store.writer``). It never reads anything back.
 

@@ -73,18 +73,21 @@ class StepPayload:
         if self.ready is not None:
             self.ready.synchronize()
 
-    def _parts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _layout(self) -> tuple[np.ndarray, int, int, int]:
+        """``host`` as numpy and where its wide, narrow and recipe rows end."""
         arr = self.host.numpy() if hasattr(self.host, "numpy") else np.asarray(self.host)
         w = self.n_wide * N_FIELDS
         n = w + self.n_narrow * N_CHEAP
-        r = n + self.n_recipe * N_RECIPE
+        return arr, w, n, n + self.n_recipe * N_RECIPE
+
+    def _parts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        arr, w, n, r = self._layout()
         return arr[:w].reshape(self.n_wide, N_FIELDS), arr[w:n].reshape(self.n_narrow, N_CHEAP), arr[r:]
 
     def recipe_matrix(self) -> np.ndarray:
         """The (n_recipe, N_RECIPE) rows of the other recipes, in ``recipe_keys`` order."""
-        arr = self.host.numpy() if hasattr(self.host, "numpy") else np.asarray(self.host)
-        n = self.n_wide * N_FIELDS + self.n_narrow * N_CHEAP
-        return arr[n:n + self.n_recipe * N_RECIPE].reshape(self.n_recipe, N_RECIPE)
+        arr, _, n, r = self._layout()
+        return arr[n:r].reshape(self.n_recipe, N_RECIPE)
 
     @property
     def all_narrow(self) -> bool:

@@ -32,10 +32,12 @@ from fp8scope.compiled import CompiledFn
 _INF = float("inf")
 
 
-def recorded_amax(a: torch.Tensor) -> torch.Tensor:
+def recorded_amax(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """TE's amax of ``a = |x|``: reduced with ``fmaxf`` from 0, so NaN elements are ignored and an
-    Inf stays Inf. The one definition, in the fused passes here and in the stats pass."""
-    return torch.nan_to_num(a, nan=0.0, posinf=_INF).amax()
+    Inf stays Inf. The one definition, in the fused passes here, in the stats pass and per block
+    (``dim``: one amax per row, kept as a column)."""
+    clean = torch.nan_to_num(a, nan=0.0, posinf=_INF)
+    return clean.amax() if dim is None else clean.amax(dim=dim, keepdim=True)
 
 
 def amaxes_of_magnitudes(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -57,7 +57,7 @@ class _BlockLinearFn(torch.autograd.Function):
                 grad_x = (g_row @ w_col).reshape(*grad_out.shape[:-1], w.shape[1]).to(x_dtype)
             if ctx.needs_input_grad[1]:
                 _, _, g_col = operand(g2, kind, "gradient", columnwise=True)
-                _, _, x_col = operand(x2.float(), kind, "activation", columnwise=True)
+                _, _, x_col = operand(x2, kind, "activation", columnwise=True)
                 dw = g_col.t() @ x_col  # [out, in]
                 grad_w = (dw.t() if layer.weight_transposed else dw).to(w_dtype)
             if b_dtype is not None and ctx.needs_input_grad[2]:

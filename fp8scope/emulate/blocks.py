@@ -27,6 +27,7 @@ import torch
 import torch.nn.functional as F
 
 from ..formats import Fp8Format
+from .amax import recorded_amax
 from .scaling import te_scale_from_amax
 
 MX_BLOCK = 32
@@ -71,9 +72,9 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
     return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
 
 
-def _block_amax(blocks: torch.Tensor) -> torch.Tensor:
-    """Per-row amax, NaN elements ignored (``fmaxf`` from 0), float32, shape [rows, 1]."""
-    return torch.nan_to_num(blocks.abs().float(), nan=0.0, posinf=float("inf")).amax(dim=1, keepdim=True)
+def block_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """Per-row amax, NaN elements ignored (``fmaxf`` from 0, ``amax.recorded_amax``), float32, [rows, 1]."""
+    return recorded_amax(blocks.abs().float(), dim=1)
 
 
 def _tiles(x2d: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -113,7 +114,7 @@ class BlockScales:
 
 def _per_block(x2d: torch.Tensor, rows: int, cols: int, scales_of) -> BlockScales:
     tiles, index = _tiles(x2d, rows, cols)
-    amax = _block_amax(tiles)
+    amax = block_amax(tiles)
     scale, scale_inv = scales_of(amax)
     if index is None:
         return BlockScales(tiles, scale, scale_inv, amax, (x2d.shape[0], x2d.shape[1], rows, cols))
@@ -174,7 +175,7 @@ def nvfp4_blocks(x: torch.Tensor, block_2d: bool = False) -> BlockScales:
     is the elements' encode factor, ``scale_inv`` their decode factor."""
     x2d = _as_2d(x)
     dev = x2d.device
-    g = _block_amax(x2d.reshape(1, -1)).reshape(())
+    g = block_amax(x2d.reshape(1, -1)).reshape(())
     s_enc = torch.div(torch.tensor(448.0 * 6.0, device=dev), g).clamp(max=_FLT_MAX)
     s_enc = torch.where((g == 0) | (s_enc == 0), 1.0, s_enc)
     s_dec = s_enc.reciprocal()

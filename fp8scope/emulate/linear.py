@@ -188,15 +188,17 @@ class Fp8Linear(nn.Linear):
     def join_update_group(self, group: UpdateGroup) -> None:
         """Have this layer's states updated together with the other states of ``group`` (a model's
         layers: ``convert_to_fp8`` does it; see :class:`~fp8scope.emulate.scaling.UpdateGroup`)."""
-        for role in ROLES:
-            if self.scaling_state(role) is not None:
-                group.join(self.scaling_state(role))
+        for state in self._states():
+            group.join(state)
 
     def reset_scaling(self) -> None:
         """Forget all amax history and scales (e.g. after loading new weights)."""
-        for role in ROLES:
-            if self.scaling_state(role) is not None:
-                self.scaling_state(role).reset()
+        for state in self._states():
+            state.reset()
+
+    def _states(self) -> list[ScalingState]:
+        """The layer's scaling states (none under a block-scaled recipe)."""
+        return [s for s in (self.activation_state, self.weight_state, self.gradient_state) if s is not None]
 
     def _emit(self, role: str, x: torch.Tensor, deq: torch.Tensor, amax: torch.Tensor, s: Scales,
               fmt: Fp8Format, grad: bool, original: torch.Tensor | None = None) -> None:

@@ -23,7 +23,7 @@ import torch
 
 from ..formats import recipe_format
 from ..formats import get_format
-from .blocks import E2M1_MAX, BlockScales, e2m1_round, fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks
+from .blocks import E2M1_MAX, BlockScales, block_amax, e2m1_round, fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks
 from .scaling import te_scale_from_amax
 
 RECIPES = ("current", "mxfp8", "block128", "nvfp4", "bf16")
@@ -45,7 +45,7 @@ def scaled(x: torch.Tensor, recipe: str, role: str, columnwise: bool = False) ->
     if recipe == "current":
         fmt = _HYBRID["backward" if role == "gradient" else "forward"]
         flat = x.detach().reshape(1, -1)
-        amax = torch.nan_to_num(flat.abs().float(), nan=0.0, posinf=float("inf")).amax(dim=1, keepdim=True)
+        amax = block_amax(flat)
         scale = te_scale_from_amax(amax, fmt.max)
         return BlockScales(flat, scale, scale.reciprocal(), amax), fmt.name
     e4m3 = _E4M3

@@ -117,35 +117,43 @@ class GradHook:
 
 
 
-class Adapter(Protocol):
+class Adapter:
     """One framework's FP8 layers: how to find them, watch them, switch FP8 off, and make a plain
     replica. The monitor asks ``claims`` and ``attach``; the shadow asks the other four, so that it
-    knows no framework itself."""
+    knows no framework itself. Each adapter subclasses this and overrides what its framework needs;
+    the defaults fit a layer whose weights are its matrices and whose FP8 needs no switching."""
 
     name: str  # the rows' ``source``
 
     @staticmethod
-    def claims(module: nn.Module) -> bool: ...
+    def claims(module: nn.Module) -> bool:
+        raise NotImplementedError
 
     @staticmethod
-    def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle: ...
+    def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
+        raise NotImplementedError
 
     @staticmethod
-    def weights(module: nn.Module) -> list[nn.Parameter]: ...
+    def weights(module: nn.Module) -> list[nn.Parameter]:
+        """The weight matrices the layer's GEMMs multiply by."""
+        return matrix_weights(module)
 
     @staticmethod
     def high_precision(model: nn.Module) -> AbstractContextManager | None:
         """A context in which this adapter's layers in ``model`` run without FP8 and leave their FP8
         state untouched; None when nothing needs switching."""
+        return None
 
     @staticmethod
     def make_plain(module: nn.Module) -> None:
         """Switch FP8 off for good in a replica's module (its state is the replica's own)."""
+        return None
 
     @staticmethod
     def plain_context(model: nn.Module) -> AbstractContextManager | None:
         """A context a replica ``model`` runs its passes in, for frameworks whose FP8 is switched off
         per pass (TE); None for the others."""
+        return None
 
 
 def matrix_weights(module: nn.Module) -> list[nn.Parameter]:

@@ -9,10 +9,10 @@ from typing import Any
 
 from torch import nn
 
-from fp8scope.capture.adapters.base import Handle, Sink, matrix_weights
+from fp8scope.capture.adapters.base import Adapter, Handle, Sink
 
 
-class EmulatedSource:
+class EmulatedSource(Adapter):
     name = "emulated"
 
     @staticmethod
@@ -60,10 +60,6 @@ class EmulatedSource:
         return detach
 
     @staticmethod
-    def weights(module: nn.Module) -> list[nn.Parameter]:
-        return matrix_weights(module)
-
-    @staticmethod
     def high_precision(model: nn.Module) -> AbstractContextManager | None:
         from fp8scope.emulate import fp8_disabled
 
@@ -72,7 +68,3 @@ class EmulatedSource:
     @staticmethod
     def make_plain(module: nn.Module) -> None:
         module.fp8_enabled = False
-
-    @staticmethod
-    def plain_context(model: nn.Module) -> AbstractContextManager | None:
-        return None

@@ -32,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8scope.capture.adapters.base import GradHook, Handle, Sink, guarded, matrix_weights
+from fp8scope.capture.adapters.base import Adapter, GradHook, Handle, Sink, guarded
 from fp8scope.capture.adapters.te_layout import NEWEST_READ, OLDEST, TeLayout, installed_version, layout_for
 from fp8scope.formats import Fp8Format, get_format, recipe_format
 
@@ -159,6 +159,7 @@ class _Reader:
         self.kind = type(module).__name__
         self.gemms = gemm_slots(layer, module, layout)
         self.sees_input = self.kind in ("Linear", "GroupedLinear")
+        self._recipe, self._recipe_kind = None, "unknown"  # the last recipe seen and its kind
 
     # ---- forward ---------------------------------------------------------------------
     def forward_hook(self, mod, args, kwargs, output) -> None:
@@ -166,7 +167,10 @@ class _Reader:
         meta = getattr(mod, "fp8_meta", None) or {}
         if not sink.active or not meta or not getattr(mod, "fp8", False):
             return
-        kind = recipe_kind(meta.get("recipe"))
+        recipe = meta.get("recipe")
+        if recipe is not self._recipe:  # a run keeps one recipe object: its kind is read once
+            self._recipe, self._recipe_kind = recipe, recipe_kind(recipe)
+        kind = self._recipe_kind
         if kind not in READABLE:
             sink.warn(f"te-recipe-{kind}", f"Transformer Engine recipe {type(meta.get('recipe')).__name__} is not "
                       f"read by fp8scope (only per-tensor FP8 and FP8 block recipes are): layer {self.layer} and the "
@@ -186,9 +190,10 @@ class _Reader:
                     self.report_tensor(mod, meta, kind, gemm.name, "activation", xi, fwd, "scaling_fwd",
                                        gemm.input_slot, state)
                 else:
-                    hidden = _norm_output(mod, x) if gemm.hidden_input == "norm" and x is not None else None
+                    # the LayerNorm output, recomputed only where TE keeps nothing to read (report_hidden)
+                    recompute = (lambda: _norm_output(mod, x)) if gemm.hidden_input == "norm" and x is not None else None
                     self.report_hidden(mod, meta, kind, gemm.name, "activation", fwd, "scaling_fwd", gemm.input_slot,
-                                       state, hidden)
+                                       state, recompute)
             if sink.wants("weight"):
                 ws = [w for w in gemm.weights(mod) if isinstance(w, torch.Tensor)]
                 if ws and not any(_is_quantized(w) for w in ws):
@@ -325,7 +330,7 @@ class _Reader:
                 sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", fmt, b.x, b.scale, b.scale_inv,
                             b.amax, original=t)
 
-    def report_hidden(self, mod, meta, kind, name, role, fmt, key, slot, state, recomputed) -> None:
+    def report_hidden(self, mod, meta, kind, name, role, fmt, key, slot, state, recompute) -> None:
         """A tensor made inside the module: TE's recorded amax and scale where TE keeps them, else
         the recomputed tensor (the LayerNorm output) measured as TE would, else no row."""
         sink = self.sink
@@ -337,7 +342,7 @@ class _Reader:
             amax, scale = _scalar(getattr(q, "amax", None)), _scalar(getattr(q, "scale", None))
             if amax is not None and scale is not None:
                 sink.record_amax(name, role, "te", fmt, amax, scale, scale.reciprocal(), amax)
-        elif recomputed is not None:
+        elif recompute is not None and (recomputed := recompute()) is not None:
             self.report_tensor(mod, meta, kind, name, role, recomputed, fmt, key, slot, state)
         else:
             sink.warn(f"te-hidden-{kind}-{role}", f"Transformer Engine {'.'.join(map(str, self.layout.version))} "
@@ -429,7 +434,7 @@ def _te_node(output: Any, name: str, depth: int = 3):
     return None
 
 
-class TransformerEngineSource:
+class TransformerEngineSource(Adapter):
     """Transformer Engine modules; see the module docstring."""
 
     name = "te"
@@ -449,10 +454,6 @@ class TransformerEngineSource:
         reader = _Reader(layer, module, sink, layout_for(version))
         handle = module.register_forward_hook(guarded(sink, reader.forward_hook), with_kwargs=True)
         return handle.remove
-
-    @staticmethod
-    def weights(module: nn.Module) -> list[nn.Parameter]:
-        return matrix_weights(module)
 
     @staticmethod
     def high_precision(model: nn.Module) -> AbstractContextManager | None:

@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from fp8scope.capture.adapters.base import GradHook, Handle, Sink, first_tensor, guarded, matrix_weights
+from fp8scope.capture.adapters.base import Adapter, GradHook, Handle, Sink, first_tensor, guarded
 from fp8scope.formats import format_of_dtype
 
 
@@ -29,7 +29,7 @@ def float8_linear_cls():
     return Float8Linear
 
 
-class TorchaoSource:
+class TorchaoSource(Adapter):
     """torchao ``Float8Linear``: dynamic (current) scaling, tensorwise or rowwise.
 
     Each distinct cast torchao makes is one logged tensor (torchao/float8/float8_linear.py,
@@ -137,10 +137,6 @@ class TorchaoSource:
         return lambda: (h1.remove(), h2.remove(), [graph_taps.unregister(t) for t in taps.values()]) and None
 
     @staticmethod
-    def weights(module: nn.Module) -> list[nn.Parameter]:
-        return matrix_weights(module)
-
-    @staticmethod
     def high_precision(model: nn.Module) -> AbstractContextManager | None:
         cls = float8_linear_cls()
         layers = [m for m in model.modules() if cls is not None and isinstance(m, cls)]
@@ -150,9 +146,6 @@ class TorchaoSource:
     def make_plain(module: nn.Module) -> None:
         module.forward = functools.partial(_hp_linear, module)
 
-    @staticmethod
-    def plain_context(model: nn.Module) -> AbstractContextManager | None:
-        return None
 
 
 def _hp_linear(module: nn.Module, x, *args, **kwargs):

@@ -6,19 +6,18 @@ recipes keep a :class:`~fp8scope.emulate.ScalingState` per tensor."""
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
-from fp8scope.capture.adapters.base import GradHook, Handle, Sink, first_tensor, guarded, matrix_weights
+from fp8scope.capture.adapters.base import Adapter, GradHook, Handle, Sink, first_tensor, guarded
 from fp8scope.formats import recipe_format
 from fp8scope.linear_like import LinearKind, linear_kind, output_tensor, replace_output
 
 
-class WhatIfSource:
+class WhatIfSource(Adapter):
     """Any other linear-like layer (``fp8scope.linear_like``: ``nn.Linear``, ``transformers``'
     ``Conv1D``, tensor-parallel wrappers, registered classes): simulate the recipe on the real
     tensors, change nothing. Weights are read as ``[out, in]`` whatever the layer stores."""
@@ -34,22 +33,6 @@ class WhatIfSource:
         tap = _WhatIfTap(layer, sink, recipe, linear_kind(module))
         handle = module.register_forward_hook(tap.forward_hook)
         return lambda: (handle.remove(), tap.unregister()) and None
-
-    @staticmethod
-    def weights(module: nn.Module) -> list[nn.Parameter]:
-        return matrix_weights(module)
-
-    @staticmethod
-    def high_precision(model: nn.Module) -> AbstractContextManager | None:
-        return None  # already high precision
-
-    @staticmethod
-    def make_plain(module: nn.Module) -> None:
-        return None
-
-    @staticmethod
-    def plain_context(model: nn.Module) -> AbstractContextManager | None:
-        return None
 
 
 class _WhatIfTap:
