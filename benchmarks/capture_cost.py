@@ -125,26 +125,31 @@ def per_tensor(device: str, reps: int) -> None:
 
 
 def per_recipe(device: str, reps: int) -> None:
-    from fp8scope.capture import recipe_stats as rs
     from fp8scope.compiled import reset_dynamo
     from fp8scope.emulate.recipe_table import RECIPES
 
     rows, cols = SIZES[1]
-    print(f"\n1b. other recipes measured on one captured tensor (Monitor(whatif_recipes=...), full steps; "
-          f"bf16 {rows}x{cols}, activation)")
+    fmt = get_format("e4m3")
+    print(f"\n1b. other recipes measured on one captured tensor, in its stats pass (Monitor(whatif_recipes=...), "
+          f"full steps; bf16 {rows}x{cols}, activation): what each adds to the pass")
     print(f"   {'recipe':>9s} {'eager ops':>10s} {'kernels':>8s} {'eager ms':>9s} {'compiled ms':>12s}")
     x = torch.randn(rows, cols, device=device).to(torch.bfloat16)
+    one = torch.ones((), device=device)
+    base = (device, torch.bfloat16, fmt.name, False, False)
+    alone = generated_kernels(stats_mod.FULL_STATS.eager(base), *stats_mod._full_examples(base))
     for recipe in RECIPES:
-        key = (device, torch.bfloat16, recipe, "activation")
-        kernels = generated_kernels(rs.RECIPE_STATS.eager(key), *rs._examples(key))
+        key = (*base, (recipe,), "activation", False)
+        kernels = generated_kernels(stats_mod.FULL_STATS.eager(key), *stats_mod._full_examples(key)) - alone
         reset_dynamo()
         os.environ["FP8SCOPE_COMPILE"] = "0"
-        ops, _ = count_ops(lambda: rs._recipe_stats(x, recipe, "activation"))
-        t_eager = timed(lambda: rs.recipe_stats(x, recipe, "activation"), reps)
+        call = lambda r=(recipe,): stats_mod.stats_call(x, one, one, one, fmt, recipes=r)  # noqa: E731
+        plain = lambda: stats_mod.stats_call(x, one, one, one, fmt)  # noqa: E731
+        ops = count_ops(call)[0] - count_ops(plain)[0]
+        t_eager = timed(call, reps) - timed(plain, reps)
         os.environ["FP8SCOPE_COMPILE"] = "sync"
-        rs.recipe_stats(x, recipe, "activation")
-        rs.RECIPE_STATS.wait(key)
-        t_comp = timed(lambda: rs.recipe_stats(x, recipe, "activation"), reps)
+        call(), plain()
+        stats_mod.FULL_STATS.wait(key), stats_mod.FULL_STATS.wait(base)
+        t_comp = timed(call, reps) - timed(plain, reps)
         print(f"   {recipe:>9s} {ops:>10d} {kernels:>8d} {t_eager * 1e3:>9.2f} {t_comp * 1e3:>12.2f}")
 
 

@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/dashboard_speed.py [--steps 10000] [--layers 336] [--root /tmp/fp8scope-bench]
     .venv/bin/python benchmarks/dashboard_speed.py --browser [--demo RUN] ...   # + times in real Chromium
+    .venv/bin/python benchmarks/dashboard_speed.py --recipes 7 ...   # + a recipes table: every full step x tensor x 7 recipes
 
 With ``--browser`` it also starts the real dashboard server and times, in headless Chromium
 (Playwright, Debian's /usr/bin/chromium), from navigation or click to the drawn figure or table:
@@ -88,8 +89,22 @@ def step_batch(step: int, keys, rng, full: bool, spike_layer: int | None) -> pa.
     return pa.RecordBatch.from_arrays([cols[f.name] for f in TENSOR_SCHEMA], schema=TENSOR_SCHEMA)
 
 
+def recipe_rows(step: int, keys, rng, recipes: tuple[str, ...]) -> pa.RecordBatch:
+    """One full step's ``recipes`` rows (``Monitor(whatif_recipes=...)``): every tensor under each recipe,
+    through the writer thread's own ``step_records.recipe_batch``."""
+    from fp8scope.step_payload import TensorKey
+    from fp8scope.step_records import recipe_batch
+
+    tk = [TensorKey(l, r, "emulated", "e4m3", 448.0, (1024, 1024)) for l, r in keys]
+    n = len(keys) * len(recipes)
+    numel = float(1 << 20)
+    m = np.column_stack([np.full(n, numel), np.full(n, numel), rng.binomial(1 << 20, 1e-3, n), rng.binomial(1 << 20, 1e-6, n),
+                         rng.binomial(1 << 20, 1e-5, n), rng.random(n) * 1e-3, np.full(n, numel), 0.5 + rng.random(n)])
+    return recipe_batch(step, 0, m, [(k, r) for k in range(len(keys)) for r in recipes], tk)
+
+
 def make_big_run(run_dir: Path, steps: int, n_layers: int, every: int = 10, close: bool = True, start: int = 0,
-                 writer: RunWriter | None = None) -> RunWriter | None:
+                 writer: RunWriter | None = None, recipes: tuple[str, ...] = ()) -> RunWriter | None:
     layers, keys = tensor_keys(n_layers)
     if writer is None:
         run_dir.mkdir(parents=True, exist_ok=True)
@@ -104,6 +119,8 @@ def make_big_run(run_dir: Path, steps: int, n_layers: int, every: int = 10, clos
     for s in range(start, start + steps):
         hit = spike if s % 1000 == 500 else None
         writer.write("tensors", step_batch(s, keys, rng, full=(s % every == 0), spike_layer=hit))
+        if recipes and s % every == 0:
+            writer.write("recipes", recipe_rows(s, keys, rng, recipes))
         loss = 4.0 * np.exp(-s / 3000) + 1.5 + rng.normal(0, 0.02)
         writer.write("scalars", pa.record_batch(
             [pa.array([s, s, s], pa.int64()), pa.array([0, 0, 0], pa.int32()),
@@ -275,6 +292,9 @@ def main() -> int:
     ap.add_argument("--reuse", action="store_true",
                     help="reuse a run generated earlier; the live test then appends as a restarted job (new segment)")
     ap.add_argument("--json", help="also write results here")
+    ap.add_argument("--recipes", type=int, default=0,
+                    help="also write a recipes table (the first N what-if recipes on every full step) and time the "
+                         "views that read it")
     ap.add_argument("--browser", action="store_true", help="also time views in headless Chromium (real server)")
     ap.add_argument("--demo", help="with --browser: also time this run folder (copied under the root as 'demo')")
     ap.add_argument("--live-seconds", type=float, default=0,
@@ -284,12 +304,15 @@ def main() -> int:
 
     root = Path(args.root)
     run_dir = root / "big"
-    stamp = root / f".made-{args.steps}x{args.layers}"
+    from fp8scope.detect.advisor import COST_ORDER
+
+    recipes = COST_ORDER[:args.recipes]
+    stamp = root / f".made-{args.steps}x{args.layers}x{len(recipes)}"
     writer = None
     if not (args.reuse and stamp.exists()):
         shutil.rmtree(root, ignore_errors=True)
         # the writer stays open, as in a live run: the live test appends to the same stream
-        t, writer = timed(lambda: make_big_run(run_dir, args.steps, args.layers, close=False))
+        t, writer = timed(lambda: make_big_run(run_dir, args.steps, args.layers, close=False, recipes=recipes))
         root.mkdir(parents=True, exist_ok=True)
         stamp.write_text("ok")
         print(f"generated {args.steps} steps x {args.layers * 3} tensors in {t:.1f} s "
@@ -322,6 +345,10 @@ def main() -> int:
              "heatmap&stat=underflow_pct", "heatmap&stat=saturated_pct&role=weight", "heatmap&stat=sqnr_db",
              "heatmap&stat=log2_amax", "heatmap&stat=qerr_log10", "heatmap&stat=headroom&agg=mean",
              "tensor&layer=blocks.25.mlp.up&role=activation"]
+    if recipes:  # the views that read the recipes table: heatmap statistics, the tensor view's lines, the advisor
+        views += [f"heatmap&stat=recipe_{recipes[-1]}_underflow_pct", f"heatmap&stat=recipe_{recipes[0]}_sqnr_db&role=gradient",
+                  "recipes"]
+        res["recipe_rows"] = (args.steps // 10) * args.layers * 3 * len(recipes)
     for v in views:
         q = f"?run=big&view={v}"
         tc, out = timed(lambda: page(q))

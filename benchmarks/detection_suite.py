@@ -168,9 +168,10 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10, whatif_recipes
         setup.args.inject = list(case.inject)
         setup = _llama_setup(setup)
     if recipe is not None:  # the advised recipe, on the same seed: every emulated layer switches to it
-        from fp8scope.emulate import CurrentScaling, Float8BlockScaling, Fp8Linear, MXFP8BlockScaling
+        from fp8scope.emulate import CurrentScaling, Float8BlockScaling, Fp8Linear, MXFP8BlockScaling, NVFP4BlockScaling
 
-        new = {"current": CurrentScaling(), "mxfp8": MXFP8BlockScaling(), "block128": Float8BlockScaling()}[recipe]
+        new = {"current": CurrentScaling(), "mxfp8": MXFP8BlockScaling(), "block128": Float8BlockScaling(),
+               "nvfp4": NVFP4BlockScaling()}[recipe]
         for m in setup.model.modules():
             if isinstance(m, Fp8Linear):
                 m._init_fp8(new)
@@ -296,7 +297,7 @@ def score(case: Case, run_dir: Path, losses: list[float]) -> dict:
     return out
 
 
-EMULATED = ("current", "block128", "mxfp8")  # the advised recipes the emulated layer can train with
+EMULATED = ("nvfp4", "current", "block128", "mxfp8")  # the advised recipes the emulated layer can train with
 
 
 def advise_case(case: Case, run_dir: Path) -> dict:

@@ -34,6 +34,8 @@ class Fp8Format:
         """The torch dtype (torch is imported here, not at module import: readers never need it)."""
         import torch
 
+        if self.name not in _DTYPE_NAMES:
+            raise ValueError(f"{self.name} has no unpacked torch dtype (its values are rounded in float32)")
         dtype = getattr(torch, _DTYPE_NAMES[self.name], None)
         if dtype is None:
             raise ValueError(f"this torch ({torch.__version__}) has no dtype {_DTYPE_NAMES[self.name]}")
@@ -65,11 +67,13 @@ _ALIASES = {"e4m3fn": "e4m3", **{v: k for k, v in _DTYPE_NAMES.items()}}
 #   "fn":   no infinities; the all-ones exponent is a normal binade except mantissa all-ones (NaN)
 #   "ieee": all-ones exponent reserved for inf/NaN
 #   "fnuz": no infinities, a single NaN code (negative zero): the whole top binade is finite
+#   "finite": no infinities, no NaN: every code is a number (OCP MX E2M1, NVFP4's values; max 6)
 _LAYOUTS = {
     "e4m3": (4, 3, 7, "fn"),
     "e5m2": (5, 2, 15, "ieee"),
     "e4m3fnuz": (4, 3, 8, "fnuz"),
     "e5m2fnuz": (5, 2, 16, "fnuz"),
+    "e2m1": (2, 1, 1, "finite"),
 }
 
 
@@ -93,7 +97,7 @@ def get_format(name: str) -> Fp8Format:
     """Look a format up by short name (``e4m3``, ``e5m2``, ``e4m3fnuz``, ``e5m2fnuz``) or torch dtype name."""
     key = _ALIASES.get(str(name).lower(), str(name).lower())
     if key not in _LAYOUTS:
-        raise ValueError(f"unknown FP8 format {name!r}; expected one of {sorted(_DTYPE_NAMES)}")
+        raise ValueError(f"unknown FP8 format {name!r}; expected one of {sorted(_LAYOUTS)}")
     return _derive(key)
 
 

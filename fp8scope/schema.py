@@ -100,7 +100,7 @@ EVENT_SCHEMA = pa.schema(
     metadata={b"fp8scope.table": b"events", b"fp8scope.schema_version": str(SCHEMA_VERSION).encode()},
 )
 
-# Other recipes measured on the same tensors (``Monitor(whatif_recipes=...)``, ``capture.recipe_stats``):
+# Other recipes measured on the same tensors (``Monitor(whatif_recipes=...)``, ``capture.stats``):
 # long, one row per (step, tensor, recipe), so a recipe is one more dimension for readers and SQL.
 RECIPE_FIELDS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq_signal", "clip_ratio")
 RECIPE_SCHEMA = pa.schema(

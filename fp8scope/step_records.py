@@ -56,7 +56,8 @@ def merge_rows(matrix: np.ndarray, key_ids: Sequence[int]) -> tuple[np.ndarray, 
 def _int_col(values: np.ndarray) -> pa.Array:
     """Counts as int64, null where the stat was not computed (cheap-stats rows)."""
     mask = np.isnan(values)
-    return pa.array(np.where(mask, 0, values).astype(np.int64), mask=mask, type=pa.int64())
+    # rounded: an expectation (NVFP4 gradients under stochastic rounding) is a fractional count
+    return pa.array(np.rint(np.where(mask, 0, values)).astype(np.int64), mask=mask, type=pa.int64())
 
 
 def _float_col(values: np.ndarray) -> pa.Array:

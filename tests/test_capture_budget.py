@@ -63,6 +63,66 @@ def test_compiled_full_stats_are_at_most_3_kernels():
         assert 1 <= kernels <= 3, (key, kernels)
 
 
+def _guards_accept(family, key, args) -> bool:
+    """Whether the compiled code of ``key`` accepts ``args`` (a call its guards reject runs eagerly,
+    silently: the compile would be wasted on every step)."""
+    from torch._dynamo.eval_frame import _debug_get_cache_entry_list
+
+    code = next(c for c in _compiled_codes(family._ready[key]) if c.co_name.startswith(f"fp8scope_{family.name}"))
+    fn_locals = dict(zip(code.co_varnames[:code.co_argcount], args))
+    eager = family.eager(key)  # the renamed copy shares the eager function's closure
+    fn_locals.update({n: c.cell_contents for n, c in zip(eager.__code__.co_freevars, eager.__closure__ or ())})
+    with torch.no_grad():  # the runner's grad mode
+        return any(e.guard_manager.check(fn_locals) for e in _debug_get_cache_entry_list(code))
+
+
+def _compiled_codes(obj, seen=None):
+    seen = set() if seen is None else seen
+    for cell in getattr(obj, "__closure__", None) or ():
+        v = cell.cell_contents
+        if callable(v) and id(v) not in seen:
+            seen.add(id(v))
+            if hasattr(v, "__code__"):
+                yield v.__code__
+            yield from _compiled_codes(v, seen)
+
+
+def test_compiled_stats_with_recipes_serve_the_calls_capture_makes(monkeypatch):
+    """The fused stats + recipes variants compiled ahead accept what ``stats_call`` hands them: a
+    per-tensor capture, and a block view with the matrix it was cut from and per-block expected
+    amaxes (summarised to the 0-d value the variant was made for)."""
+    from fp8scope.compiled import reset_dynamo
+    from fp8scope.emulate.blocks import mxfp8_blocks
+
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
+    reset_dynamo()
+    fmt = get_format("e4m3")
+    calls = {}
+    real_get = stats_mod.FULL_STATS.get
+
+    def spy(key):
+        fn = real_get(key)
+
+        def call(*args):
+            calls.setdefault(key, args)
+            return fn(*args)
+
+        return call
+
+    monkeypatch.setattr(stats_mod.FULL_STATS, "get", spy)
+    for shape in ((300, 64), (64, 96)):
+        calls.clear()
+        x = torch.randn(shape)
+        b = mxfp8_blocks(x, fmt)
+        stats_mod.stats_call(b.x, b.scale, b.scale_inv, b.amax, fmt, recipes=("mxfp8",), whole=x)
+        stats_mod.stats_call(x, torch.tensor(2.0), torch.tensor(0.5), torch.tensor(3.0), fmt, recipes=("current",))
+        assert len(calls) == 2
+        for key, args in calls.items():
+            assert key in stats_mod.FULL_STATS._ready, stats_mod.FULL_STATS.failures
+            assert _guards_accept(stats_mod.FULL_STATS, key, args), key
+    reset_dynamo()
+
+
 @pytest.mark.parametrize("fp8", ["off", "delayed"])  # what-if (plain FP32) and emulated FP8
 def test_a_cheap_step_costs_at_most_2_ops_per_tensor(fp8):
     counts, n = {}, 0

@@ -77,17 +77,17 @@ def test_delayed_recipe_validation(kwargs):
 
 
 def test_recipe_dict_round_trip_and_frozen():
-    from fp8scope.emulate import Float8BlockScaling, MXFP8BlockScaling
+    from fp8scope.emulate import Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
 
     for r in (DelayedScaling(margin=1, amax_history_len=16, amax_compute_algo="most_recent"), CurrentScaling("E4M3"),
-              MXFP8BlockScaling(), Float8BlockScaling()):
+              MXFP8BlockScaling(), Float8BlockScaling(), NVFP4BlockScaling(disable_rht=True)):
         d = json.loads(json.dumps(r.to_dict()))
         assert recipe_from_dict(d) == r
     assert DelayedScaling().to_dict()["kind"] == "delayed"
     assert CurrentScaling().to_dict()["kind"] == "current"
     assert MXFP8BlockScaling().to_dict() == {"kind": "mxfp8", "fp8_format": "E4M3"}
     with pytest.raises(ValueError):
-        recipe_from_dict({"kind": "nvfp4"})  # measured by the advisor, not emulated as a layer
+        recipe_from_dict({"kind": "mxfp4"})  # not a recipe here
     with pytest.raises(ValueError):
         MXFP8BlockScaling(fp8_format="HYBRID")
     with pytest.raises(ValueError):

@@ -142,14 +142,14 @@ def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype):
     old = os.environ.get("FP8SCOPE_COMPILE")
     try:
         os.environ["FP8SCOPE_COMPILE"] = "0"
-        eager, rec_e = stats_call(x, scale, 1 / scale, 30.0, fmt)
+        eager, rec_e, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)
         os.environ["FP8SCOPE_COMPILE"] = "sync"
         key = ("cuda", dtype, "e4m3", False, False)
         assert FULL_STATS.wait(key), FULL_STATS.failures
-        compiled, rec_c = stats_call(x, scale, 1 / scale, 30.0, fmt)
+        compiled, rec_c, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)
     finally:
         os.environ["FP8SCOPE_COMPILE"] = old if old is not None else "0"
-    cpu, _ = stats_call(x.cpu(), scale.cpu(), 1 / scale.cpu(), 30.0, fmt)
+    cpu, _, _ = stats_call(x.cpu(), scale.cpu(), 1 / scale.cpu(), 30.0, fmt)
     for got in (compiled.cpu(), cpu):
         same = torch.isclose(got, eager.cpu(), rtol=1e-6, equal_nan=True)
         assert bool(same.all()), (got, eager)

@@ -115,7 +115,7 @@ def test_amax_pair_logs_nan_and_records_te_amax():
 
 
 def test_full_stats_return_te_amax_for_a_whatif_state():
-    vec, recorded = stats_call(torch.tensor([math.nan, 3.0, -5.0]), 1.0, 1.0, 1.0, E4M3)
+    vec, recorded, _ = stats_call(torch.tensor([math.nan, 3.0, -5.0]), 1.0, 1.0, 1.0, E4M3)
     assert math.isnan(float(vec[FIELD_INDEX["amax"]])) and float(recorded) == 5.0
 
 

@@ -22,7 +22,6 @@ from typing import Any
 import torch
 
 from fp8scope.autograd_phase import in_backward
-from fp8scope.capture.recipe_stats import recipe_stats
 from fp8scope.capture.stats import stats_call
 from fp8scope.emulate.amax import logged_amax
 from fp8scope.emulate.device_bank import DeferredRow, DeviceDelayedBank
@@ -57,8 +56,8 @@ class StepCollector:
         self.enabled = True
         self.new_keys = False  # a tensor was seen for the first time this step (manifest update)
         self.force_full = 0  # the next N steps get full stats (set after a suspicious cheap step)
-        self.whatif_recipes: tuple[str, ...] = ()  # other recipes measured on full steps (recipe_stats)
-        self._recipe_rows: list[tuple[int, str, torch.Tensor]] = []
+        self.whatif_recipes: tuple[str, ...] = ()  # other recipes measured on full steps (capture.stats)
+        self._recipe_rows: list[tuple[int, tuple[str, ...], torch.Tensor]] = []  # (kid, recipes, [n, RECIPE_FIELDS])
 
     # ---- step boundaries ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
@@ -129,29 +128,35 @@ class StepCollector:
         by the stats pass, so a what-if state can record it without reading ``x`` again."""
         kid = self.key_id(layer, role, source, fmt, tuple(x.shape))
         if self.full:
-            vec, recorded = stats_call(x, scale, scale_inv, expected_amax, fmt, deq=deq)
+            recipes = self._recipes_for(role)
+            if recipes:
+                try:
+                    vec, recorded, matrix = stats_call(x, scale, scale_inv, expected_amax, fmt, deq=deq, recipes=recipes,
+                                                       role=base_role(role), whole=original)
+                except Exception as exc:  # the recipes are extra: their failure stops them, not the capture
+                    self.whatif_recipes = ()
+                    self.warn("whatif-recipes", f"measuring other recipes failed ({type(exc).__name__}: {exc}); "
+                              "they are switched off, capture goes on")
+                else:
+                    self._append(role, vec, kid, x.numel())
+                    self._recipe_rows.append((kid, recipes, matrix))
+                    return recorded
+            vec, recorded, _ = stats_call(x, scale, scale_inv, expected_amax, fmt, deq=deq)
             self._append(role, vec, kid, x.numel())
-            if self.whatif_recipes:
-                self._measure_recipes(kid, role, x if original is None else original)
             return recorded
         if amax is None:
             amax = logged_amax(x)
         self._append(role, (amax, scale, scale_inv, expected_amax), kid, x.numel())
         return None
 
-    def _measure_recipes(self, kid: int, role: str, x: torch.Tensor) -> None:
-        """The other recipes on ``x`` (``original``: the tensor as the layer holds it, where ``x`` is a
-        view of its blocks). A columnwise copy is the same values, and a forward re-run inside
-        backward was measured in its first run: neither is measured again."""
-        if "@" in role or (base_role(role) != "gradient" and in_backward()):
-            return
-        try:
-            for recipe in self.whatif_recipes:
-                self._recipe_rows.append((kid, recipe, recipe_stats(x, recipe, base_role(role))))
-        except Exception as exc:  # the recipes are extra: their failure stops them, not the capture
-            self.whatif_recipes = ()
-            self.warn("whatif-recipes", f"measuring other recipes failed ({type(exc).__name__}: {exc}); "
-                      "they are switched off, capture goes on")
+    def _recipes_for(self, role: str) -> tuple[str, ...]:
+        """The other recipes to measure on this full-step capture, in the stats pass itself
+        (``original``: the tensor as the layer holds it, where ``x`` is a view of its blocks). A
+        columnwise copy is the same values, and a forward re-run inside backward was measured in
+        its first run: neither is measured again."""
+        if not self.whatif_recipes or "@" in role or (base_role(role) != "gradient" and in_backward()):
+            return ()
+        return self.whatif_recipes
 
     def record_values(self, layer, role, source, fmt, x, values: tuple) -> None:
         """A cheap step's capture from a scaling state's ``latest()`` tuple ``(amax, scale,
@@ -218,14 +223,15 @@ class StepCollector:
                 order[i] = -1 - (n_narrow + bank_row)
             blocks.append(rows)
             n_narrow += rows.shape[0]
+        recipe_keys = [(kid, recipe) for kid, recipes, _ in recipe_rows for recipe in recipes]
         if recipe_rows:  # after the narrow rows, before the scalars: the same single transfer
-            blocks.append(torch.stack([v for _, _, v in recipe_rows]))
+            blocks.append(torch.cat([m for _, _, m in recipe_rows]) if len(recipe_rows) > 1 else recipe_rows[0][2])
         host, ready = self._host_array(wide, blocks, tensor_scalars)
         return StepPayload(
             step=self.step, full=self.full, wall_time=time.time(), key_ids=[kid for _, kid, _ in caps], order=order,
             n_wide=len(wide), n_narrow=n_narrow, host=host, ready=ready, scalar_names=names,
             host_scalars=host_scalars, numels=[numel for _, _, numel in caps],
-            n_recipe=len(recipe_rows), recipe_keys=[(kid, recipe) for kid, recipe, _ in recipe_rows],
+            n_recipe=len(recipe_keys), recipe_keys=recipe_keys,
         )
 
     @staticmethod

@@ -22,6 +22,23 @@ What each field means:
 - ``min_nonzero``: the smallest non-zero ``|x|`` (inf when there is none).
 - ``scale``, ``scale_inv``, ``expected_amax``: the scales in use; per-row or per-block scales are
   summarised by their most conservative member (smallest scale, largest scale_inv and amax).
+
+Other recipes (``Monitor(whatif_recipes=[...])``, full steps) are measured in the same function, so
+in the same compiled graph: the tensor is quantized under each chosen recipe
+(``emulate.recipe_table``: E4M3 / E5M2 casts, or E2M1 rounding for NVFP4, with that recipe's
+scales) and decoded back. Each gives one ``schema.RECIPE_FIELDS`` vector, whose counts have one
+definition, ``emulate.recipe_table.counts`` (the advisor's baselines call it too):
+
+- ``nonzero``: finite non-zero elements (what can underflow); ``underflow``: non-zero before, zero
+  when decoded (a zero code, or a block scale that itself flushed to zero: NVFP4's E4M3 block
+  scales under a tensor scale set by a huge outlier); ``overflow``: ``|x * scale|`` above the element
+  format's maximum before the cast (a block scale rounded down can push an element past it);
+  ``saturated``: landed on the format's largest magnitude;
+- ``sq_err``, ``sq_signal``: sums of squares of the error and of ``x`` over the finite elements;
+- ``clip_ratio``: the largest ``|x * scale|`` over the format's maximum (above 1: clipped by that much).
+
+The vectors stay on the device and travel with the step's single transfer; the store keeps them
+long, one row per (tensor, recipe), in the ``recipes`` table.
 """
 
 from __future__ import annotations
@@ -33,8 +50,10 @@ import torch
 
 from fp8scope.compiled import CompiledFn
 from fp8scope.emulate.amax import recorded_amax
+from fp8scope.emulate.blocks import e2m1_round
+from fp8scope.emulate.recipe_table import E2M1, counts as recipe_counts
 from fp8scope.formats import Fp8Format, get_format
-from fp8scope.schema import N_FIELDS
+from fp8scope.schema import N_FIELDS, RECIPE_FIELDS
 
 _INF = float("inf")
 
@@ -48,19 +67,28 @@ def saturation_floor(fmt: Fp8Format) -> float:
     """
     below = fmt.max - 2.0 ** (math.floor(math.log2(fmt.max)) - fmt.mantissa_bits)
     mid = (fmt.max + below) / 2
-    lands_on_max = float(torch.tensor([mid], dtype=torch.float32).to(fmt.dtype).float()[0]) == fmt.max
+    if fmt.name == E2M1:  # no torch dtype: the rounding TE's kernels use
+        lands_on_max = float(e2m1_round(torch.tensor([mid]))[0]) == fmt.max
+    else:
+        lands_on_max = float(torch.tensor([mid], dtype=torch.float32).to(fmt.dtype).float()[0]) == fmt.max
     if lands_on_max:  # ties go up: the floor is the float just below the midpoint
         return float(torch.nextafter(torch.tensor(mid, dtype=torch.float32), torch.tensor(0.0)))
     return mid
 
 
 def _make_full(key):
-    """The eager stats function of one variant: the format's limits are constants in its code."""
-    _device, _dtype, fmt_name, per_row, has_deq = key
+    """The eager stats function of one variant: the format's limits are constants in its code. A
+    variant with other recipes (``recipes``, the tensor's base ``role``) also measures each of them
+    on the same tensor (``emulate.recipe_table.counts``) and returns their vectors as a third
+    output, in the same compiled graph: ``whole_given`` when the matrix they read is not ``x``
+    itself (``x`` is then a view of blocks)."""
+    _device, _dtype, fmt_name, per_row, has_deq, *more = key
+    recipes, role, whole_given = more if more else ((), None, False)
     fmt = get_format(fmt_name)
-    fmax, sat, under, dtype8 = fmt.max, saturation_floor(fmt), fmt.underflow_threshold, fmt.dtype
+    fmax, sat, under = fmt.max, saturation_floor(fmt), fmt.underflow_threshold
+    dtype8 = None if has_deq else fmt.dtype  # E2M1 rows come with their decoded values (no torch dtype)
 
-    def full_stats(x, scale, scale_inv, expected, deq):
+    def full_stats(x, scale, scale_inv, expected, deq, whole=None):
         a = x.to(torch.float32)
         m = a.abs()
         # quantization error first: the real cast, decoded (or the caller's dequantized copy);
@@ -87,18 +115,23 @@ def _make_full(key):
             torch.linalg.vector_norm(clean, 2, dtype=torch.float64).square(),
             scale.amin() if per_row else scale,
             scale_inv.amax() if per_row else scale_inv,
-            expected.amax() if expected.dim() else expected,
+            expected,
         ])
-        return vec, recorded_amax(m)  # TE's amax (NaN ignored), for a what-if state
+        if not recipes:
+            return vec, recorded_amax(m)  # TE's amax (NaN ignored), for a what-if state
+        matrix = whole if whole_given else x
+        return vec, recorded_amax(m), torch.stack([recipe_counts(matrix, r, role) for r in recipes])
 
     return full_stats
 
 
 def _full_examples(key):
-    device, dtype, fmt_name, per_row, has_deq = key
+    device, dtype, fmt_name, per_row, has_deq, *more = key
+    recipes, _role, whole_given = more if more else ((), None, False)
     # Sizes: distinct (dynamo would guard on equal ones: duck sizing) and large, because inductor
     # picks its loop structure (threads on the CPU, block sizes for Triton) from the example's size.
-    shape = (1024, 1025) if per_row else (1 << 20,)
+    # With recipes a per-tensor x is the matrix itself, its sides multiples of every block (128).
+    shape = (1024, 1025) if per_row else (1024, 1536) if recipes else (1 << 20,)
     sshape = (1024, 1) if per_row else ()
     x = torch.randn(shape, device=device).to(dtype)  # a fresh tensor, not a view: no guard on a base
     # three tensors, not one three times: dynamo would guard on the aliasing and no real call would match
@@ -106,6 +139,8 @@ def _full_examples(key):
     if per_row:
         scale, scale_inv = scale.expand(sshape).clone(), scale_inv.expand(sshape).clone()
     deq = x.to(torch.float32) if has_deq else None
+    if whole_given:
+        return x, scale, scale_inv, expected, deq, torch.randn(1152, 1536, device=device).to(dtype)
     return x, scale, scale_inv, expected, deq
 
 
@@ -137,17 +172,25 @@ def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
     return t if t.shape == shape else t.reshape(shape)
 
 
-def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None):
-    """``(vector, recorded amax)`` of :func:`full_stats`: the recorded amax is TE's (NaN elements
-    ignored), what a what-if delayed-scaling state records. Empty tensors give zero counts."""
+def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, recipes: tuple[str, ...] = (),
+               role: str = "activation", whole: torch.Tensor | None = None):
+    """``(vector, recorded amax, recipe matrix)`` of :func:`full_stats`: the recorded amax is TE's
+    (NaN elements ignored), what a what-if delayed-scaling state records; the matrix holds one
+    ``schema.RECIPE_FIELDS`` row per name in ``recipes`` (None without), measured on ``whole`` (the
+    matrix ``x`` is a view of blocks of; default ``x`` itself) as a tensor of ``role``. Empty
+    tensors give zero counts."""
     if x.requires_grad:  # the compiled code is guarded on requires_grad: hand it what it was made for
         x = x.detach()
     dev = x.device
     s, si, e = _f32(scale, dev), _f32(scale_inv, dev), _f32(expected_amax, dev)
+    # one expected amax: a per-block one (block recipes) is summarised here, so the compiled
+    # variants see the 0-d value they were made for (a rank the guards did not see runs eagerly)
+    e = e.reshape(()) if e.numel() == 1 else e.amax()
     if x.numel() == 0:
         vec = torch.tensor([0.0, _INF, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0], dtype=torch.float64, device=dev)
         vec[10], vec[11], vec[12] = s.amin(), si.amax(), e.amax()
-        return vec, torch.zeros((), dtype=torch.float32, device=dev)
+        matrix = torch.zeros(len(recipes), len(RECIPE_FIELDS), dtype=torch.float64, device=dev) if recipes else None
+        return vec, torch.zeros((), dtype=torch.float32, device=dev), matrix
     rows_s, rows_si = _rows_of(s, x), _rows_of(si, x)
     if rows_s is None or rows_si is None:
         raise ValueError(f"scale of shape {tuple(s.shape)} does not fit a tensor of shape {tuple(x.shape)}")
@@ -155,12 +198,24 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None):
     per_row = rows > 1
     if per_row:
         xv, s, si = x.reshape(rows, -1), _shaped(s, (rows, 1)), _shaped(si, (rows, 1))
+    elif recipes:  # the recipes read the matrix (blocks run along its last dim)
+        xv, s, si = matrix_of(x), _shaped(s, ()), _shaped(si, ())
     else:
         xv, s, si = (x if x.dim() == 1 else x.reshape(-1)), _shaped(s, ()), _shaped(si, ())
     d = None
     if deq is not None:
         d = _shaped(deq.detach() if deq.requires_grad else deq, xv.shape)
-    return FULL_STATS.get((dev.type, x.dtype, fmt.name, per_row, d is not None))(xv, s, si, e, d)
+    key = (dev.type, x.dtype, fmt.name, per_row, d is not None)
+    if not recipes:
+        return (*FULL_STATS.get(key)(xv, s, si, e, d), None)
+    if whole is None or whole is x:
+        return FULL_STATS.get((*key, tuple(recipes), role, False))(xv, s, si, e, d)
+    return FULL_STATS.get((*key, tuple(recipes), role, True))(xv, s, si, e, d, matrix_of(whole.detach()))
+
+
+def matrix_of(x: torch.Tensor) -> torch.Tensor:
+    """``x`` as the matrix the block recipes read: leading dims flattened, the last kept (TE's view)."""
+    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x.reshape(1, -1)
 
 
 def full_stats(

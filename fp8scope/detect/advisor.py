@@ -11,11 +11,12 @@ the elements, and SQNR from the summed squares.
 A tensor has a *fault* under a recipe, on a step, when the detector would flag it
 (``DetectConfig``): underflow at or above ``underflow_warn`` (``underflow_grad_warn`` for gradients),
 overflow at or above ``sat_warn_fraction``, or values clipped ``sat_warn_ratio`` (8x) or more; for a recipe that loses more than that by design on a Gaussian tensor
-(NVFP4), from 3x what it loses there (:func:`thresholds`).
+(NVFP4), from 3x what it loses there (``detect.design_loss``).
 
 The advisor recommends, for each tensor at fault under the recipe in use, on the steps where it is
 (all of them: a persistent fault; one: an outlier), the recipes that remove the fault on those
-steps, cheapest first (:data:`COST_ORDER`: fewer bits, then coarser scales), and says for each
+steps, cheapest first (:data:`COST_ORDER`: TE's recipes, fewer bits, then coarser scales, then
+torchao's), and says for each
 recipe which roles it is safe for across all layers. Where no tensor is
 at fault, or no recipe removes a fault, it recommends nothing.
 """
@@ -24,19 +25,21 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 import pandas as pd
 
 from fp8scope.detect.config import DetectConfig
+from fp8scope.detect.design_loss import thresholds
 from fp8scope.schema import base_role
 
 IN_USE = "in use"
-# cheapest first: 4-bit, per-tensor FP8, FP8 with 128-value blocks, FP8 with 32-value blocks, no FP8
-COST_ORDER = ("nvfp4", "current", "block128", "mxfp8", "bf16")
-NAMES = {"nvfp4": "NVFP4", "current": "per-tensor current FP8", "block128": "1x128 block FP8",
-         "mxfp8": "MXFP8", "bf16": "BF16", IN_USE: "the recipe in use"}
+# Transformer Engine's recipes (most FP8 training runs through it) cheapest first: 4-bit, per-tensor FP8, FP8
+# with 128-value blocks, FP8 with 32-value blocks; then torchao's: per-row FP8, MXFP8 with FLOOR scales; no FP8
+COST_ORDER = ("nvfp4", "current", "block128", "mxfp8", "rowwise", "mxfp8_floor", "bf16")
+NAMES = {"nvfp4": "NVFP4", "current": "per-tensor current FP8", "rowwise": "torchao rowwise FP8",
+         "block128": "1x128 block FP8", "mxfp8": "MXFP8", "mxfp8_floor": "torchao MXFP8 (FLOOR scales)",
+         "bf16": "BF16", IN_USE: "the recipe in use"}
 _SUMS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq_signal")
 
 
@@ -103,36 +106,6 @@ def _in_steps(df: pd.DataFrame, steps: tuple[int | None, int | None] | None) -> 
     if hi is not None:
         df = df[df["step"] < hi]
     return df
-
-
-BASELINE_FACTOR = 3.0  # a recipe is at fault beyond 3x what it does to a Gaussian tensor
-
-
-@lru_cache(maxsize=None)
-def gaussian_baseline(recipe: str, role: str) -> tuple[float, float]:
-    """(underflow share, overflow share) of ``recipe`` on a standard normal 256x256 tensor: what the
-    recipe loses by design (NVFP4's E2M1 flushes about 8 % of a Gaussian's values, and its E4M3
-    block scales, rounded down, push about 3 % past 6). Thresholds start from it, so a 4-bit
-    recipe is not judged by FP8's."""
-    if recipe == IN_USE:
-        return 0.0, 0.0
-    import torch
-
-    from fp8scope.emulate.recipe_table import counts
-    from fp8scope.schema import RECIPE_FIELDS
-
-    x = torch.randn(256, 256, generator=torch.Generator().manual_seed(0))
-    v = dict(zip(RECIPE_FIELDS, counts(x, recipe, role).tolist()))
-    return v["underflow"] / v["nonzero"], v["overflow"] / v["numel"]
-
-
-def thresholds(recipe: str, role: str, cfg: DetectConfig) -> tuple[float, float]:
-    """The underflow and overflow shares from which a tensor is at fault under ``recipe``: the
-    detector's (``underflow_warn``, ``underflow_grad_warn`` for gradients, ``sat_warn_fraction``),
-    or :data:`BASELINE_FACTOR` x the recipe's Gaussian baseline where that is higher."""
-    under, over = gaussian_baseline(recipe, role)
-    u = cfg.underflow_grad_warn if role == "gradient" else cfg.underflow_warn
-    return max(u, BASELINE_FACTOR * under), max(cfg.sat_warn_fraction, BASELINE_FACTOR * over)
 
 
 def fault(row, cfg: DetectConfig) -> str | None:

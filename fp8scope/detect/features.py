@@ -115,6 +115,11 @@ class KeyMap:
             self._role_of = np.array([i[5] for i in info], np.int32)
             self._grad_of = np.array([base_role(i[2]) == "gradient" for i in info], bool)
             self._bin_of = np.array([_binades(i[3]) for i in info], float)
+            # what the key's recipe may lose by design (NVFP4's E2M1; detect.design_loss): the
+            # underflow and overflow rules start there
+            floors = [_design_floor(i[3], base_role(i[2])) for i in info]
+            self._uf_floor = np.array([f[0] for f in floors], float)
+            self._ovf_floor = np.array([f[1] for f in floors], float)
             self._peer_formats()
             self.group_of = np.array([self._groups.setdefault((i[0], i[5], i[4]), len(self._groups)) for i in info],
                                      np.int64)
@@ -160,9 +165,20 @@ def _dict(col):
     return col.indices.to_numpy(zero_copy_only=False).astype(np.int64), col.dictionary
 
 
+def _design_floor(fmt, role: str) -> tuple[float, float]:
+    from fp8scope.detect.design_loss import FORMAT_RECIPE, floors
+
+    return floors(FORMAT_RECIPE.get(str(fmt).lower(), "fp8"), role)
+
+
 def _binades(fmt) -> float:
+    """The binades one scale of ``fmt`` covers; NaN for a block recipe's format (NVFP4's E2M1: each
+    block of 16 has its own scale, so a tensor's range says nothing about it)."""
+    from fp8scope.detect.design_loss import FORMAT_RECIPE
     from fp8scope.formats import get_format
 
+    if str(fmt).lower() in FORMAT_RECIPE:
+        return float("nan")
     try:
         return get_format(str(fmt)).binades
     except ValueError:
@@ -207,6 +223,8 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
     c["role"] = km._role_of[key]
     c["is_grad"] = km._grad_of[key]
     c["binades"] = km._bin_of[key]
+    c["uf_floor"] = km._uf_floor[key]
+    c["ovf_floor"] = km._ovf_floor[key]
     c["fmt_odd"] = km._odd_fmt[key]
     c["peer_n"] = km._peer_n[key]
     c["peer_binades"] = km._peer_bin[key]

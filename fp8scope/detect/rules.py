@@ -120,8 +120,11 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
     mm = float(cfg.mismatch_factor)
     tb, tj = float(cfg.trend_binades), float(cfg.trend_max_jump_share)
 
-    def uf_thr(c):
-        return np.where(c["is_grad"], ufg, ufw)
+    def uf_thr(c):  # a 4-bit recipe's own loss on a healthy tensor raises the bar (detect.design_loss)
+        return np.maximum(np.where(c["is_grad"], ufg, ufw), c["uf_floor"])
+
+    def ovf_thr(c):
+        return np.maximum(sf, c["ovf_floor"])
 
     rules = [
         RowRule(
@@ -139,7 +142,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         RowRule(
             "saturation",
             evaluable=lambda c: _nn(c["sat_ratio"]),
-            cond=lambda c: (c["sat_ratio"] > 1 + tol) & ((c["sat_ratio"] >= sw) | (_z(c["ovf_frac"]) >= sf)),
+            cond=lambda c: (c["sat_ratio"] > 1 + tol) & ((c["sat_ratio"] >= sw) | (_z(c["ovf_frac"]) >= ovf_thr(c))),
             value=lambda c: c["sat_ratio"],
             threshold=lambda c: sw,
             # clipping by a large factor (sat_critical_ratio and up) is never muted by warm-up

@@ -18,7 +18,8 @@ from .autocast import fp8_autocast
 from .convert import convert_to_fp8, fp8_disabled
 from .linear import ROLES, Fp8Linear
 from .quantize import dequantize, quantize, quantize_dequantize
-from .recipes import CurrentScaling, DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, recipe_from_dict
+from .recipes import (CurrentScaling, DelayedScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling,
+                      recipe_from_dict)
 from .amax import tensor_amax
 from .scaling import Scales, ScalingState
 
@@ -27,6 +28,7 @@ __all__ = [
     "CurrentScaling",
     "MXFP8BlockScaling",
     "Float8BlockScaling",
+    "NVFP4BlockScaling",
     "recipe_from_dict",
     "ScalingState",
     "Scales",

@@ -112,9 +112,14 @@ class BlockScales:
         return t.reshape(m // r, k // c, r, c).permute(0, 2, 1, 3).reshape(m, k)
 
 
-def _per_block(x2d: torch.Tensor, rows: int, cols: int, scales_of) -> BlockScales:
+def nan_amax(blocks: torch.Tensor) -> torch.Tensor:
+    """Per-row amax with NaN propagating (``torch.amax``: torchao's), float32, [rows, 1]."""
+    return blocks.abs().float().amax(dim=1, keepdim=True)
+
+
+def _per_block(x2d: torch.Tensor, rows: int, cols: int, scales_of, amax_of=block_amax) -> BlockScales:
     tiles, index = _tiles(x2d, rows, cols)
-    amax = block_amax(tiles)
+    amax = amax_of(tiles)
     scale, scale_inv = scales_of(amax)
     if index is None:
         return BlockScales(tiles, scale, scale_inv, amax, (x2d.shape[0], x2d.shape[1], rows, cols))
@@ -152,6 +157,47 @@ def fp8_block_scaling_blocks(x: torch.Tensor, fmt: Fp8Format, block_dim: int = 1
     return _per_block(x2d, FP8_BLOCK, 1, scales_of) if columnwise else _per_block(x2d, 1, FP8_BLOCK, scales_of)
 
 
+# ---- torchao's recipes (pytorch/ao; facts at main 36027d8, the same since v0.12) ---------------------
+TORCHAO_EPS = 1e-12  # torchao/float8/float8_utils.py EPS
+_E4M3_MAX_POW2 = 8  # torchao/prototype/mx_formats/constants.py F8E4M3_MAX_POW2: 448 = 1.75 * 2^8
+
+
+def torchao_rowwise_blocks(x: torch.Tensor, fmt: Fp8Format) -> BlockScales:
+    """torchao Float8 ``rowwise`` recipe (``Float8LinearConfig.from_recipe_name("rowwise")``): one scale
+    per row along the last dim (the GEMM's contraction dim for the forward operands and the data
+    gradient's output gradient), ``float32(fp8_max / clamp(float64(amax), 1e-12))`` rounded down to a
+    power of two with torch's ``exp2(floor(log2(s)))`` (``float8_utils.amax_to_scale``,
+    ``_round_scale_down_to_power_of_2``); the amax propagates NaN (``torch.amax``), so a row with a
+    NaN is all NaN, and an Inf amax gives scale 0."""
+    x2d = _as_2d(x)
+
+    def scales_of(amax):
+        s = (fmt.max / amax.double().clamp(min=TORCHAO_EPS)).float()
+        s = torch.exp2(torch.floor(torch.log2(s)))
+        return s, s.reciprocal()
+
+    return _per_block(x2d, 1, x2d.shape[1], scales_of, amax_of=nan_amax)
+
+
+def torchao_mx_floor_blocks(x: torch.Tensor) -> BlockScales:
+    """torchao MX ``to_mx`` with ``ScaleCalculationMode.FLOOR`` (E4M3 elements, 1x32 blocks along the
+    last dim; the default of ``to_mx`` and of ``MXLinearConfig``'s recipes through torchao 0.16):
+    the block's E8M0 code is the amax's float32 exponent minus 8 (``mx_tensor.py``: ``e = ((bits >>
+    23) & 0xFF) - 127``, ``unbiased = e - F8E4M3_MAX_POW2``, clamped to [-127, 128]), so a block's
+    largest values can land up to 510 and saturate at 448; a non-finite amax gives code 255 (NaN),
+    NaN propagates into the amax. (torchao's RCEIL mode, the default from 0.17, rounds like TE:
+    the ``mxfp8`` recipe.)"""
+    x2d = _as_2d(x)
+
+    def scales_of(amax):
+        bits = amax.contiguous().view(torch.int32)
+        unbiased = (((bits >> 23) & 0xFF) - 127 - _E4M3_MAX_POW2).clamp(-127, 128)
+        code = torch.where(torch.isfinite(amax), unbiased + 127, 0xFF)
+        return e8m0_encode_factor(code), e8m0_value(code)
+
+    return _per_block(x2d, 1, MX_BLOCK, scales_of, amax_of=nan_amax)
+
+
 # ---- NVFP4 (TE 2.8+, NVFP4BlockScaling): E2M1 values, 1x16 blocks with E4M3 scales, one FP32 scale --
 NVFP4_BLOCK = 16
 E2M1_MAX = 6.0
@@ -164,6 +210,26 @@ def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     a = y.abs().clamp(max=E2M1_MAX)
     step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
     return torch.copysign(torch.round(a / step) * step, y)  # torch.round: ties to even
+
+
+def e2m1_neighbours(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The E2M1 magnitudes just below and above ``|y|`` (equal when ``|y|`` is on the grid; both 6
+    at or above 6): the two values stochastic rounding chooses between."""
+    a = y.abs().clamp(max=E2M1_MAX)
+    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    lo = torch.floor(a / step) * step
+    return lo, torch.where(lo == a, lo, (lo + step).clamp(max=E2M1_MAX))
+
+
+def e2m1_round_stochastic(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
+    """``y`` (float32) rounded to E2M1 stochastically with uniform draws ``u`` in [0, 1): up with
+    probability ``(|y| - lo) / (hi - lo)``, saturating at 6 (TE's ``cvt.rs.satfinite.e2m1x4.f32`` on
+    gradients draws its bits from Philox; the distribution is the same). NaN stays NaN."""
+    lo, hi = e2m1_neighbours(y)
+    a = y.abs().clamp(max=E2M1_MAX)
+    gap = hi - lo
+    up = u * torch.where(gap > 0, gap, 1.0) < (a - lo)
+    return torch.where(torch.isnan(y), y, torch.copysign(torch.where(up, hi, lo), y))
 
 
 def nvfp4_blocks(x: torch.Tensor, block_2d: bool = False) -> BlockScales:

@@ -1,7 +1,7 @@
 """The recipes a tensor can be measured under, as one table: name -> how a tensor of a role is scaled.
 
 The advisor (``fp8scope whatif``) ranks them by the error each makes on the run's own tensors, which
-capture measures on full-stats steps (``Monitor(whatif_recipes=...)``, ``capture.recipe_stats``).
+capture measures on full-stats steps (``Monitor(whatif_recipes=...)``, ``capture.stats``).
 Each follows a framework's rules (``emulate.blocks``, ``emulate.scaling``):
 
 - ``current``: per-tensor current scaling (TE ``Float8CurrentScaling``, HYBRID: E4M3 forward, E5M2
@@ -12,9 +12,17 @@ Each follows a framework's rules (``emulate.blocks``, ``emulate.scaling``):
 - ``nvfp4``: TE ``NVFP4BlockScaling``: E2M1 values, 1x16 blocks (16x16 for weights) with E4M3 block
   scales under one FP32 tensor scale (without the random Hadamard transform and the stochastic
   rounding TE adds for gradients);
+- ``rowwise``: torchao's Float8 ``rowwise`` recipe: one power-of-two scale per row (along the
+  contraction dim), E4M3 for every tensor, gradients included;
+- ``mxfp8_floor``: torchao's MX ``FLOOR`` scales (1x32 blocks, E8M0 from the amax's exponent, so a
+  block's top values can saturate): ``to_mx``'s default, and ``MXLinearConfig``'s through 0.16
+  (torchao's ``RCEIL``, its default from 0.17, is TE's rule: ``mxfp8``);
 - ``bf16``: no FP8: the tensor rounded to bfloat16 (what keeping a layer in BF16 costs).
 
-Only the rowwise usage is measured (the operand of the forward GEMM and of the data gradient).
+Only the rowwise usage is measured (the operand of the forward GEMM and of the data gradient), which
+TE's NVFP4 never transforms (its random Hadamard transform is for the weight gradient's columnwise
+operands). NVFP4 gradients are stochastically rounded in TE (``cvt.rs``): their counts and squared
+error are the expectation over the rounding, not one draw.
 """
 
 from __future__ import annotations
@@ -23,10 +31,12 @@ import torch
 
 from ..formats import recipe_format
 from ..formats import get_format
-from .blocks import E2M1_MAX, BlockScales, block_amax, e2m1_round, fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks
+from .blocks import (E2M1_MAX, BlockScales, block_amax, e2m1_neighbours, e2m1_round, e2m1_round_stochastic,
+                     fp8_block_scaling_blocks,
+                     mxfp8_blocks, nvfp4_blocks, torchao_mx_floor_blocks, torchao_rowwise_blocks)
 from .scaling import te_scale_from_amax
 
-RECIPES = ("current", "mxfp8", "block128", "nvfp4", "bf16")
+RECIPES = ("current", "mxfp8", "block128", "nvfp4", "rowwise", "mxfp8_floor", "bf16")
 E2M1 = "e2m1"  # the element format name of NVFP4's values (max 6)
 # looked up once here: the functions below are traced by torch.compile, which skips lru_caches
 _E4M3 = recipe_format("E4M3", "forward")
@@ -55,6 +65,10 @@ def scaled(x: torch.Tensor, recipe: str, role: str, columnwise: bool = False) ->
         return fp8_block_scaling_blocks(x, e4m3, 2 if role == "weight" else 1), e4m3.name
     if recipe == "nvfp4":
         return nvfp4_blocks(x, block_2d=role == "weight"), E2M1
+    if recipe == "rowwise":
+        return torchao_rowwise_blocks(x, e4m3), e4m3.name
+    if recipe == "mxfp8_floor":
+        return torchao_mx_floor_blocks(x), e4m3.name
     if recipe == "bf16":
         return None, "bf16"
     raise ValueError(f"unknown recipe {recipe!r}; known: {', '.join(RECIPES)}")
@@ -69,12 +83,15 @@ def check_recipes(names) -> tuple[str, ...]:
     return names
 
 
-def quantize(blocks: BlockScales, elem: str) -> tuple[torch.Tensor, torch.Tensor]:
+def quantize(blocks: BlockScales, elem: str, stochastic: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """The blocks' values cast to ``elem`` with their scales: ``(codes as float32, in the scaled
     domain, saturating; dequantized values)``, both laid out like ``blocks.x``. The one cast of
-    the block recipes, for the error capture measures and for the emulated layer alike."""
+    the block recipes, for the error capture measures and for the emulated layer alike.
+    ``stochastic``: E2M1 rounded stochastically (TE's NVFP4 gradients), with torch's generator."""
     y = blocks.x.float() * blocks.scale
-    if elem == E2M1:
+    if elem == E2M1 and stochastic:
+        q = e2m1_round_stochastic(y, torch.rand_like(y))
+    elif elem == E2M1:
         q = e2m1_round(y)
     else:
         fmt = _ELEMENTS[elem]
@@ -102,10 +119,13 @@ def _columnwise(x: torch.Tensor, recipe: str) -> tuple[BlockScales, str]:
 
 def counts(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
     """``x`` (2-D) under ``recipe``: ``schema.RECIPE_FIELDS`` as a float64 vector on its device (see
-    ``capture.recipe_stats`` for what each count means)."""
+    ``capture.stats`` for what each count means). NVFP4 gradients: expected counts and squared error
+    under TE's stochastic rounding."""
     blocks, elem = scaled(x, recipe, role)
     a = (x.detach() if blocks is None else blocks.x).float()
     m = a.abs()
+    f64 = torch.float64
+    nonzero = (m > 0) & (m < float("inf"))  # what can underflow (derived.nonzero_finite)
     if blocks is None:  # bf16: a rounding, no scale
         deq = a.to(torch.bfloat16).float()
         q, y, top = deq, m, _BF16_MAX
@@ -115,18 +135,45 @@ def counts(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
         y = torch.where(blocks.scale_inv > 0, m * blocks.scale, 0.0)
         q, deq = quantize(blocks, elem)
         top = E2M1_MAX if elem == E2M1 else _ELEMENTS[elem].max
-    err = torch.nan_to_num(deq - a, nan=0.0, posinf=0.0, neginf=0.0)
     clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
-    f64 = torch.float64
-    nonzero = (m > 0) & (m < float("inf"))  # what can underflow (derived.nonzero_finite)
+    if elem == E2M1 and role == "gradient":
+        underflow, saturated, sq_err = _stochastic_e2m1(a, y, blocks, nonzero)
+    else:
+        err = torch.nan_to_num(deq - a, nan=0.0, posinf=0.0, neginf=0.0)
+        underflow = (nonzero & (deq == 0)).sum().to(f64)
+        saturated = (((q.abs() == top) & (m < float("inf"))).sum().to(f64) if blocks is not None
+                     else torch.zeros((), dtype=f64, device=a.device))
+        sq_err = torch.linalg.vector_norm(err, 2, dtype=f64).square()
     return torch.stack([
         torch.full((), a.numel(), dtype=f64, device=a.device),
         nonzero.sum().to(f64),
-        (nonzero & (deq == 0)).sum().to(f64),
+        underflow,
         (y > top).sum().to(f64) if blocks is not None else (m > top).sum().to(f64),
-        ((q.abs() == top) & (m < float("inf"))).sum().to(f64) if blocks is not None else torch.zeros((), dtype=f64,
-                                                                                                       device=a.device),
-        torch.linalg.vector_norm(err, 2, dtype=f64).square(),
+        saturated,
+        sq_err,
         torch.linalg.vector_norm(clean, 2, dtype=f64).square(),
         (torch.nan_to_num(y, nan=0.0).amax() / top).to(f64),  # how far the worst value clips (> 1)
     ])
+
+
+def _stochastic_e2m1(a, y, blocks, nonzero):
+    """Expected underflow, saturation and squared error of E2M1 with stochastic rounding (TE's
+    ``cvt.rs.satfinite.e2m1x4.f32`` on gradients): a magnitude between grid neighbours ``lo < y <
+    hi`` rounds up with probability ``(y - lo) / (hi - lo)`` (saturating at 6), so it flushes with
+    probability ``1 - y / 0.5`` below the smallest subnormal, and its expected squared error is
+    ``(y - lo)(hi - y)`` in the scaled domain."""
+    f64 = torch.float64
+    lo, hi = e2m1_neighbours(y)
+    gap = hi - lo
+    p_up = torch.where(gap > 0, (y.clamp(max=E2M1_MAX) - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
+    dec = blocks.scale_inv
+    flushed = torch.where(nonzero & (blocks.scale_inv > 0), (lo == 0).float() * (1.0 - p_up), 0.0)
+    flushed = flushed + (nonzero & ~(blocks.scale_inv > 0)).float()  # a block scale that flushed: all 0
+    on_top = torch.where(hi == E2M1_MAX, p_up, 0.0) + (y >= E2M1_MAX).float()
+    sq = torch.where(blocks.scale_inv > 0, (y.clamp(max=E2M1_MAX) - lo) * (hi - y.clamp(max=E2M1_MAX)) * dec * dec,
+                     a * a)
+    over = (y - E2M1_MAX).clamp(min=0) * dec  # the part clipped at 6 (deterministic)
+    sq = torch.nan_to_num(sq + over * over, nan=0.0, posinf=0.0, neginf=0.0)
+    finite = (a.abs() < float("inf")).float()
+    return ((flushed * finite).sum(dtype=f64), (on_top * finite).sum(dtype=f64),
+            (sq * finite).sum(dtype=f64))

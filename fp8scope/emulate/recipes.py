@@ -155,10 +155,38 @@ class Float8BlockScaling(_BlockRecipe):
     kind: ClassVar[str] = "block128"
 
 
-BLOCK_RECIPES = (MXFP8BlockScaling, Float8BlockScaling)
-Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling | Float8BlockScaling
+@dataclass(frozen=True)
+class NVFP4BlockScaling(_BlockRecipe):
+    """TE ``NVFP4BlockScaling`` (TE 2.8+; ``common/recipe/__init__.py``): E2M1 values with an E4M3
+    scale per 16 values under one FP32 scale per tensor and usage (``emulate.blocks.nvfp4_blocks``).
+    TE's defaults, each switchable as with TE's ``NVTE_NVFP4_DISABLE_*`` variables:
+
+    - weights in 16x16 blocks, which serve both of their GEMMs (``disable_2d_quantization``: 1x16);
+    - the weight gradient's operands (the columnwise usages of the input and the output gradient)
+      pass a 16-point random Hadamard transform along the tokens first, with TE's fixed sign
+      vector, rounded to BF16 (``disable_rht``);
+    - output gradients are rounded stochastically, in both usages (``disable_stochastic_rounding``);
+      the draws come from torch's generator, so a seeded run repeats.
+
+    ``fp8_format`` names the block scales' format (E4M3), as in TE."""
+
+    fp8_format: str = "E4M3"
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    kind: ClassVar[str] = "nvfp4"
+
+    def format_for(self, pass_: str) -> Fp8Format:
+        """E2M1 in both passes: what the monitor logs (the block scales are E4M3)."""
+        from ..formats import get_format
+
+        return get_format("e2m1")
+
+
+BLOCK_RECIPES = (MXFP8BlockScaling, Float8BlockScaling, NVFP4BlockScaling)
+Recipe = DelayedScaling | CurrentScaling | MXFP8BlockScaling | Float8BlockScaling | NVFP4BlockScaling
 _KINDS: dict[str, type] = {"delayed": DelayedScaling, "current": CurrentScaling, "mxfp8": MXFP8BlockScaling,
-                           "block128": Float8BlockScaling}
+                           "block128": Float8BlockScaling, "nvfp4": NVFP4BlockScaling}
 
 
 def recipe_from_dict(d: dict[str, Any]) -> Recipe:

@@ -160,11 +160,11 @@ def _local_fp8_output(m: nn.Module, x: torch.Tensor) -> torch.Tensor | None:
     fmt = rec.forward_format
     with torch.no_grad(), torch.autocast(x.device.type, enabled=False):
         if getattr(m, "block_scaled", False):  # per-block scales from the operands themselves
-            from fp8scope.emulate.recipe_table import quantize_dequantize as block_qdq
+            from fp8scope.emulate.block_linear import operand
 
             x2 = x.detach().reshape(-1, x.shape[-1])
-            xd = block_qdq(x2, rec.kind, "activation").reshape(x.shape)
-            wd = block_qdq(m.gemm_weight().detach(), rec.kind, "weight")
+            xd = operand(x2, rec.kind, "activation", recipe=rec)[2].reshape(x.shape)
+            wd = operand(m.gemm_weight().detach(), rec.kind, "weight", recipe=rec)[2]
             return F.linear(xd, wd, None if m.bias is None else m.bias.detach().float())
         if isinstance(rec, CurrentScaling):
             sx = ScalingState(rec, fmt, x.device).begin(x)
