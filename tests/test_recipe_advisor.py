@@ -175,6 +175,36 @@ def test_torchao_rowwise_and_mx_floor_quantize_dequantize_are_bit_exact(name):
     np.testing.assert_array_equal(got, ref_torchao_mx_floor(x.numpy()))
 
 
+@pytest.mark.parametrize("name", [n for n in adversarial() if n != "subnormal"])
+def test_torchao_recipes_match_the_installed_torchao(name):
+    """The what-if recipes against torchao's own code, where it is installed: ``to_mx`` (FLOOR for
+    ``mxfp8_floor``; RCEIL, TE's rule, for ``mxfp8``) and ``amax_to_scale`` with power-of-two scales
+    for ``rowwise``. Left out: blocks whose amax is below 2^-117 (the ``subnormal`` tensor), where
+    torchao 0.18 scales the elements by 2^126 but decodes with 2^-127 (its FLOOR scale is clamped to
+    the smallest normal before the division, ``mx_tensor.py``; fixed after 0.18); fp8scope follows
+    the fixed rule."""
+    pytest.importorskip("torchao.prototype.mx_formats")
+    from torchao.float8.float8_utils import amax_to_scale
+    from torchao.prototype.mx_formats.config import ScaleCalculationMode
+    from torchao.prototype.mx_formats.mx_tensor import to_mx
+
+    from fp8scope.emulate.recipe_table import quantize_dequantize
+
+    x = adversarial()[name]
+
+    def same(a, b):
+        return torch.equal(torch.nan_to_num(a, nan=-7.0), torch.nan_to_num(b, nan=-7.0))
+
+    for mode, recipe in ((ScaleCalculationMode.FLOOR, "mxfp8_floor"), (ScaleCalculationMode.RCEIL, "mxfp8")):
+        codes, data = to_mx(x, torch.float8_e4m3fn, 32, mode)
+        decode = torch.exp2(codes.view(torch.uint8).float() - 127).reshape(-1, 1)
+        theirs = (data.float().reshape(-1, 32) * decode).reshape(x.shape)
+        assert same(theirs, quantize_dequantize(x, recipe, "activation")), recipe
+    s = amax_to_scale(x.abs().amax(dim=-1, keepdim=True), torch.float8_e4m3fn, round_scales_to_power_of_2=True)
+    theirs = (x.float() * s).clamp(-448, 448).to(torch.float8_e4m3fn).float() / s
+    assert same(theirs, quantize_dequantize(x, "rowwise", "gradient"))
+
+
 def test_torchao_mx_floor_saturates_the_top_of_a_block_where_te_rounds_the_scale_up():
     """An amax with a mantissa above 1.75 (here 500 = 1.95 x 2^8): FLOOR keeps the exponent, so 500
     lands past 448 and saturates; TE's E8M0 rounds the scale up and keeps it."""

@@ -43,25 +43,35 @@ NAMES = {"nvfp4": "NVFP4", "current": "per-tensor current FP8", "rowwise": "torc
 _SUMS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq_signal")
 
 
+_TENSOR_COLS = ("step", "rank", "layer", "tensor", "full", "fp8_max", "expected_amax", "scale", "scale_inv", "amax",
+                "numel", "nonfinite", "zeros", "underflow", "overflow", "saturated", "qerr_mse", "sqnr_db")
+
+
 def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
     """Per (step, layer, tensor, recipe) on full-stats steps: the counts, sums and clip ratio, the
     recipe in use included (``recipe == "in use"``, from the ``tensors`` table). Empty when the run
-    measured no other recipe."""
+    measured no other recipe. Names come back categorical: a long run has millions of rows."""
+    import pyarrow.compute as pc
+
     cols = ["step", "layer", "tensor", "recipe", *_SUMS, "clip_ratio"]
     if "recipes" not in run.table_names():
         return pd.DataFrame(columns=cols)
-    rec = run.table("recipes").to_pandas()
-    t = run.tensors()
-    t = t[t["full"] & t["rank"].ge(0) & ~t["tensor"].str.contains("@", regex=False)]
-    rec, t = _in_steps(rec, steps), _in_steps(t, steps)
+    rec_t = _arrow_in_steps(run.table("recipes").select(cols), steps)
+    t = run.table("tensors").select(list(_TENSOR_COLS))
+    keep = pc.and_(pc.and_(t["full"], pc.greater_equal(t["rank"], 0)),
+                   pc.invert(pc.match_substring(t["tensor"], "@")))
+    t = _arrow_in_steps(t.filter(keep), steps)
+    rec = rec_t.to_pandas(strings_to_categorical=True)
+    t = t.to_pandas(strings_to_categorical=True)
     # a tensor's steps at delayed scaling's initial scale (1, before any amax was recorded: the first
     # step of a run) say nothing about the recipe: left out on both sides, as are steps one side lacks
     with np.errstate(divide="ignore", invalid="ignore"):
         ratio = np.log2(t["fp8_max"] / t["expected_amax"])
     initial = (t["scale"] == 1.0) & np.isfinite(ratio) & (ratio >= 0) & (ratio == np.round(ratio))
-    keys = ["step", "layer", "tensor"]
-    t = t[~initial].merge(rec[keys].drop_duplicates(), on=keys).copy()
-    rec = rec.merge(t[keys].drop_duplicates(), on=keys)
+    t = t[~initial]
+    both = _key_codes(t, rec)
+    t = t[np.isin(both[0], both[1])].copy()
+    rec = rec[np.isin(both[1], both[0])]
     finite_n = t["numel"] - t["nonfinite"].fillna(0)
     t["nonzero"] = finite_n - t["zeros"].fillna(0)
     t["sq_err"] = t["qerr_mse"] * finite_n
@@ -69,7 +79,44 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
         t["sq_signal"] = np.where(np.isinf(t["sqnr_db"]), np.nan, t["sq_err"] * 10.0 ** (t["sqnr_db"] / 10.0))
         t["clip_ratio"] = t["amax"] / (t["fp8_max"] * t["scale_inv"])  # derived.amax_over_range
     t["recipe"] = IN_USE
-    return pd.concat([t[cols], rec[cols]], ignore_index=True)
+    t, rec = t[cols].copy(), rec[cols].copy()
+    for c in ("layer", "tensor", "recipe"):  # one set of categories on both sides: the concat stays categorical
+        a, b = pd.Categorical(t[c]), pd.Categorical(rec[c])
+        cats = a.categories.union(b.categories, sort=False)
+        t[c], rec[c] = a.set_categories(cats), b.set_categories(cats)
+    return pd.concat([t, rec], ignore_index=True)
+
+
+def _key_codes(a: pd.DataFrame, b: pd.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+    """(step, layer, tensor) of each row of ``a`` and of ``b`` as one int64 both can compare (from the
+    categorical names' codes: no string is touched per row)."""
+    cols = {c: (pd.Categorical(a[c]), pd.Categorical(b[c])) for c in ("layer", "tensor")}
+    union = {c: x.categories.union(y.categories, sort=False) for c, (x, y) in cols.items()}
+    n_t = len(union["tensor"])
+    n_lt = len(union["layer"]) * n_t
+    out = []
+    for i, df in enumerate((a, b)):
+        lay, ten = (union[c].get_indexer(cols[c][i].categories)[cols[c][i].codes].astype(np.int64)
+                    for c in ("layer", "tensor"))
+        out.append(df["step"].to_numpy(np.int64) * n_lt + lay * n_t + ten)
+    return out[0], out[1]
+
+
+def _run_order(rows: pd.DataFrame) -> list[tuple[str, str]]:
+    """The (layer, tensor) pairs of ``rows`` in the order they first appear (run order)."""
+    first = rows[["layer", "tensor"]].drop_duplicates()
+    return list(zip(first["layer"].astype(str), first["tensor"].astype(str)))
+
+
+def _arrow_in_steps(t, steps):
+    import pyarrow.compute as pc
+
+    lo, hi = steps if steps is not None else (None, None)
+    if lo is not None:
+        t = t.filter(pc.greater_equal(t["step"], lo))
+    if hi is not None:
+        t = t.filter(pc.less(t["step"], hi))
+    return t
 
 
 def summed(rows: pd.DataFrame) -> pd.DataFrame:
@@ -78,9 +125,10 @@ def summed(rows: pd.DataFrame) -> pd.DataFrame:
     first, tensors in run order."""
     if rows.empty:
         return rows.assign(underflow_frac=[], overflow_frac=[]).drop(columns=["step"], errors="ignore")
-    agg = {**{c: (c, lambda v: v.sum(min_count=1)) for c in _SUMS}, "clip_ratio": ("clip_ratio", "max")}
-    out = rows.groupby(["layer", "tensor", "recipe"], sort=False, as_index=False).agg(**agg)
-    first = {k: i for i, k in enumerate(dict.fromkeys(zip(out["layer"], out["tensor"])))}
+    g = rows.groupby(["layer", "tensor", "recipe"], sort=False, observed=True)
+    out = g[list(_SUMS)].sum(min_count=1).join(g[["clip_ratio"]].max()).reset_index()
+    out = out.astype({"layer": str, "tensor": str, "recipe": str})
+    first = {k: i for i, k in enumerate(_run_order(rows))}
     rank = {r: i for i, r in enumerate((IN_USE, *COST_ORDER))}
     out = out.assign(_t=[first[k] for k in zip(out["layer"], out["tensor"])],
                      _r=out["recipe"].map(lambda r: rank.get(r, len(rank))))
@@ -99,15 +147,6 @@ def _with_shares(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def _in_steps(df: pd.DataFrame, steps: tuple[int | None, int | None] | None) -> pd.DataFrame:
-    lo, hi = steps if steps is not None else (None, None)
-    if lo is not None:
-        df = df[df["step"] >= lo]
-    if hi is not None:
-        df = df[df["step"] < hi]
-    return df
-
-
 def fault(row, cfg: DetectConfig) -> str | None:
     """Why ``row`` (one tensor under one recipe) would be flagged, or None."""
     under, over = thresholds(row["recipe"], base_role(row["tensor"]), cfg)
@@ -119,6 +158,24 @@ def fault(row, cfg: DetectConfig) -> str | None:
     if clip is not None and clip >= cfg.sat_warn_ratio:  # the detector's saturation: clipped 8x or more
         return f"values clipped {clip:.3g}x past the format's range"
     return None
+
+
+def faults(df: pd.DataFrame, cfg: DetectConfig) -> np.ndarray:
+    """:func:`fault` for every row of ``df`` at once (True where it would name one): what a long run's
+    millions of (step, tensor, recipe) rows need."""
+    if df.empty:
+        return np.zeros(0, bool)
+    recipe = pd.Categorical(df["recipe"].astype(str))
+    tensor = pd.Categorical(df["tensor"].astype(str))
+    roles = np.array([base_role(t) for t in tensor.categories], dtype=object)
+    pairs = pd.MultiIndex.from_arrays([np.asarray(recipe.categories)[recipe.codes], roles[tensor.codes]])
+    table = {k: thresholds(k[0], k[1], cfg) for k in pairs.unique()}
+    under = np.array([table[k][0] for k in pairs]) if len(table) > 1 else np.full(len(df), next(iter(table.values()))[0])
+    over = np.array([table[k][1] for k in pairs]) if len(table) > 1 else np.full(len(df), next(iter(table.values()))[1])
+    clip = df["clip_ratio"].to_numpy(dtype=float, na_value=np.nan) if "clip_ratio" in df else np.full(len(df), np.nan)
+    with np.errstate(invalid="ignore"):
+        return ((df["underflow_frac"].to_numpy(dtype=float) >= under) | (df["overflow_frac"].to_numpy(dtype=float) >= over)
+                | (clip >= cfg.sat_warn_ratio))
 
 
 @dataclass
@@ -143,22 +200,25 @@ def advise(rows: pd.DataFrame, cfg: DetectConfig | None = None) -> tuple[list[Ad
     cfg = cfg or DetectConfig()
     if rows.empty:
         return [], []
+    now = _with_shares(rows[rows["recipe"] == IN_USE])
+    flagged = now[faults(now, cfg)]
+    if flagged.empty:
+        return [], _summary(summed(rows), cfg)
+    n_steps = now.groupby(["layer", "tensor"], observed=True, sort=False)["step"].nunique()
+    by_tensor = rows.groupby(["layer", "tensor"], observed=True, sort=False)
     advice: list[Advice] = []
-    for (layer, tensor), group in rows.groupby(["layer", "tensor"], sort=False):
-        at_fault = _fault_steps(group, cfg)
+    order = _run_order(rows)
+    at = {k: sorted(set(v)) for k, v in flagged.groupby(["layer", "tensor"], observed=True, sort=False)["step"]}
+    for layer, tensor in order:
+        at_fault = at.get((layer, tensor))
         if not at_fault:
             continue
-        steps = sorted(set(group["step"]))
-        where = ("over the run" if at_fault == steps else f"at step {at_fault[0]}" if len(at_fault) == 1
-                 else f"at {len(at_fault)} of {len(steps)} full steps ({at_fault[0]}-{at_fault[-1]})")
+        n = int(n_steps[(layer, tensor)])
+        where = ("over the run" if len(at_fault) == n else f"at step {at_fault[0]}" if len(at_fault) == 1
+                 else f"at {len(at_fault)} of {n} full steps ({at_fault[0]}-{at_fault[-1]})")
+        group = by_tensor.get_group((layer, tensor))
         advice.append(_advice(layer, tensor, summed(group[group["step"].isin(at_fault)]), where, cfg))
     return advice, _summary(summed(rows), cfg)
-
-
-def _fault_steps(group: pd.DataFrame, cfg: DetectConfig) -> list[int]:
-    """The steps where the recipe in use is at fault on this tensor."""
-    now = _with_shares(group[group["recipe"] == IN_USE])
-    return [int(r["step"]) for _, r in now.iterrows() if fault(r, cfg) is not None]
 
 
 def _advice(layer: str, tensor: str, scope: pd.DataFrame, where: str, cfg: DetectConfig) -> Advice:
@@ -174,13 +234,14 @@ def _advice(layer: str, tensor: str, scope: pd.DataFrame, where: str, cfg: Detec
 
 def _summary(table: pd.DataFrame, cfg: DetectConfig) -> list[str]:
     summary = []
+    table = table.assign(_fault=faults(table, cfg))
     for recipe in COST_ORDER:
         sub = table[table["recipe"] == recipe]
         if sub.empty:
             continue
         roles: dict[str, list] = {}
-        for r in sub.itertuples(index=False):
-            roles.setdefault(base_role(r.tensor), []).append((r.layer, fault(r._asdict(), cfg)))
+        for layer, tensor, bad in zip(sub["layer"], sub["tensor"], sub["_fault"]):
+            roles.setdefault(base_role(tensor), []).append((layer, "fault" if bad else None))
         safe = [role for role, items in roles.items() if all(f is None for _, f in items)]
         unsafe = {role: [layer for layer, f in items if f is not None] for role, items in roles.items()
                   if any(f is not None for _, f in items)}
