@@ -288,9 +288,9 @@ def _gpt2(seed=0):
     return transformers.GPT2LMHeadModel(cfg)
 
 
-def _train(model, run, steps, plant=None, every=2, recipes=RECIPES):
+def _train(model, run, steps, plant=None, every=2, recipes=RECIPES, detect=False, warmup=3):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / warmup))
     handle = None
     if plant is not None:  # a massive activation on one token at the input of every MLP's c_fc
         def hook(mod, args):
@@ -299,7 +299,7 @@ def _train(model, run, steps, plant=None, every=2, recipes=RECIPES):
             return (x,)
         handle = [blk.mlp.c_fc.register_forward_pre_hook(hook) for blk in model.transformer.h]
     g = torch.Generator().manual_seed(1)
-    with fp8scope.Monitor(model, run, every=every, whatif_recipes=recipes, detect=False) as mon:
+    with fp8scope.Monitor(model, run, every=every, whatif_recipes=recipes, detect=detect) as mon:
         for _ in range(steps):
             ids = torch.randint(0, 256, (4, 32), generator=g)
             loss = model(ids, labels=ids).loss
@@ -566,19 +566,7 @@ def test_a_healthy_llama_in_emulated_nvfp4_raises_no_warning(tmp_path):
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
     torch.manual_seed(0)
     model = convert_to_fp8(transformers.LlamaForCausalLM(cfg), NVFP4BlockScaling())
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10))
-    gen = torch.Generator().manual_seed(1)
-    with fp8scope.Monitor(model, tmp_path, every=5) as mon:
-        for _ in range(40):
-            ids = torch.randint(0, 256, (4, 32), generator=gen)
-            loss = model(ids, labels=ids).loss
-            loss.backward()
-            opt.step()
-            sched.step()
-            opt.zero_grad()
-            mon.step(loss=loss.detach())
-    run = fp8scope.load_run(tmp_path)
+    run = _train(model, tmp_path, steps=40, every=5, recipes=(), detect=True, warmup=10)
     t = run.tensors()
     assert set(t.fp8_format) == {"e2m1"}
     full = t[t.full & (t.tensor == "activation") & t.layer.str.endswith("down_proj")]
@@ -587,3 +575,8 @@ def test_a_healthy_llama_in_emulated_nvfp4_raises_no_warning(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert json.loads(out.stdout) == []
+    # no per-tensor amax history to replay: whatif says so instead of replaying E2M1 rows as FP8
+    out = subprocess.run([sys.executable, "-m", "fp8scope", "whatif", str(tmp_path)], capture_output=True, text=True,
+                         timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "every layer is block-scaled (NVFP4): no per-tensor amax history to replay" in out.stdout

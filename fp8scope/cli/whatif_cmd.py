@@ -83,15 +83,18 @@ def run(args) -> int:
         print_json({"rows": rows, "recommendation": recommend(res),
                     "recipes": _records(by_recipe), "advice": [a.__dict__ for a in advice], "recipe_summary": summary})
         return 0
-    table = pivot(res, by_layer=args.by_layer)
-    print_frame(table, title=f"{args.run}: saturation steps / underflow-risk steps (>= {args.risk_binades:g} binades "
-                             "of headroom) per recipe")
-    rec = recommend(res)
-    if rec["recipe"] is None:
-        print(rec["why"])
+    if res.empty:
+        print(f"{args.run}: every layer is block-scaled (NVFP4): no per-tensor amax history to replay")
     else:
-        print(f"recommended: {rec['recipe']} ({rec['why']}; a clipped step counts {SAT_WEIGHT}x an underflow-risk "
-              "step)")
+        table = pivot(res, by_layer=args.by_layer)
+        print_frame(table, title=f"{args.run}: saturation steps / underflow-risk steps (>= {args.risk_binades:g} "
+                                 "binades of headroom) per recipe")
+        rec = recommend(res)
+        if rec["recipe"] is None:
+            print(rec["why"])
+        else:
+            print(f"recommended: {rec['recipe']} ({rec['why']}; a clipped step counts {SAT_WEIGHT}x an "
+                  "underflow-risk step)")
     if not by_recipe.empty:
         print_recipes(by_recipe, advice, summary, args.run)
     return 0

@@ -114,6 +114,8 @@ def replay(run, recipes: list[WhatIfRecipe], risk_binades: float = 4.0, progress
     ``DetectConfig.sat_rate_min_ratio``, 1.25x): an amax a hair over the range (the float rounding of
     a dynamic scale, a weight creeping up by 1 %) is not a problem worth a recipe change.
     Columns: recipe, rank, layer, tensor, order, steps, sat_steps, risk_steps, max_over, first_sat_step.
+    Rows of a block recipe's format (NVFP4's ``e2m1``: a scale per 16 values, no per-tensor amax
+    history) are left out; a run of only those gives an empty frame.
     """
     if sat_min_ratio is None:
         from fp8scope.detect.config import DetectConfig
@@ -126,7 +128,16 @@ def replay(run, recipes: list[WhatIfRecipe], risk_binades: float = 4.0, progress
     t = run.table("tensors")
     if t.num_rows == 0:
         raise UsageError(f"{run.path}: no tensor statistics to replay")
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from fp8scope.detect.design_loss import FORMAT_RECIPE
+
+    t = t.filter(pc.invert(pc.is_in(t["fp8_format"], value_set=pa.array(list(FORMAT_RECIPE), pa.string()))))
     t = t.select(["step", "rank", "layer", "tensor", "order", "amax", "fp8_max", "scale_inv"])
+    if t.num_rows == 0:
+        return pd.DataFrame(columns=["recipe", "rank", "layer", "tensor", "order", "steps", "sat_steps", "risk_steps",
+                                     "max_over", "first_sat_step"])
     con = duckdb.connect()
     con.register("tensors_raw", t)
     order = con.execute('select rank, layer, tensor, min("order") as "order" from tensors_raw group by all').df()
@@ -162,6 +173,8 @@ def recommend(res: pd.DataFrame, min_gain: float = 0.5, min_share: float = 0.01)
     recipe's problems and at least ``min_share`` of all tensor-steps; otherwise the answer is to keep
     the logged recipe. Returns ``{"recipe": label or None, "why": one sentence, "scores": {...}}``.
     """
+    if res.empty:
+        return {"recipe": None, "why": "no per-tensor FP8 rows to replay (every layer is block-scaled)", "scores": {}}
     tot = res.groupby("recipe", sort=False)[["steps", "sat_steps", "risk_steps"]].sum()
     tot["score"] = tot["sat_steps"] * SAT_WEIGHT + tot["risk_steps"]
     scores = {k: {"sat_steps": int(r.sat_steps), "risk_steps": int(r.risk_steps), "score": int(r.score)}
