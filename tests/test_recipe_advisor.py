@@ -580,3 +580,20 @@ def test_a_healthy_llama_in_emulated_nvfp4_raises_no_warning(tmp_path):
                          timeout=120)
     assert out.returncode == 0, out.stderr
     assert "every layer is block-scaled (NVFP4): no per-tensor amax history to replay" in out.stdout
+
+
+def test_a_recipe_within_its_own_design_loss_is_no_fix_for_a_smaller_fault():
+    """NVFP4 flushing 15 % is within what it loses by design (not at fault by its own floor), but an
+    FP8 outlier fault flushing 6 % is not fixed by it: the advice names the recipe that loses less."""
+    import pandas as pd
+
+    rows = []
+    for step, (now, nvfp4, current) in enumerate([(0.06, 0.15, 0.0), (0.06, 0.15, 0.0), (0.0, 0.15, 0.0)]):
+        for recipe, uf in ((IN_USE, now), ("nvfp4", nvfp4), ("current", current)):
+            rows.append({"step": step, "layer": "l", "tensor": "activation", "recipe": recipe, "numel": 1000,
+                         "nonzero": 1000, "underflow": 1000 * uf, "overflow": 0, "saturated": 0, "sq_err": 1.0,
+                         "sq_signal": 1e3, "clip_ratio": 0.9})
+    advice, summary = advise(pd.DataFrame(rows))
+    assert [a.fixes for a in advice] == [["current"]]
+    assert advice[0].problem.endswith("at 2 of 3 full steps (0-1)")
+    assert any(line.startswith("NVFP4: safe for every layer's activations") for line in summary)

@@ -10,15 +10,17 @@ the elements, and SQNR from the summed squares.
 
 A tensor has a *fault* under a recipe, on a step, when the detector would flag it
 (``DetectConfig``): underflow at or above ``underflow_warn`` (``underflow_grad_warn`` for gradients),
-overflow at or above ``sat_warn_fraction``, or values clipped ``sat_warn_ratio`` (8x) or more; for a recipe that loses more than that by design on a Gaussian tensor
-(NVFP4), from 3x what it loses there (``detect.design_loss``).
+overflow at or above ``sat_warn_fraction``, or values clipped ``sat_warn_ratio`` (8x) or more; for a
+recipe that loses more than that by design on healthy tensors (NVFP4), from what it loses there
+(``detect.design_loss``).
 
 The advisor recommends, for each tensor at fault under the recipe in use, on the steps where it is
 (all of them: a persistent fault; one: an outlier), the recipes that remove the fault on those
-steps, cheapest first (:data:`COST_ORDER`: TE's recipes, fewer bits, then coarser scales, then
-torchao's), and says for each
-recipe which roles it is safe for across all layers. Where no tensor is
-at fault, or no recipe removes a fault, it recommends nothing.
+steps without flushing or clipping more there than the recipe in use (beyond what the detector
+lets FP8 lose), cheapest first
+(:data:`COST_ORDER`: TE's recipes, fewer bits, then coarser scales, then torchao's), and says for
+each recipe which roles it is safe for across all layers. Where no tensor is at fault, or no recipe
+removes a fault, it recommends nothing.
 """
 
 from __future__ import annotations
@@ -224,12 +226,26 @@ def advise(rows: pd.DataFrame, cfg: DetectConfig | None = None) -> tuple[list[Ad
 def _advice(layer: str, tensor: str, scope: pd.DataFrame, where: str, cfg: DetectConfig) -> Advice:
     by = {r.recipe: r._asdict() for r in scope.itertuples(index=False)}
     problem = f"{fault(by[IN_USE], cfg)} {where}"
-    fixes = [r for r in COST_ORDER if r in by and fault(by[r], cfg) is None]
+    role = base_role(tensor)
+    fixes = [r for r in COST_ORDER
+             if r in by and fault(by[r], cfg) is None and not _worse(by[r], by[IN_USE], role, cfg)]
     shown = [IN_USE] + fixes[:2]
     evidence = f"{where}, " + ", ".join(
         f"{NAMES[r]} {_pct(by[r]['underflow_frac'])} underflow, {_pct(by[r]['overflow_frac'])} overflow, "
         f"clipped {_ratio(by[r].get('clip_ratio'))}, SQNR {_db(by[r]['sqnr_db'])}" for r in shown)
     return Advice(layer, tensor, problem, fixes, evidence)
+
+
+def _worse(candidate: dict, now: dict, role: str, cfg: DetectConfig) -> bool:
+    """Whether ``candidate`` flushes or clips more than the recipe in use on the same steps, beyond
+    what the detector lets FP8 lose (``underflow_warn`` / ``sat_warn_fraction``): a recipe within
+    its own design loss (NVFP4 flushes 7-27 % of healthy values) is no fix for a fault that costs
+    less than that (an FP8 outlier flushing 6 % for two steps). (SQNR cannot say it: it is weighted
+    by energy, so the few large values an outlier fault keeps decide it.)"""
+    under, over = thresholds("fp8", role, cfg)
+    with np.errstate(invalid="ignore"):
+        return bool(candidate["underflow_frac"] > max(now["underflow_frac"], under)
+                    or candidate["overflow_frac"] > max(now["overflow_frac"], over))
 
 
 def _summary(table: pd.DataFrame, cfg: DetectConfig) -> list[str]:
