@@ -50,7 +50,7 @@ import torch
 
 from fp8scope.compiled import CompiledFn
 from fp8scope.emulate.amax import recorded_amax
-from fp8scope.emulate.blocks import e2m1_round
+from fp8scope.emulate.blocks import as_matrix, e2m1_round
 from fp8scope.emulate.recipe_table import E2M1, counts as recipe_counts
 from fp8scope.formats import Fp8Format, get_format
 from fp8scope.schema import N_FIELDS, RECIPE_FIELDS
@@ -199,7 +199,7 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, rec
     if per_row:
         xv, s, si = x.reshape(rows, -1), _shaped(s, (rows, 1)), _shaped(si, (rows, 1))
     elif recipes:  # the recipes read the matrix (blocks run along its last dim)
-        xv, s, si = matrix_of(x), _shaped(s, ()), _shaped(si, ())
+        xv, s, si = as_matrix(x), _shaped(s, ()), _shaped(si, ())
     else:
         xv, s, si = (x if x.dim() == 1 else x.reshape(-1)), _shaped(s, ()), _shaped(si, ())
     d = None
@@ -210,12 +210,7 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, rec
         return (*FULL_STATS.get(key)(xv, s, si, e, d), None)
     if whole is None or whole is x:
         return FULL_STATS.get((*key, tuple(recipes), role, False))(xv, s, si, e, d)
-    return FULL_STATS.get((*key, tuple(recipes), role, True))(xv, s, si, e, d, matrix_of(whole.detach()))
-
-
-def matrix_of(x: torch.Tensor) -> torch.Tensor:
-    """``x`` as the matrix the block recipes read: leading dims flattened, the last kept (TE's view)."""
-    return x if x.dim() == 2 else x.reshape(-1, x.shape[-1]) if x.dim() > 2 else x.reshape(1, -1)
+    return FULL_STATS.get((*key, tuple(recipes), role, True))(xv, s, si, e, d, as_matrix(whole))
 
 
 def full_stats(

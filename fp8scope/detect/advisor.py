@@ -32,7 +32,7 @@ import numpy as np
 import pandas as pd
 
 from fp8scope.detect.config import DetectConfig
-from fp8scope.detect.design_loss import thresholds
+from fp8scope.detect.design_loss import FP8, thresholds
 from fp8scope.schema import base_role
 
 IN_USE = "in use"
@@ -149,35 +149,44 @@ def _with_shares(df: pd.DataFrame) -> pd.DataFrame:
     return df
 
 
-def fault(row, cfg: DetectConfig) -> str | None:
-    """Why ``row`` (one tensor under one recipe) would be flagged, or None."""
-    under, over = thresholds(row["recipe"], base_role(row["tensor"]), cfg)
-    if row["underflow_frac"] >= under:
-        return f"{100 * row['underflow_frac']:.3g} % of non-zero values underflow"
-    if row["overflow_frac"] >= over:
-        return f"{100 * row['overflow_frac']:.3g} % of values overflow"
-    clip = row.get("clip_ratio")
-    if clip is not None and clip >= cfg.sat_warn_ratio:  # the detector's saturation: clipped 8x or more
-        return f"values clipped {clip:.3g}x past the format's range"
-    return None
+_UNDERFLOW, _OVERFLOW, _CLIPPED = 1, 2, 3  # why a row is at fault (0: it is not), in the order judged
+
+
+def fault_codes(df: pd.DataFrame, cfg: DetectConfig) -> np.ndarray:
+    """Why each row of ``df`` (one tensor under one recipe, with its shares) is at fault, as a code:
+    underflow at or above the recipe's threshold for the role, else overflow, else values clipped
+    ``sat_warn_ratio`` or more (the detector's saturation), else 0. The one definition of a fault,
+    judged for all rows at once (a long run has millions)."""
+    if df.empty:
+        return np.zeros(0, np.int8)
+    recipe, tensor = pd.Categorical(df["recipe"]), pd.Categorical(df["tensor"])
+    roles = pd.Categorical([base_role(str(t)) for t in tensor.categories])
+    # the thresholds per (recipe, role) pair, looked up through the category codes
+    limits = np.array([[thresholds(str(r), str(o), cfg) for o in roles.categories] for r in recipe.categories])
+    pick = (recipe.codes, roles.codes[tensor.codes])
+    under, over = limits[..., 0][pick], limits[..., 1][pick]
+    clip = df["clip_ratio"].to_numpy(dtype=float, na_value=np.nan) if "clip_ratio" in df else np.full(len(df), np.nan)
+    with np.errstate(invalid="ignore"):
+        return np.select([df["underflow_frac"].to_numpy(dtype=float) >= under,
+                          df["overflow_frac"].to_numpy(dtype=float) >= over, clip >= cfg.sat_warn_ratio],
+                         [_UNDERFLOW, _OVERFLOW, _CLIPPED], 0).astype(np.int8)
 
 
 def faults(df: pd.DataFrame, cfg: DetectConfig) -> np.ndarray:
-    """:func:`fault` for every row of ``df`` at once (True where it would name one): what a long run's
-    millions of (step, tensor, recipe) rows need."""
-    if df.empty:
-        return np.zeros(0, bool)
-    recipe = pd.Categorical(df["recipe"].astype(str))
-    tensor = pd.Categorical(df["tensor"].astype(str))
-    roles = np.array([base_role(t) for t in tensor.categories], dtype=object)
-    pairs = pd.MultiIndex.from_arrays([np.asarray(recipe.categories)[recipe.codes], roles[tensor.codes]])
-    table = {k: thresholds(k[0], k[1], cfg) for k in pairs.unique()}
-    under = np.array([table[k][0] for k in pairs]) if len(table) > 1 else np.full(len(df), next(iter(table.values()))[0])
-    over = np.array([table[k][1] for k in pairs]) if len(table) > 1 else np.full(len(df), next(iter(table.values()))[1])
-    clip = df["clip_ratio"].to_numpy(dtype=float, na_value=np.nan) if "clip_ratio" in df else np.full(len(df), np.nan)
-    with np.errstate(invalid="ignore"):
-        return ((df["underflow_frac"].to_numpy(dtype=float) >= under) | (df["overflow_frac"].to_numpy(dtype=float) >= over)
-                | (clip >= cfg.sat_warn_ratio))
+    """Whether each row of ``df`` is at fault (:func:`fault_codes`)."""
+    return fault_codes(df, cfg) > 0
+
+
+def fault(row, cfg: DetectConfig) -> str | None:
+    """Why ``row`` (one tensor under one recipe) would be flagged, or None (:func:`fault_codes`)."""
+    code = fault_codes(pd.DataFrame([row]), cfg)[0]
+    if code == _UNDERFLOW:
+        return f"{100 * row['underflow_frac']:.3g} % of non-zero values underflow"
+    if code == _OVERFLOW:
+        return f"{100 * row['overflow_frac']:.3g} % of values overflow"
+    if code == _CLIPPED:
+        return f"values clipped {row['clip_ratio']:.3g}x past the format's range"
+    return None
 
 
 @dataclass
@@ -242,7 +251,7 @@ def _worse(candidate: dict, now: dict, role: str, cfg: DetectConfig) -> bool:
     its own design loss (NVFP4 flushes 7-27 % of healthy values) is no fix for a fault that costs
     less than that (an FP8 outlier flushing 6 % for two steps). (SQNR cannot say it: it is weighted
     by energy, so the few large values an outlier fault keeps decide it.)"""
-    under, over = thresholds("fp8", role, cfg)
+    under, over = thresholds(FP8, role, cfg)
     with np.errstate(invalid="ignore"):
         return bool(candidate["underflow_frac"] > max(now["underflow_frac"], under)
                     or candidate["overflow_frac"] > max(now["overflow_frac"], over))

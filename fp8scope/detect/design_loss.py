@@ -47,6 +47,13 @@ GATED: dict[tuple[str, str], tuple[float, float]] = {  # activations and gradien
 }
 # element formats of the tensors table whose rows come from a block recipe, not per-tensor FP8
 FORMAT_RECIPE = {"e2m1": "nvfp4"}
+FP8 = "fp8"  # any per-tensor FP8 recipe: it loses nothing by design (in no table)
+
+
+def recipe_of_format(fmt) -> str:
+    """The recipe a tensors-table row of element format ``fmt`` comes from: a block recipe's name
+    (NVFP4's ``e2m1``), else :data:`FP8`."""
+    return FORMAT_RECIPE.get(str(fmt).lower(), FP8)
 
 
 def floors(recipe: str, role: str) -> tuple[float, float]:

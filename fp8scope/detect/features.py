@@ -166,18 +166,18 @@ def _dict(col):
 
 
 def _design_floor(fmt, role: str) -> tuple[float, float]:
-    from fp8scope.detect.design_loss import FORMAT_RECIPE, floors
+    from fp8scope.detect.design_loss import floors, recipe_of_format
 
-    return floors(FORMAT_RECIPE.get(str(fmt).lower(), "fp8"), role)
+    return floors(recipe_of_format(fmt), role)
 
 
 def _binades(fmt) -> float:
     """The binades one scale of ``fmt`` covers; NaN for a block recipe's format (NVFP4's E2M1: each
     block of 16 has its own scale, so a tensor's range says nothing about it)."""
-    from fp8scope.detect.design_loss import FORMAT_RECIPE
+    from fp8scope.detect.design_loss import FP8, recipe_of_format
     from fp8scope.formats import get_format
 
-    if str(fmt).lower() in FORMAT_RECIPE:
+    if recipe_of_format(fmt) != FP8:
         return float("nan")
     try:
         return get_format(str(fmt)).binades

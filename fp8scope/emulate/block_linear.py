@@ -19,6 +19,8 @@ in cheap rows by the most conservative one.
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 import torch.nn.functional as F
 
@@ -32,8 +34,10 @@ from .scaling import Scales
 RHT_SIGNS = (1, 1, 1, -1, 1, -1, -1, -1, -1, -1, -1, 1, -1, 1, -1, -1)
 
 
-def rht_matrix(device) -> torch.Tensor:
-    """``diag(signs) @ H16 / 4`` (Sylvester's Hadamard, natural order): TE's transform, orthogonal."""
+@lru_cache(maxsize=None)
+def rht_matrix(device: torch.device) -> torch.Tensor:
+    """``diag(signs) @ H16 / 4`` (Sylvester's Hadamard, natural order): TE's transform, orthogonal.
+    Built once per device (a block layer is eager only: nothing traces this cache)."""
     h = torch.ones(1, 1, device=device)
     while h.shape[0] < NVFP4_BLOCK:
         h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
@@ -69,13 +73,12 @@ def _nvfp4_operand(x2d, role, columnwise, recipe):
     stochastic = role == "gradient" and not getattr(recipe, "disable_stochastic_rounding", False)
     if columnwise and role != "weight" and not getattr(recipe, "disable_rht", False):
         x2d = rht16(x2d)
-    if columnwise and not two_d:  # blocks along dim 0: quantize the transpose, hand it back transposed
-        b = nvfp4_blocks(x2d.t().contiguous())
-        _, deq = quantize(b, E2M1, stochastic)
-        return b, deq, b.unview(deq).reshape(x2d.shape[1], x2d.shape[0]).t()
-    b = nvfp4_blocks(x2d, block_2d=two_d)
+    transposed = columnwise and not two_d  # blocks along dim 0: quantize the transpose, hand it back transposed
+    t = x2d.t().contiguous() if transposed else x2d
+    b = nvfp4_blocks(t, block_2d=two_d)
     _, deq = quantize(b, E2M1, stochastic)
-    return b, deq, b.unview(deq).reshape(x2d.shape)
+    matrix = b.unview(deq).reshape(t.shape)
+    return b, deq, matrix.t() if transposed else matrix
 
 
 class _BlockLinearFn(torch.autograd.Function):

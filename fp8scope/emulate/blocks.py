@@ -66,8 +66,9 @@ def e8m0_encode_factor(code: torch.Tensor, code0_multiplies_by_one: bool = False
     return out
 
 
-def _as_2d(x: torch.Tensor) -> torch.Tensor:
-    """TE's view of a tensor as a matrix: leading dims flattened, the last one kept."""
+def as_matrix(x: torch.Tensor) -> torch.Tensor:
+    """TE's view of a tensor as a matrix: leading dims flattened, the last one kept (what every block
+    recipe reads, and what capture hands the recipes it measures)."""
     x = x.detach()
     return x.reshape(-1, x.shape[-1]) if x.dim() != 2 else x
 
@@ -130,7 +131,7 @@ def _per_block(x2d: torch.Tensor, rows: int, cols: int, scales_of, amax_of=block
 def mxfp8_blocks(x: torch.Tensor, fmt: Fp8Format, columnwise: bool = False,
                  code0_multiplies_by_one: bool = False) -> BlockScales:
     """MXFP8 scales of ``x``: rowwise 1x32 blocks along the last dim, or columnwise 32x1 blocks."""
-    x2d = _as_2d(x)
+    x2d = as_matrix(x)
     rcp = torch.tensor(1.0 / fmt.max, dtype=torch.float32, device=x2d.device)  # TE's max_norm_rcp, a float
 
     def scales_of(amax):
@@ -144,7 +145,7 @@ def fp8_block_scaling_blocks(x: torch.Tensor, fmt: Fp8Format, block_dim: int = 1
                              pow2: bool = True, epsilon: float = 0.0) -> BlockScales:
     """Float8BlockScaling scales of ``x``: ``block_dim`` 1 gives 1x128 blocks (columnwise: 128x1),
     2 gives 128x128 tiles (the same for both usages)."""
-    x2d = _as_2d(x)
+    x2d = as_matrix(x)
     dtype = x2d.dtype if x2d.dtype.is_floating_point else torch.float32
     inf_value = float(torch.finfo(dtype).max)  # TE: the input type's largest value
 
@@ -169,7 +170,7 @@ def torchao_rowwise_blocks(x: torch.Tensor, fmt: Fp8Format) -> BlockScales:
     power of two with torch's ``exp2(floor(log2(s)))`` (``float8_utils.amax_to_scale``,
     ``_round_scale_down_to_power_of_2``); the amax propagates NaN (``torch.amax``), so a row with a
     NaN is all NaN, and an Inf amax gives scale 0."""
-    x2d = _as_2d(x)
+    x2d = as_matrix(x)
 
     def scales_of(amax):
         s = (fmt.max / amax.double().clamp(min=TORCHAO_EPS)).float()
@@ -187,7 +188,7 @@ def torchao_mx_floor_blocks(x: torch.Tensor) -> BlockScales:
     largest values can land up to 510 and saturate at 448; a non-finite amax gives code 255 (NaN),
     NaN propagates into the amax. (torchao's RCEIL mode, the default from 0.17, rounds like TE:
     the ``mxfp8`` recipe.)"""
-    x2d = _as_2d(x)
+    x2d = as_matrix(x)
 
     def scales_of(amax):
         bits = amax.contiguous().view(torch.int32)
@@ -204,32 +205,40 @@ E2M1_MAX = 6.0
 _FLT_MAX = float(torch.finfo(torch.float32).max)
 
 
+def _e2m1_step(a: torch.Tensor) -> torch.Tensor:
+    """The E2M1 grid's spacing at magnitude ``a`` (0.5 below 2, 1 below 4, 2 up to 6)."""
+    return torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+
+
 def e2m1_round(y: torch.Tensor) -> torch.Tensor:
     """``y`` (float32) rounded to E2M1 (values 0, 0.5, 1, 1.5, 2, 3, 4, 6), to nearest with ties to
     even and saturating at 6 (the cast TE's kernels use, ``satfinite``). NaN stays NaN."""
     a = y.abs().clamp(max=E2M1_MAX)
-    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    step = _e2m1_step(a)
     return torch.copysign(torch.round(a / step) * step, y)  # torch.round: ties to even
 
 
-def e2m1_neighbours(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The E2M1 magnitudes just below and above ``|y|`` (equal when ``|y|`` is on the grid; both 6
-    at or above 6): the two values stochastic rounding chooses between."""
+def e2m1_stochastic(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Stochastic rounding of ``|y|`` onto E2M1 (TE's ``cvt.rs.satfinite.e2m1x4.f32`` on NVFP4
+    gradients), as its law: ``(a, lo, hi, p_up)`` with ``a = min(|y|, 6)`` between the grid neighbours
+    ``lo <= a <= hi`` (equal on the grid, both 6 at or above 6), rounded up to ``hi`` with
+    probability ``p_up = (a - lo) / (hi - lo)``. The one definition: the emulated layer draws from it,
+    the recipe measurement takes its expectation."""
     a = y.abs().clamp(max=E2M1_MAX)
-    step = torch.where(a < 2.0, 0.5, torch.where(a < 4.0, 1.0, 2.0))
+    step = _e2m1_step(a)
     lo = torch.floor(a / step) * step
-    return lo, torch.where(lo == a, lo, (lo + step).clamp(max=E2M1_MAX))
+    hi = torch.where(lo == a, lo, (lo + step).clamp(max=E2M1_MAX))
+    gap = hi - lo
+    p_up = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
+    return a, lo, hi, p_up
 
 
 def e2m1_round_stochastic(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """``y`` (float32) rounded to E2M1 stochastically with uniform draws ``u`` in [0, 1): up with
-    probability ``(|y| - lo) / (hi - lo)``, saturating at 6 (TE's ``cvt.rs.satfinite.e2m1x4.f32`` on
-    gradients draws its bits from Philox; the distribution is the same). NaN stays NaN."""
-    lo, hi = e2m1_neighbours(y)
-    a = y.abs().clamp(max=E2M1_MAX)
-    gap = hi - lo
-    up = u * torch.where(gap > 0, gap, 1.0) < (a - lo)
-    return torch.where(torch.isnan(y), y, torch.copysign(torch.where(up, hi, lo), y))
+    """``y`` (float32) rounded to E2M1 stochastically with uniform draws ``u`` in [0, 1)
+    (:func:`e2m1_stochastic`; TE draws its bits from Philox, the distribution is the same), saturating
+    at 6. NaN stays NaN."""
+    _, lo, hi, p_up = e2m1_stochastic(y)
+    return torch.where(torch.isnan(y), y, torch.copysign(torch.where(u < p_up, hi, lo), y))
 
 
 def nvfp4_blocks(x: torch.Tensor, block_2d: bool = False) -> BlockScales:
@@ -239,7 +248,7 @@ def nvfp4_blocks(x: torch.Tensor, block_2d: bool = False) -> BlockScales:
     ``e4m3(block_amax * (S_enc / 6))``, and the elements multiplied by ``1 / (s_block * S_dec)``.
     Blocks are 1x16 along the last dim (``block_2d``: 16x16, TE's default for weights). ``scale``
     is the elements' encode factor, ``scale_inv`` their decode factor."""
-    x2d = _as_2d(x)
+    x2d = as_matrix(x)
     dev = x2d.device
     g = block_amax(x2d.reshape(1, -1)).reshape(())
     s_enc = torch.div(torch.tensor(448.0 * 6.0, device=dev), g).clamp(max=_FLT_MAX)

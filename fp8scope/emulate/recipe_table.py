@@ -10,8 +10,7 @@ Each follows a framework's rules (``emulate.blocks``, ``emulate.scaling``):
 - ``block128``: TE ``Float8BlockScaling`` (DeepSeek-style): 1x128 blocks, 128x128 tiles for weights,
   power-of-two scales, E4M3;
 - ``nvfp4``: TE ``NVFP4BlockScaling``: E2M1 values, 1x16 blocks (16x16 for weights) with E4M3 block
-  scales under one FP32 tensor scale (without the random Hadamard transform and the stochastic
-  rounding TE adds for gradients);
+  scales under one FP32 tensor scale (gradients: the expectation under TE's stochastic rounding);
 - ``rowwise``: torchao's Float8 ``rowwise`` recipe: one power-of-two scale per row (along the
   contraction dim), E4M3 for every tensor, gradients included;
 - ``mxfp8_floor``: torchao's MX ``FLOOR`` scales (1x32 blocks, E8M0 from the amax's exponent, so a
@@ -31,9 +30,9 @@ import torch
 
 from ..formats import recipe_format
 from ..formats import get_format
-from .blocks import (E2M1_MAX, BlockScales, block_amax, e2m1_neighbours, e2m1_round, e2m1_round_stochastic,
-                     fp8_block_scaling_blocks,
-                     mxfp8_blocks, nvfp4_blocks, torchao_mx_floor_blocks, torchao_rowwise_blocks)
+from .blocks import (E2M1_MAX, BlockScales, block_amax, e2m1_round, e2m1_round_stochastic, e2m1_stochastic,
+                     fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks, torchao_mx_floor_blocks,
+                     torchao_rowwise_blocks)
 from .scaling import te_scale_from_amax
 
 RECIPES = ("current", "mxfp8", "block128", "nvfp4", "rowwise", "mxfp8_floor", "bf16")
@@ -157,23 +156,19 @@ def counts(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
 
 
 def _stochastic_e2m1(a, y, blocks, nonzero):
-    """Expected underflow, saturation and squared error of E2M1 with stochastic rounding (TE's
-    ``cvt.rs.satfinite.e2m1x4.f32`` on gradients): a magnitude between grid neighbours ``lo < y <
-    hi`` rounds up with probability ``(y - lo) / (hi - lo)`` (saturating at 6), so it flushes with
-    probability ``1 - y / 0.5`` below the smallest subnormal, and its expected squared error is
-    ``(y - lo)(hi - y)`` in the scaled domain."""
+    """Expected underflow, saturation and squared error of E2M1 with stochastic rounding
+    (``blocks.e2m1_stochastic``): a value flushes with probability ``1 - p_up`` when its lower
+    neighbour is 0, lands on 6 with ``p_up`` when its upper one is, and its expected squared error is
+    ``(a - lo)(hi - a)`` in the scaled domain, plus what clipping at 6 takes."""
     f64 = torch.float64
-    lo, hi = e2m1_neighbours(y)
-    gap = hi - lo
-    p_up = torch.where(gap > 0, (y.clamp(max=E2M1_MAX) - lo) / torch.where(gap > 0, gap, 1.0), 0.0)
+    c, lo, hi, p_up = e2m1_stochastic(y)
     dec = blocks.scale_inv
-    flushed = torch.where(nonzero & (blocks.scale_inv > 0), (lo == 0).float() * (1.0 - p_up), 0.0)
-    flushed = flushed + (nonzero & ~(blocks.scale_inv > 0)).float()  # a block scale that flushed: all 0
+    live = blocks.scale_inv > 0  # a block whose own scale flushed decodes to 0: all its values are lost
+    flushed = torch.where(nonzero & live, (lo == 0).float() * (1.0 - p_up), 0.0) + (nonzero & ~live).float()
     on_top = torch.where(hi == E2M1_MAX, p_up, 0.0) + (y >= E2M1_MAX).float()
-    sq = torch.where(blocks.scale_inv > 0, (y.clamp(max=E2M1_MAX) - lo) * (hi - y.clamp(max=E2M1_MAX)) * dec * dec,
-                     a * a)
     over = (y - E2M1_MAX).clamp(min=0) * dec  # the part clipped at 6 (deterministic)
-    sq = torch.nan_to_num(sq + over * over, nan=0.0, posinf=0.0, neginf=0.0)
+    sq = torch.where(live, (c - lo) * (hi - c) * dec * dec, a * a) + over * over
+    sq = torch.nan_to_num(sq, nan=0.0, posinf=0.0, neginf=0.0)
     finite = (a.abs() < float("inf")).float()
     return ((flushed * finite).sum(dtype=f64), (on_top * finite).sum(dtype=f64),
             (sq * finite).sum(dtype=f64))
