@@ -197,8 +197,11 @@ def test_window_features_match_their_definitions(counts):
 
 
 @pytest.mark.parametrize("ragged", [False, True])
-def test_window_carry_over_slices_equals_one_pass(ragged):
-    """Rows fed slice by slice (each tensor's rows in step order, tensors appearing late or skipping slices)."""
+@pytest.mark.parametrize("size", [1, 2, 3, 9])
+def test_window_carry_over_slices_equals_one_pass(ragged, size):
+    """Rows fed slice by slice (each tensor's rows in step order, tensors appearing late or skipping slices);
+    slices of one or a few steps (the online detector) take each window where it lies, bigger ones the
+    padded layout: the same features either way."""
     rng = np.random.default_rng(7)
     steps, tensors = 60, 5
     logged = rng.random((steps, tensors)) < 0.7 if ragged else np.ones((steps, tensors), bool)
@@ -207,8 +210,8 @@ def test_window_carry_over_slices_equals_one_pass(ragged):
     order = np.lexsort((step, key))
     one = window_features_numpy(key[order], {k: v[order] for k, v in cols.items()}, CFG_SMALL)
     carry, parts = WindowCarry(CFG_SMALL), []
-    for lo in range(0, steps, 9):
-        rows = np.flatnonzero((step >= lo) & (step < lo + 9))
+    for lo in range(0, steps, size):
+        rows = np.flatnonzero((step >= lo) & (step < lo + size))
         rows = rows[np.lexsort((step[rows], key[rows]))]
         part = carry.features(key[rows], {k: v[rows] for k, v in cols.items()})
         parts.append(pd.DataFrame(part).assign(_row=rows))

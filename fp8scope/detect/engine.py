@@ -198,7 +198,8 @@ def open_run(path):
 def _read(run, name: str, columns: list[str]) -> pa.Table:
     """Only the columns detection needs (a zero-copy selection of the merged table)."""
     t = run.table(name)
-    return t.select([c for c in columns if c in t.column_names])
+    have = set(t.column_names)
+    return t.select([c for c in columns if c in have])
 
 
 def _tensor_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
@@ -272,7 +273,7 @@ class TensorPass:
         """Edges of ``rule`` in this slice against each tensor's flag from the slices before; updates it."""
         state = self.edge_state[rule]
         if len(state) < len(self.km.info):
-            state = self.edge_state[rule] = np.r_[state, np.zeros(len(self.km.info) - len(state), bool)]
+            state = self.edge_state[rule] = np.concatenate([state, np.zeros(len(self.km.info) - len(state), bool)])
         out = edges_sorted(key, f, ev, state)
         last_evaluable(key, f, ev, state)
         return out
@@ -281,7 +282,8 @@ class TensorPass:
 def _keys(km, t: pa.Table) -> np.ndarray:
     """Tensor key of every row. A run read zero-copy has one chunk per logged step, and consecutive steps
     repeat the same names: per chunk they hit keys_of's cache."""
-    names = t.select([c for c in ("rank", "layer", "tensor", "fp8_format", "source") if c in t.column_names])
+    have = set(t.column_names)
+    names = t.select([c for c in ("rank", "layer", "tensor", "fp8_format", "source") if c in have])
     if names.column(0).num_chunks > 1:
         return np.concatenate([km.keys_of(b) for b in names.to_batches()])
     return km.keys_of(names)

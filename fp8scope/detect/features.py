@@ -2,8 +2,8 @@
 
 A *feature row* is one tensor at one logged step: its own statistics with derived columns
 (:func:`row_features`: representable range, saturation ratio, underflow share, dynamic range...),
-its history (window columns: offline :func:`window_features_numpy` over a whole run, online the
-ring buffers of :mod:`fp8scope.detect.online`; windows count logged rows of the tensor, not
+its history (window columns: :func:`window_features_numpy`, over slices of a run carried by
+:class:`WindowCarry`, offline and online alike; windows count logged rows of the tensor, not
 step numbers, so online and offline agree on runs with gaps) and its layer kind at the same
 step (:func:`group_features`: median / MAD of log2 amax, for ``layer_outlier``).
 
@@ -252,6 +252,39 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
 def _z(x):
     return np.where(np.isnan(x), 0.0, x)
 
+# ---- small array idioms of sorted keys (np.r_ costs more than the arrays it builds here) -------
+def starts_of(key: np.ndarray) -> np.ndarray:
+    """True at the first row of each run of equal keys."""
+    out = np.empty(len(key), bool)
+    if len(key):
+        out[0] = True
+        np.not_equal(key[1:], key[:-1], out=out[1:])
+    return out
+
+
+def ends_of(key: np.ndarray) -> np.ndarray:
+    """True at the last row of each run of equal keys."""
+    out = np.empty(len(key), bool)
+    if len(key):
+        out[-1] = True
+        np.not_equal(key[1:], key[:-1], out=out[:-1])
+    return out
+
+
+def shifted(x: np.ndarray, fill) -> np.ndarray:
+    """``x`` one place later: ``[fill, x[0], ..., x[-2]]``."""
+    out = np.empty(len(x), np.result_type(x, fill))
+    if len(x):
+        out[0] = fill
+        out[1:] = x[:-1]
+    return out
+
+
+def appended(a: np.ndarray, tail) -> np.ndarray:
+    """``a`` followed by ``tail`` (a value or an array)."""
+    return np.concatenate([a, np.atleast_1d(np.asarray(tail, dtype=a.dtype))])
+
+
 
 def group_features(c: dict, group_of_key: np.ndarray) -> None:
     """Adds n_kind (layers of the kind with an amax), dev (binades above the kind's median) and z
@@ -269,8 +302,8 @@ def group_features(c: dict, group_of_key: np.ndarray) -> None:
     code = (step - step.min()) * (int(gk.max()) + 1) + gk
     o = np.argsort(code, kind="stable")
     code, v, ok = code[o], l2[ok][o], ok[o]
-    start = np.flatnonzero(np.r_[True, code[1:] != code[:-1]])
-    cnt = np.diff(np.r_[start, len(code)])
+    start = np.flatnonzero(starts_of(code))
+    cnt = np.diff(appended(start, len(code)))
     G = len(start)
     g = np.repeat(np.arange(G), cnt)
     lo, hi = (cnt - 1) // 2, cnt // 2
@@ -299,29 +332,35 @@ def group_features(c: dict, group_of_key: np.ndarray) -> None:
     c["z"] = c["dev"] / (1.4826 * np.maximum(mad, MAD_FLOOR_BINADES))[gid]
 
 
-# ---- window features over a whole run (offline) ---------------------------------------------
+# ---- window features -------------------------------------------------------------------------
 class _Padded:
     """Rows sorted by key laid out in one array with ``pad`` missing values before each key's rows, so
-    that windows (sliding max, running counts) over the array never reach into another key.
+    that windows (sliding max, running counts) over the array never reach into another key; the
+    features are wanted for every row.
 
-    ``place`` writes rows into that layout, ``take`` reads the value ``shift`` places before each row.
     When every key has the same number of rows (a run logging the same tensors every step) the layout
-    is a (keys, pad + rows) matrix and both are slice copies instead of fancy indexing, ~3x cheaper."""
+    is a (keys, pad + rows) matrix and placing and shifting are slice copies instead of fancy indexing,
+    ~3x cheaper."""
 
     def __init__(self, key: np.ndarray, pad: int):
         n = len(key)
-        start = np.r_[True, key[1:] != key[:-1]]
+        start = starts_of(key)
         seg = np.cumsum(start) - 1
         seg_start = np.flatnonzero(start)
-        self.rel = np.arange(n) - seg_start[seg]  # row within its key
+        self.rel = np.arange(n) - seg_start[seg]  # each wanted row's place within its key
+        self.rows = np.arange(n)  # the wanted rows (all of them)
+        self.first = self.rel == 0
         self.pad, n_keys = pad, len(seg_start)
-        counts = np.diff(np.r_[seg_start, n])
+        counts = np.diff(appended(seg_start, n))
         self.grid = (n_keys, int(counts[0])) if (counts == counts[0]).all() else None
         if self.grid is None:
             self.pos = np.arange(n) + (seg + 1) * pad
             self.size = n + (n_keys + 1) * pad
 
-    def place(self, v: np.ndarray, fill: float) -> np.ndarray:
+    def mine(self, v: np.ndarray) -> np.ndarray:
+        return v
+
+    def _place(self, v: np.ndarray, fill: float) -> np.ndarray:
         """``v`` (one value per row) in the padded layout, ``fill`` in the gaps."""
         if self.grid is None:
             a = np.full(self.size, fill, dtype=float)
@@ -332,12 +371,60 @@ class _Padded:
         a[:, self.pad:] = v.reshape(keys, rows)
         return a.reshape(-1)
 
-    def take(self, a: np.ndarray, shift: int) -> np.ndarray:
+    def _take(self, a: np.ndarray, shift: int) -> np.ndarray:
         """The values of the padded array ``a`` ``shift`` (< pad) places before each row."""
         if self.grid is None:
             return a[self.pos - shift]
         keys, rows = self.grid
         return a.reshape(keys, self.pad + rows)[:, self.pad - shift:self.pad - shift + rows].reshape(-1)
+
+    def max_window(self, v: np.ndarray, width: int, include_current: bool) -> np.ndarray:
+        a = self._place(np.where(np.isnan(v), -np.inf, v), -np.inf)
+        return _no_neginf(self._take(_sliding_max(a, width), 0 if include_current else 1))
+
+    def count_window(self, valid: np.ndarray, width: int, include_current: bool) -> np.ndarray:
+        c = np.cumsum(self._place(valid.astype(float), 0.0))
+        shift = 0 if include_current else 1
+        return (self._take(c, shift) - self._take(c, shift + width)).astype(np.int64)
+
+
+class _Tail:
+    """The same windows for only the last ``tail`` rows of each key, when every key has ``rows`` rows
+    (the online detector: a tensor's carried rows and one new step). Each window is reduced where it
+    lies in the (keys, rows) matrix: keys x tail x width values, against the padded layout's log2(width)
+    passes over every row, so only a few wanted rows per key make it the cheaper one
+    (:func:`window_features_numpy` picks)."""
+
+    def __init__(self, keys: int, rows: int, tail: int):
+        self.shape, self.tail = (keys, rows), tail
+        cols = np.arange(rows - tail, rows)
+        self.rel = np.tile(cols, keys)
+        self.rows = (np.arange(keys)[:, None] * rows + cols).reshape(-1)
+        self.first = self.rel == 0
+
+    def mine(self, v: np.ndarray) -> np.ndarray:
+        return v.reshape(self.shape)[:, -self.tail:].reshape(-1)
+
+    def _reduce(self, v: np.ndarray, width: int, include_current: bool, fill, ufunc) -> np.ndarray:
+        """``ufunc`` reduced over each wanted row's window, ``fill`` standing for rows before a key's first."""
+        keys, rows = self.shape
+        off = 0 if include_current else 1
+        lo, hi = rows - self.tail - off - width + 1, rows - off
+        m = v.reshape(keys, rows)[:, max(lo, 0):max(hi, 0)]
+        if lo < 0:
+            m = np.concatenate([np.full((keys, max(-lo, 0) - max(-hi, 0)), fill, dtype=m.dtype), m], axis=1)
+        cols = [ufunc.reduce(m[:, i:i + width], axis=1) for i in range(self.tail)]
+        return (cols[0] if self.tail == 1 else np.stack(cols, axis=1)).reshape(-1)
+
+    def max_window(self, v: np.ndarray, width: int, include_current: bool) -> np.ndarray:
+        return _no_neginf(self._reduce(np.where(np.isnan(v), -np.inf, v), width, include_current, -np.inf, np.maximum))
+
+    def count_window(self, valid: np.ndarray, width: int, include_current: bool) -> np.ndarray:
+        return self._reduce(valid.astype(np.int64), width, include_current, 0, np.add)
+
+
+def _no_neginf(r: np.ndarray) -> np.ndarray:
+    return np.where(np.isneginf(r), np.nan, r)
 
 
 def _sliding_max(x, w: int):
@@ -358,60 +445,56 @@ def _sliding_max(x, w: int):
     return out
 
 
-def window_features_numpy(key, cols: dict, cfg: DetectConfig) -> dict:
-    """Window features of rows sorted by (key, step), as numpy arrays (the online ring buffers'
-    semantics): prev_max / n_prev (previous spike_window rows), prev_bad_amax, prev_scale_inv,
-    si_old / si_max / n_si (last collapse_window + 1 rows), max_jump (largest one-step rise of
-    scale_inv over the last collapse_window rows), n_sat / n_rate (last sat_rate_window rows).
+def window_features_numpy(key, cols: dict, cfg: DetectConfig, tail: int | None = None) -> dict:
+    """Window features of rows sorted by (key, step), as numpy arrays: prev_max / n_prev (previous
+    spike_window rows), prev_bad_amax, prev_scale_inv, si_old / si_max / n_si (last collapse_window + 1
+    rows), max_jump (largest one-step rise of scale_inv over the last collapse_window rows), n_sat /
+    n_rate (last sat_rate_window rows), dev_old / dev_jump (trend_window rows).
 
-    cols: amax_f, scale_inv_f (NaN = missing), sat_hit (int), bad_amax (bool).
-    Windows never cross a tensor: each tensor's rows are preceded by ``pad`` missing values.
+    cols: amax_f, scale_inv_f (NaN = missing), sat_hit (int), bad_amax (bool), dev.
+    Windows never cross a tensor. ``tail``: every key has the same number of rows and only the features
+    of each key's last ``tail`` rows are wanted (returned in that order); otherwise every row's.
     """
-    W, K, R = int(cfg.spike_window), int(cfg.collapse_window), int(cfg.sat_rate_window)
+    W, K, R, T = int(cfg.spike_window), int(cfg.collapse_window), int(cfg.sat_rate_window), int(cfg.trend_window)
     n = len(key)
     out: dict = {}
     if n == 0:
         return out
-    lay = _Padded(key, max(W, K, R, int(cfg.trend_window)) + 2)
-    rel = lay.rel
+    pad = max(W, K, R, T) + 2
+    keys = int(np.count_nonzero(starts_of(key))) if tail is not None else 0
+    if tail is not None and tail * pad <= 4 * (n // keys):  # a few wanted rows per key: their windows alone
+        lay = _Tail(keys, n // keys, tail)
+    else:
+        lay = _Padded(key, pad)
+    rel, rows, first, mine = lay.rel, lay.rows, lay.first, lay.mine
 
-    def count_window(valid, width, include_current):
-        c = np.cumsum(lay.place(valid.astype(float), 0.0))
-        shift = 0 if include_current else 1
-        return (lay.take(c, shift) - lay.take(c, shift + width)).astype(np.int64)
+    def prev_rows(v, fill):  # each row's previous row of its key (every row: windows are taken over it)
+        p = shifted(v, fill)
+        p[starts_of(key)] = fill
+        return p
 
-    def max_window(v, width, include_current):
-        a = lay.place(np.where(np.isnan(v), -np.inf, v), -np.inf)
-        r = lay.take(_sliding_max(a, width), 0 if include_current else 1)
-        return np.where(np.isneginf(r), np.nan, r)
-
-    amax_f, si = cols["amax_f"], cols["scale_inv_f"]
-    out["prev_max"] = max_window(amax_f, W, False)
-    out["n_prev"] = count_window(~np.isnan(amax_f), W, False)
-    first = rel == 0
-    prev_bad = np.r_[False, cols["bad_amax"][:-1]]
+    amax_f, si, dev = cols["amax_f"], cols["scale_inv_f"], cols["dev"]
+    out["prev_max"] = lay.max_window(amax_f, W, False)
+    out["n_prev"] = lay.count_window(~np.isnan(amax_f), W, False)
+    prev_bad = mine(shifted(cols["bad_amax"], False))
     prev_bad[first] = False
     out["prev_bad_amax"] = prev_bad
-    prev_si = np.r_[np.nan, si[:-1]]
-    prev_si[first] = np.nan
-    out["prev_scale_inv"] = prev_si
-    out["si_old"] = si[np.arange(n) - np.minimum(rel, K)]
-    out["si_max"] = max_window(si, K + 1, True)
-    out["n_si"] = count_window(~np.isnan(si), K + 1, True)
+    prev_si = prev_rows(si, np.nan)
+    out["prev_scale_inv"] = mine(prev_si)
+    out["si_old"] = si[rows - np.minimum(rel, K)]
+    out["si_max"] = lay.max_window(si, K + 1, True)
+    out["n_si"] = lay.count_window(~np.isnan(si), K + 1, True)
     with np.errstate(invalid="ignore", divide="ignore"):
         jump = si / prev_si
-    out["max_jump"] = max_window(jump, K, True)
-    out["n_sat"] = count_window(cols["sat_hit"].astype(bool), R, True)
+    out["max_jump"] = lay.max_window(jump, K, True)
+    out["n_sat"] = lay.count_window(cols["sat_hit"].astype(bool), R, True)
     out["n_rate"] = np.minimum(rel + 1, R).astype(np.int64)
     # amax_trend: this tensor's distance above its kind's median (dev, binades) now against T rows ago,
     # and the largest one-row rise of it over those rows (a steady climb, not one jump)
-    T = int(cfg.trend_window)
-    dev = cols["dev"]
-    padded = lay.place(dev, np.nan)
-    out["dev_old"] = np.where(rel >= T, lay.take(padded, T), np.nan)
-    prev_dev = np.r_[np.nan, dev[:-1]]
-    prev_dev[first] = np.nan
-    out["dev_jump"] = max_window(dev - prev_dev, T, True)
+    out["dev_old"] = np.where(rel >= T, dev[np.maximum(rows - T, 0)], np.nan)
+    out["dev_jump"] = lay.max_window(dev - prev_rows(dev, np.nan), T, True)
+    if tail is not None and isinstance(lay, _Padded):  # every row's features: keep the wanted ones
+        out = {k: v.reshape(keys, -1)[:, -tail:].reshape(-1) for k, v in out.items()}
     return out
 
 
@@ -432,20 +515,20 @@ class RunMax:
             return np.zeros(0)
         top = int(key.max()) + 1
         if len(self.best) < top:
-            self.best = np.r_[self.best, np.full(top - len(self.best), -np.inf)]
-        start = np.r_[True, key[1:] != key[:-1]]
+            self.best = appended(self.best, np.full(top - len(self.best), -np.inf))
+        start = starts_of(key)
         seg = np.cumsum(start) - 1
         # a segmented running max: log2 values shifted by segment so one accumulate never crosses tensors
         with np.errstate(divide="ignore", invalid="ignore"):
             lv = np.where(np.isfinite(amax_f) & (amax_f > 0), np.log2(amax_f), -1e4)
         shift = seg * 1e5
         run = np.maximum.accumulate(lv + shift) - shift
-        prev = np.r_[-np.inf, run[:-1]]
+        prev = shifted(run, -np.inf)
         prev[start] = -np.inf
         with np.errstate(over="ignore"):
             mine = np.where(prev > -1e3, np.exp2(prev), -np.inf)
         out = np.fmax(mine, self.best[key])
-        last = np.flatnonzero(np.r_[key[1:] != key[:-1], True])
+        last = np.flatnonzero(ends_of(key))
         self.best[key[last]] = np.fmax(self.best[key[last]], np.where(run[last] > -1e3, np.exp2(run[last]), -np.inf))
         return np.where(np.isneginf(out), np.nan, out)
 
@@ -467,20 +550,25 @@ class WindowCarry:
                         int(cfg.trend_window) + 1) + 1
         self.key = np.zeros(0, np.int64)
         self.cols: dict = {}
+        self._grid: tuple[np.ndarray, int] | None = None  # _grid_of(self.key)
 
     def features(self, key: np.ndarray, cols: dict) -> dict:
         """Window features of rows sorted by (key, step) that come after every row seen so far."""
         cols = {c: cols[c] for c in self.INPUTS}
-        old, new = _grid_of(self.key), _grid_of(key)
+        old, new = self._grid, _grid_of(key)
         if not len(self.key):
-            mkey, mcols, mine = key, cols, _rows_all
+            mkey, mcols, out = key, cols, window_features_numpy(key, cols, self.cfg)
+            grid = new
         elif old is not None and new is not None and np.array_equal(old[0], new[0]):
-            mkey, mcols, mine = self._stack(old[1], new[1], key, cols)
+            mkey, mcols = self._stack(old[1], new[1], key, cols)
+            out = window_features_numpy(mkey, mcols, self.cfg, tail=new[1])  # only the new rows' features
+            grid = (new[0], old[1] + new[1])
         else:
             mkey, mcols, mine = self._merge(key, cols)
-        out = window_features_numpy(mkey, mcols, self.cfg)
-        self._keep_tail(mkey, mcols)
-        return {k: mine(v) for k, v in out.items()}
+            out = {k: mine(v) for k, v in window_features_numpy(mkey, mcols, self.cfg).items()}
+            grid = _grid_of(mkey)
+        self._keep_tail(mkey, mcols, grid)
+        return out
 
     def _stack(self, n_old: int, n_new: int, key: np.ndarray, cols: dict):
         """Carried and new rows when both hold the same tensors, n_old / n_new rows each (a run logging the
@@ -490,10 +578,7 @@ class WindowCarry:
         def stack(a, b):
             return np.hstack([a.reshape(keys, n_old), b.reshape(keys, n_new)]).reshape(-1)
 
-        def mine(v):
-            return v.reshape(keys, n_old + n_new)[:, n_old:].reshape(-1)
-
-        return stack(self.key, key), {c: stack(self.cols[c], cols[c]) for c in self.INPUTS}, mine
+        return stack(self.key, key), {c: stack(self.cols[c], cols[c]) for c in self.INPUTS}
 
     def _merge(self, key: np.ndarray, cols: dict):
         """Carried rows merged in front of each tensor's new rows (both sorted by key), in general."""
@@ -503,36 +588,34 @@ class WindowCarry:
         mcols = {c: _merged(self.cols[c], cols[c], pos_old, pos_new) for c in self.INPUTS}
         return _merged(self.key, key, pos_old, pos_new), mcols, lambda v: v[pos_new]
 
-    def _keep_tail(self, key: np.ndarray, cols: dict) -> None:
-        """The last ``keep`` rows of each tensor of merged rows sorted by (key, step)."""
+    def _keep_tail(self, key: np.ndarray, cols: dict, grid: tuple[np.ndarray, int] | None) -> None:
+        """The last ``keep`` rows of each tensor of merged rows sorted by (key, step); ``grid``: their
+        :func:`_grid_of`."""
         n = len(key)
         if n == 0:
             return
-        grid = _grid_of(key)
         if grid is not None:  # the last columns of the (tensors, rows) matrix
             rows = grid[1]
             k = min(rows, self.keep)
             self.key = key.reshape(-1, rows)[:, rows - k:].reshape(-1)
             self.cols = {c: v.reshape(-1, rows)[:, rows - k:].reshape(-1) for c, v in cols.items()}
+            self._grid = (grid[0], k)
             return
-        end = np.flatnonzero(np.r_[key[1:] != key[:-1], True])  # last row of each tensor
-        seg = np.cumsum(np.r_[0, key[1:] != key[:-1]])
+        end = np.flatnonzero(ends_of(key))  # last row of each tensor
+        seg = np.cumsum(starts_of(key)) - 1
         tail = end[seg] - np.arange(n) < self.keep
         self.key = key[tail]
         self.cols = {c: v[tail] for c, v in cols.items()}
-
-
-def _rows_all(v: np.ndarray) -> np.ndarray:
-    return v
+        self._grid = _grid_of(self.key)
 
 
 def _grid_of(key: np.ndarray) -> tuple[np.ndarray, int] | None:
     """(the keys, rows per key) of rows sorted by key when every key has the same number of rows, else None."""
     if not len(key):
         return None
-    starts = np.flatnonzero(np.r_[True, key[1:] != key[:-1]])
+    starts = np.flatnonzero(starts_of(key))
     rows = len(key) // len(starts)
-    if rows * len(starts) != len(key) or not (np.diff(np.r_[starts, len(key)]) == rows).all():
+    if rows * len(starts) != len(key) or not (np.diff(appended(starts, len(key))) == rows).all():
         return None
     return key[starts], rows
 
@@ -554,8 +637,8 @@ def edges_sorted(key: np.ndarray, f: np.ndarray, ev: np.ndarray, before: np.ndar
         return f
     i = np.arange(n)
     last = np.maximum.accumulate(np.where(ev, i, -1))
-    prev = np.r_[-1, last[:-1]]
-    seg_start = np.maximum.accumulate(np.where(np.r_[True, key[1:] != key[:-1]], i, 0))
+    prev = shifted(last, -1)
+    seg_start = np.maximum.accumulate(np.where(starts_of(key), i, 0))
     ok = prev >= seg_start
     prevf = np.zeros(n, bool)
     prevf[ok] = f[prev[ok]]
@@ -570,5 +653,5 @@ def last_evaluable(key: np.ndarray, f: np.ndarray, ev: np.ndarray, state: np.nda
     idx = np.flatnonzero(ev)
     if len(idx):
         k = key[idx]
-        last = idx[np.r_[k[1:] != k[:-1], True]]
+        last = idx[ends_of(k)]
         state[key[last]] = f[last]

@@ -10,10 +10,10 @@ detection are one code path and give the same events. Events are returned as
 Steps are examined as soon as they arrive, at the training process's own priority: events for
 step t must reach the run and ``on_event`` before step t+2 ends, also when every core is busy
 (a detector at lower priority fell tens of steps behind under load, after the very blow-up it
-should report). A pass carries each tensor's last window rows (101) and costs about as much for
-one step as for twenty (benchmarks/report_speed.py --online, demo run: 63 tensors 1.3 ms for one
-step, 1,008 tensors 13.5 ms), small beside a training step. When steps queue up anyway (a slow
-machine, a burst), the backlog is examined in one batch (at most ``max_batch`` steps), so the
+should report). A pass carries each tensor's last window rows and, for one new step, reduces
+each window where it lies (``features._Tail``) instead of sliding it over the carried rows, so
+a step costs little beside a training step (``benchmarks/report_speed.py --online``). When steps
+queue up anyway (a slow machine, a burst), the backlog is examined in one batch (at most ``max_batch`` steps), so the
 detector catches up instead of drifting; falling more than ``lag_warn`` steps behind is said once.
 """
 
@@ -99,7 +99,8 @@ class OnlineDetector:
     # ---- tensors ---------------------------------------------------------------------------
     def _tensor_steps(self, batches: list[pa.RecordBatch]) -> list[dict]:
         table = pa.Table.from_batches(batches)
-        table = table.select([c for c in TENSOR_COLUMNS if c in table.column_names])
+        have = set(table.column_names)
+        table = table.select([c for c in TENSOR_COLUMNS if c in have])
         rank = np.concatenate([b.column("rank").to_numpy() for b in batches]).astype(np.int64)
         step = np.concatenate([b.column("step").to_numpy() for b in batches])
         out = self._pass.events(table, in_step_order(rank, step))  # a monitor's own steps: always in order
