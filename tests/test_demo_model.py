@@ -178,6 +178,42 @@ def test_outlier_injection():
     assert torch.equal(seen[-1], ref)
 
 
+@pytest.mark.parametrize("fp8", [False, True])
+def test_grow_injection_grows_the_input_not_the_function(fp8):
+    """``grow`` multiplies the input channels and divides the weight's columns by the same factor: the
+    layer's input (what FP8 quantizes) grows, its output in exact arithmetic does not, so the optimizer
+    has nothing to shrink back; a copy of the model (a shadow fork's replica) is planted the same way."""
+    import copy
+
+    model = small_model()
+    if fp8:
+        from fp8scope.emulate import convert_to_fp8
+
+        convert_to_fp8(model)
+    layer = "blocks.1.mlp.down"
+    inj = Injector([f"grow:{layer}:2:256:4"]).attach(model)
+    module = model.get_submodule(layer)
+    x = torch.randn(2, 16, module.weight.shape[1])
+    replica = copy.deepcopy(module)
+    seen: list[torch.Tensor] = []
+    _capture_inputs(module, seen)
+    outs = []
+    with torch.no_grad():
+        for step in (0, 1, 2, 3, 5, 9):
+            inj.step = step
+            outs.append((step, module(x), replica(x)))
+    ch = outlier_channels(x.shape[-1])
+    others = [i for i in range(x.shape[-1]) if i not in ch]
+    for (step, y, y_replica), inp in zip(outs, seen):
+        factor = 256 ** min(1.0, (step - 2 + 1) / 4) if step >= 2 else 1.0
+        assert torch.allclose(inp[..., ch], x[..., ch] * factor) and torch.equal(inp[..., others], x[..., others])
+        assert torch.equal(y_replica, y), step
+        if not fp8:
+            assert torch.allclose(y, outs[0][1], rtol=1e-5, atol=1e-5), step
+    inj.detach()
+    assert type(module).__name__ in ("Linear", "Fp8Linear") and "weight" in dict(module.named_parameters())
+
+
 def test_nan_injection_propagates():
     model = small_model()
     inj = Injector(["nan:blocks.0.attn.proj:2"]).attach(model)

@@ -36,8 +36,14 @@ being told about it:
 ``grow:LAYER:STEP[:FACTOR[:DURATION]]``
     From STEP on, multiply the same few input channels of LAYER by a factor that grows
     geometrically to FACTOR (default 8) over DURATION steps (default 70), then stays: a
-    slowly growing outlier feature (the SwiGLU amplification of signature 4). Its peers stay
-    flat; the layer saturates only once the growth outruns the amax history.
+    slowly growing outlier feature (the SwiGLU amplification of signature 4). The weight's
+    matching input columns are divided by the same factor (a parametrization of LAYER's
+    weight), so in exact arithmetic the layer computes what it did: only the range of its
+    input grows, as with real outlier features in a model BF16 trains well. Without that, the
+    optimizer shrank the channels back (a ``transformers`` Llama's down projection input grew
+    3-5x under a planted 256x) and the fault never reached FP8. Its peers stay flat; FP8 loses
+    the rest of the input to a scale set by the outliers, and the layer saturates once the
+    growth outruns the amax history.
 ``reset:LAYER:STEP``
     At STEP, reset LAYER's FP8 scaling state (an emulated ``Fp8Linear``): scale 1 and an empty
     amax history, what a checkpoint resumed without its FP8 state does. Under delayed scaling the
@@ -184,6 +190,28 @@ def outlier_channels(n_features: int, n: int = N_OUTLIER_CHANNELS) -> list[int]:
     return sorted({(2 * i + 1) * n_features // (2 * n) for i in range(n)})
 
 
+class _GrowthCompensation(nn.Module):
+    """The weight of a ``grow`` layer as its GEMM reads it: the grown channels' input columns divided
+    by the factor the input hook multiplies those channels by at the injector's current step."""
+
+    def __init__(self, injector: "Injector", inj: Injection, in_dim: int, channels: list[int]):
+        super().__init__()
+        self.injector, self.inj, self.in_dim, self.channels = injector, inj, in_dim, channels
+
+    def forward(self, w: torch.Tensor) -> torch.Tensor:
+        step = self.injector.step
+        if not self.inj.active(step):
+            return w
+        inv = torch.ones(w.shape[self.in_dim], dtype=w.dtype, device=w.device)
+        inv[self.channels] = 1.0 / self.inj.multiplier(step)
+        return w * (inv if self.in_dim == 1 else inv[:, None])
+
+    def __deepcopy__(self, memo: dict) -> "_GrowthCompensation":
+        # a copy of the model (a shadow fork's replica) is planted the same way: the same injector
+        # (its step) and input hook, so its weight must follow that injector too
+        return _GrowthCompensation(self.injector, self.inj, self.in_dim, self.channels)
+
+
 class Injector:
     """Owns the parsed injections, the current step, and the hooks on the model.
 
@@ -203,6 +231,7 @@ class Injector:
         self.step = 0  # set by the training loop before each forward pass
         self.fired: list[tuple[int, str]] = []  # (step, spec) each step a hook acted
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._parametrized: list[nn.Module] = []  # layers whose weight a ``grow`` compensates
 
     def __repr__(self) -> str:
         return f"Injector({self.specs!r}, step={self.step})"
@@ -245,13 +274,33 @@ class Injector:
             else:
                 h = module.register_forward_pre_hook(self._input_hook(inj), prepend=True)
             self._handles.append(h)
+            if inj.kind == "grow":
+                self._compensate(module, inj)
         return self
 
+    def _compensate(self, module: nn.Module, inj: Injection) -> None:
+        """Divide the weight's input columns of the grown channels by the growth factor (``grow``)."""
+        from torch.nn.utils import parametrize
+
+        w = getattr(module, "weight", None)
+        if not isinstance(w, torch.Tensor) or w.dim() != 2:
+            raise ValueError(f"inject spec {inj.spec!r}: {inj.layer} holds no weight matrix to compensate the growth in")
+        in_dim = 0 if getattr(module, "weight_transposed", False) or type(module).__name__ == "Conv1D" else 1
+        parametrize.register_parametrization(
+            module, "weight", _GrowthCompensation(self, inj, in_dim, outlier_channels(w.shape[in_dim])))
+        self._parametrized.append(module)
+
     def detach(self) -> None:
-        """Remove every hook this injector registered."""
+        """Remove every hook (and weight parametrization) this injector registered."""
+        from torch.nn.utils import parametrize
+
         for h in self._handles:
             h.remove()
         self._handles.clear()
+        for module in self._parametrized:
+            if parametrize.is_parametrized(module, "weight"):
+                parametrize.remove_parametrizations(module, "weight", leave_parametrized=False)
+        self._parametrized.clear()
 
     # --- hooks -----------------------------------------------------------------------------
 
