@@ -51,7 +51,7 @@ import torch
 from fp8scope.compiled import CompiledFn
 from fp8scope.emulate.amax import recorded_amax
 from fp8scope.emulate.blocks import as_matrix, e2m1_round
-from fp8scope.emulate.recipe_table import E2M1, counts as recipe_counts
+from fp8scope.emulate.recipe_table import E2M1, count, counts as recipe_counts
 from fp8scope.formats import Fp8Format, get_format
 from fp8scope.schema import N_FIELDS, RECIPE_FIELDS
 
@@ -101,16 +101,16 @@ def _make_full(key):
         clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
         y = m * scale  # the scaled magnitudes the cast sees
         nonzero = m > 0  # NaN compares false
-        n_nonzero = nonzero.sum()
+        n_nonzero = count(nonzero)
         vec = torch.stack([
             m.amax(),  # NaN propagates
             torch.where(nonzero, m, _INF).amin(),  # smallest non-zero (inf if none)
             torch.full((), a.numel(), dtype=torch.float64, device=a.device),
-            (m == 0).sum(),
-            a.numel() - (m < _INF).sum(),  # NaN and Inf
-            (y > fmax).sum(),
-            n_nonzero - (y > under).sum(),  # non-zero before the cast, zero after
-            (y > sat).sum(),
+            count(m == 0),
+            a.numel() - count(m < _INF),  # NaN and Inf
+            count(y > fmax),
+            n_nonzero - count(y > under),  # non-zero before the cast, zero after
+            count(y > sat),
             torch.linalg.vector_norm(err, 2, dtype=torch.float64).square(),
             torch.linalg.vector_norm(clean, 2, dtype=torch.float64).square(),
             scale.amin() if per_row else scale,

@@ -116,6 +116,13 @@ def _columnwise(x: torch.Tensor, recipe: str) -> tuple[BlockScales, str]:
     raise ValueError(f"recipe {recipe!r} has no columnwise usage here")
 
 
+def count(mask: torch.Tensor) -> torch.Tensor:
+    """The true elements of a boolean mask, as int64: ``count_nonzero``, one op on every device (a
+    bool ``sum`` promotes each element to int64 first, which on the CPU costs twice the pass). The
+    stats pass counts with it too."""
+    return torch.count_nonzero(mask)
+
+
 def counts(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
     """``x`` (2-D) under ``recipe``: ``schema.RECIPE_FIELDS`` as a float64 vector on its device (see
     ``capture.stats`` for what each count means). NVFP4 gradients: expected counts and squared error
@@ -139,15 +146,15 @@ def counts(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
         underflow, saturated, sq_err = _stochastic_e2m1(a, y, blocks, nonzero)
     else:
         err = torch.nan_to_num(deq - a, nan=0.0, posinf=0.0, neginf=0.0)
-        underflow = (nonzero & (deq == 0)).sum().to(f64)
-        saturated = (((q.abs() == top) & (m < float("inf"))).sum().to(f64) if blocks is not None
+        underflow = count(nonzero & (deq == 0)).to(f64)
+        saturated = (count((q.abs() == top) & (m < float("inf"))).to(f64) if blocks is not None
                      else torch.zeros((), dtype=f64, device=a.device))
         sq_err = torch.linalg.vector_norm(err, 2, dtype=f64).square()
     return torch.stack([
         torch.full((), a.numel(), dtype=f64, device=a.device),
-        nonzero.sum().to(f64),
+        count(nonzero).to(f64),
         underflow,
-        (y > top).sum().to(f64) if blocks is not None else (m > top).sum().to(f64),
+        count(y > top).to(f64) if blocks is not None else count(m > top).to(f64),
         saturated,
         sq_err,
         torch.linalg.vector_norm(clean, 2, dtype=f64).square(),
