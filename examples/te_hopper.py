@@ -5,15 +5,16 @@
     fp8scope info runs/te_hopper && fp8scope tensors runs/te_hopper --last 1
 
 With ``--check`` (tests/test_integrations_te.py runs it so) it trains a ``TransformerLayer`` stack
-under each recipe the GPU and TE support (delayed, current, MXFP8 on Blackwell, Float8 block
-scaling from TE 2.3) and exits non-zero unless the rows agree with TE's own state:
+under each recipe the GPU and TE support (delayed, current, MXFP8 and NVFP4 on Blackwell, Float8
+block scaling from TE 2.3) and exits non-zero unless the rows agree with TE's own state:
 
 - delayed scaling: every row's scale is the one in ``fp8_meta`` when the step ran (the slot the
   installed TE version uses, ``fp8scope.capture.adapters.te_layout``), every amax the one TE
   recorded (the newest history row after the step's update);
 - current scaling: every row's scale is TE's rule of the row's amax (power-of-two when the quantizer
   says so), and no element overflows;
-- MXFP8 and block scaling: rowwise and columnwise rows, power-of-two scales, no overflow.
+- MXFP8 and block scaling: rowwise and columnwise rows, power-of-two scales, no overflow;
+- NVFP4: E2M1 rows, with the columnwise rows of the weight-gradient GEMM's operands.
 
 Multi-GPU: torchrun --nproc-per-node 8 examples/te_hopper.py --reduce both
 (every rank logs into the same folder; see docs/distributed.md).
@@ -48,6 +49,8 @@ def recipes(te_recipe) -> dict:
         out["block"] = te_recipe.Float8BlockScaling()
     if torch.cuda.get_device_capability()[0] >= 10:
         out["mxfp8"] = te_recipe.MXFP8BlockScaling()
+        if hasattr(te_recipe, "NVFP4BlockScaling"):
+            out["nvfp4"] = te_recipe.NVFP4BlockScaling()
     return out
 
 
@@ -123,6 +126,11 @@ def check_run(name: str, model, df, states) -> list[str]:
     bad = []
     if name == "delayed":
         bad += check_delayed(model, df, states)
+    elif name == "nvfp4":  # a block scale rounded down may push a block's top value past 6: no overflow test
+        if set(df.fp8_format) != {"e2m1"}:
+            bad.append(f"rows in {sorted(set(df.fp8_format))}, not e2m1")
+        if not {"activation@columnwise", "gradient@columnwise"} <= set(df.tensor):
+            bad.append("no columnwise rows for the weight-gradient GEMM's operands")
     else:
         over = df[df.overflow.fillna(0) > 0]
         bad += [f"{r.layer} {r.tensor} step {r.step}: {int(r.overflow)} overflows under {name} scaling"

@@ -168,7 +168,16 @@ class Float8BlockScaling(Recipe):
 
 
 class NVFP4BlockScaling(Recipe):
+    """``common/recipe/__init__.py``: the three switches from 2.8 (v2.8 412-416), ``row_scaled_activation``
+    from 2.16 (v2.16 538), ``nvfp4_4over6`` from 2.17 (v2.17 554); all off by default."""
+
     fp8_format = Format.E4M3  # the block scales' format; the elements are E2M1
+
+    def __init__(self, disable_rht=False, disable_stochastic_rounding=False, disable_2d_quantization=False,
+                 row_scaled_activation=False, nvfp4_4over6="none"):
+        self.disable_rht, self.disable_stochastic_rounding = disable_rht, disable_stochastic_rounding
+        self.disable_2d_quantization, self.row_scaled_activation = disable_2d_quantization, row_scaled_activation
+        self.nvfp4_4over6 = nvfp4_4over6
 
 
 class CustomRecipe(Recipe):

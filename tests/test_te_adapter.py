@@ -2,10 +2,11 @@
 (tests/te_standin.py encodes what each version does, with TE's file and line).
 
 Each test would catch one defect of a reader that knows one TE version only: the LayerNormMLP
-backward slots of 2.0-2.3, the current-scaling quantizer that keeps nothing from 2.16, NVFP4 and
-custom recipes read as per-tensor FP8, the split QKV weights, the early backward update of a
-LayerNormMLP that runs first, cached weights, GroupedLinear's two slot layouts, and the MXFP8 /
-Float8BlockScaling block shapes and rounding.
+backward slots of 2.0-2.3, the current-scaling quantizer that keeps nothing from 2.16, custom
+recipes read as per-tensor FP8, the split QKV weights, the early backward update of a LayerNormMLP
+that runs first, cached weights, GroupedLinear's two slot layouts, the MXFP8 /
+Float8BlockScaling block shapes and rounding, and NVFP4's usages, switches and the block-scale
+formula of 2.8-2.13.
 """
 
 from __future__ import annotations
@@ -20,7 +21,8 @@ import torch
 from torch import nn
 
 import fp8scope
-from fp8scope.emulate.blocks import e8m0_codes, fp8_block_scaling_blocks, mxfp8_blocks
+from fp8scope.emulate.block_linear import rht16
+from fp8scope.emulate.blocks import e8m0_codes, fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks
 from fp8scope.emulate.scaling import te_scale_from_amax
 from fp8scope.formats import get_format
 from tests import te_standin
@@ -275,8 +277,112 @@ def test_block_recipes_log_rowwise_and_columnwise_rows(tmp_path, monkeypatch, re
         assert w.scale == float(tiles.scale.min())
 
 
+# ---- NVFP4 ------------------------------------------------------------------------------------
+def _f32(v: float) -> float:
+    return struct.unpack("<f", struct.pack("<f", v))[0]
+
+
+def _e4m3(v: float) -> float:
+    return float(torch.tensor(v, dtype=torch.float32).clamp(max=448.0).to(torch.float8_e4m3fn).float())
+
+
+def te_nvfp4_block_scale(block_amax: float, tensor_amax: float, divide_first: bool) -> float:
+    """A block's E4M3 decode scale, transcribed: ``S_enc = 448 * 6 / amax``, then
+    ``block_amax / 6.0f * S_enc`` (``util/nvfp4_transpose.cuh`` v2.8 124; ``core_nvfp4.cuh`` v2.12-2.13 50)
+    or ``block_amax * (S_enc * (1.0f / 6.0f))`` (``core_nvfp4.cuh`` v2.14+ 51), each product in float32."""
+    s_enc = _f32(_f32(448.0 * 6.0) / tensor_amax)
+    prod = _f32(_f32(block_amax / 6.0) * s_enc) if divide_first else _f32(block_amax * _f32(s_enc * _f32(1.0 / 6.0)))
+    return _e4m3(prod)
+
+
+@pytest.mark.parametrize("divide_first", [True, False])
+def test_nvfp4_block_scale_formula_of_each_version(divide_first):
+    """A block amax whose scaled value is 42 (between the E4M3 codes 40 and 44) in one formula and 42 plus
+    one ulp in the other: TE 2.8-2.13 and 2.14+ store different block scales for it."""
+    x = torch.zeros(2, 16)
+    x[0, 0], x[1, 0] = 3.0, 0.28125  # the tensor amax 3 sets S_enc; row 1 is the block in question
+    b = nvfp4_blocks(x, divide_first=divide_first)
+    s_enc = _f32(_f32(448.0 * 6.0) / 3.0)
+    stored = float(b.scale_inv[1, 0]) * s_enc  # the decode factor is s_block / S_enc
+    assert stored == pytest.approx(te_nvfp4_block_scale(0.28125, 3.0, divide_first), rel=1e-6)
+    assert {te_nvfp4_block_scale(0.28125, 3.0, d) for d in (True, False)} == {40.0, 44.0}
+
+
+NVFP4_VERSIONS = [("2.8.0", True), ("2.12.0", True), ("2.14.0", False), ("2.18.0", False)]
+
+
+@pytest.mark.parametrize("version,divide_first", NVFP4_VERSIONS)
+def test_nvfp4_rows_follow_te_usages(tmp_path, monkeypatch, version, divide_first):
+    """TE's NVFP4 Linear (``pytorch/module/linear.py`` with ``NVFP4Quantizer``): the input and the output
+    gradient rowwise in 1x16 blocks and columnwise after the random Hadamard transform along the tokens
+    (a tensor amax of its own); the weight in 16x16 tiles that serve both GEMMs (one row)."""
+    pt = te_standin.install(monkeypatch, version)
+    torch.manual_seed(0)
+    lin = pt.Linear(128, 256)
+    x = torch.randn(64, 128) * torch.linspace(0.01, 3, 128)  # channels of very different ranges
+    x[5, 7] = 40.0
+    df, _, msgs = train(pt, nn.Sequential(lin), te_standin.NVFP4BlockScaling(), tmp_path, steps=1,
+                        forward=lambda m: m(x.clone().requires_grad_(True)))
+    assert not [m for m in msgs if "not read" in m]
+    assert set(df.tensor) == {"activation", "activation@columnwise", "gradient", "gradient@columnwise", "weight"}
+    assert set(df.fp8_format) == {"e2m1"} and set(df.source) == {"te"}
+    act, col = row(df, 0, "0", "activation"), row(df, 0, "0", "activation@columnwise")
+    rowwise = nvfp4_blocks(x, divide_first=divide_first)
+    assert act.amax == 40.0 and act.numel == x.numel()
+    assert act.scale == pytest.approx(float(rowwise.scale.min()), rel=1e-6)
+    assert col.amax == pytest.approx(float(rht16(x).abs().max()), rel=1e-6) and col.amax < act.amax  # mixed by H
+    w = row(df, 0, "0", "weight")
+    assert w.scale == pytest.approx(float(nvfp4_blocks(lin.weight.detach(), block_2d=True,
+                                                       divide_first=divide_first).scale.min()), rel=1e-6)
+    assert act.underflow > 0  # E2M1 flushes the quiet channels of a block that holds the outlier
+    assert row(df, 0, "0", "gradient").numel == 64 * 256
+
+
+@pytest.mark.parametrize("version,divide_first", NVFP4_VERSIONS)
+def test_nvfp4_rows_use_the_block_scale_formula_of_the_installed_version(tmp_path, monkeypatch, version,
+                                                                           divide_first):
+    """Blocks whose scale is 40 under TE 2.8-2.13's formula and 44 under 2.14+'s (see above): the logged
+    quantization error is the installed version's."""
+    from fp8scope.emulate.recipe_table import E2M1, quantize
+
+    x = torch.zeros(16, 16)
+    x[0, 0] = 3.0
+    x[1:, 0], x[1:, 1] = 0.28125, 0.1
+
+    def mse(first):
+        b = nvfp4_blocks(x, divide_first=first)
+        return float(((b.unview(quantize(b, E2M1)[1]).reshape(x.shape) - x) ** 2).mean())
+
+    assert mse(True) != pytest.approx(mse(False), rel=1e-3)
+    pt = te_standin.install(monkeypatch, version)
+    df, _, _ = train(pt, nn.Sequential(pt.Linear(16, 16)), te_standin.NVFP4BlockScaling(), tmp_path, steps=1,
+                     forward=lambda m: m(x.clone().requires_grad_(True)))
+    assert row(df, 0, "0", "activation").qerr_mse == pytest.approx(mse(divide_first), rel=1e-5)
+
+
+def test_nvfp4_switches_are_read_from_the_recipe(tmp_path, monkeypatch):
+    pt = te_standin.install(monkeypatch, "2.18.0")
+    torch.manual_seed(0)
+    lin = pt.Linear(32, 48)
+    x = torch.randn(32, 32)
+    rec = te_standin.NVFP4BlockScaling(disable_rht=True, disable_2d_quantization=True)
+    df, _, _ = train(pt, nn.Sequential(lin), rec, tmp_path, steps=1, forward=lambda m: m(x.clone().requires_grad_(True)))
+    assert "weight@columnwise" in set(df.tensor)  # 1x16 blocks: the transposed weight has scales of its own
+    act, col = row(df, 0, "0", "activation"), row(df, 0, "0", "activation@columnwise")
+    assert col.amax == act.amax  # no transform: the columnwise copy holds the same values
+
+
+@pytest.mark.parametrize("option", [dict(row_scaled_activation=True), dict(nvfp4_4over6="all")])
+def test_nvfp4_options_not_read_warn_and_log_nothing(tmp_path, monkeypatch, option):
+    pt = te_standin.install(monkeypatch, "2.18.0")
+    df, _, msgs = train(pt, nn.Sequential(pt.Linear(16, 16)), te_standin.NVFP4BlockScaling(**option), tmp_path,
+                        steps=2)
+    assert len([m for m in msgs if "NVFP4 with" in m and "not read" in m]) == 1
+    assert df.empty
+
+
 # ---- recipes fp8scope does not read, and versions it has not read ----------------------------
-@pytest.mark.parametrize("recipe_name", ["NVFP4BlockScaling", "CustomRecipe"])
+@pytest.mark.parametrize("recipe_name", ["CustomRecipe"])
 def test_recipes_that_are_not_per_tensor_fp8_warn_and_log_nothing(tmp_path, monkeypatch, recipe_name):
     pt = te_standin.install(monkeypatch, "2.12.0")
     lin = nn.Sequential(pt.Linear(16, 16))

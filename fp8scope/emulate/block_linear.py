@@ -58,24 +58,28 @@ def operand(x2d: torch.Tensor, kind: str, role: str, columnwise: bool = False, r
     """``x2d`` under the recipe ``kind`` for one GEMM: ``(blocks, dequantized blocks, dequantized
     matrix)``; ``recipe`` the layer's (NVFP4's switches)."""
     if kind == "nvfp4":
-        return _nvfp4_operand(x2d, role, columnwise, recipe)
+        return nvfp4_operand(x2d, role, columnwise, recipe)
     b, elem = scaled(x2d, kind, role, columnwise)
     _, deq = quantize(b, elem)
     return b, deq, b.unview(deq).reshape(x2d.shape)
 
 
-def _nvfp4_operand(x2d, role, columnwise, recipe):
+def nvfp4_operand(x2d, role, columnwise, recipe, draw: bool = True, divide_first: bool = False):
     """TE's NVFP4 usages (``pytorch/module/linear.py`` with ``NVFP4Quantizer``): weights in 16x16
     blocks serving both GEMMs; activations and gradients 1x16 along the row rowwise, along the tokens
     columnwise (after the transform; its own tensor scale); gradients rounded stochastically. A
-    columnwise matrix comes back in ``x2d``'s layout (transformed, and padded to 16 tokens)."""
+    columnwise matrix comes back in ``x2d``'s layout (transformed, and padded to 16 tokens).
+    ``recipe``: an ``NVFP4BlockScaling`` (ours or TE's: the same three switches). ``draw=False``
+    rounds a gradient to nearest instead of drawing from torch's generator (the TE adapter measures
+    TE's operands and must not touch the user's random state); ``divide_first``: TE 2.8-2.13's
+    block-scale formula (:func:`~fp8scope.emulate.blocks.nvfp4_blocks`)."""
     two_d = role == "weight" and not getattr(recipe, "disable_2d_quantization", False)
-    stochastic = role == "gradient" and not getattr(recipe, "disable_stochastic_rounding", False)
+    stochastic = draw and role == "gradient" and not getattr(recipe, "disable_stochastic_rounding", False)
     if columnwise and role != "weight" and not getattr(recipe, "disable_rht", False):
         x2d = rht16(x2d)
     transposed = columnwise and not two_d  # blocks along dim 0: quantize the transpose, hand it back transposed
     t = x2d.t().contiguous() if transposed else x2d
-    b = nvfp4_blocks(t, block_2d=two_d)
+    b = nvfp4_blocks(t, block_2d=two_d, divide_first=divide_first)
     _, deq = quantize(b, E2M1, stochastic)
     matrix = b.unview(deq).reshape(t.shape)
     return b, deq, matrix.t() if transposed else matrix

@@ -241,13 +241,16 @@ def e2m1_round_stochastic(y: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
     return torch.where(torch.isnan(y), y, torch.copysign(torch.where(u < p_up, hi, lo), y))
 
 
-def nvfp4_blocks(x: torch.Tensor, block_2d: bool = False) -> BlockScales:
-    """NVFP4 scales of ``x`` as TE 2.16+ computes them (``common/cast/nvfp4/core_nvfp4.cuh`` 40-53,
-    81-95; ``quantize_transpose_nvfp4.cuh`` 426-435, 549-550): a per-tensor encode scale
+def nvfp4_blocks(x: torch.Tensor, block_2d: bool = False, divide_first: bool = False) -> BlockScales:
+    """NVFP4 scales of ``x`` as TE 2.14+ computes them (``common/cast/nvfp4/core_nvfp4.cuh`` v2.18
+    40-53, 81-95; ``quantize_transpose_nvfp4.cuh`` 426-435, 549-550): a per-tensor encode scale
     ``S_enc = 448 * 6 / amax`` (1 for an all-zero tensor), each block's decode scale
-    ``e4m3(block_amax * (S_enc / 6))``, and the elements multiplied by ``1 / (s_block * S_dec)``.
-    Blocks are 1x16 along the last dim (``block_2d``: 16x16, TE's default for weights). ``scale``
-    is the elements' encode factor, ``scale_inv`` their decode factor."""
+    ``e4m3(block_amax * (S_enc * (1/6)))``, and the elements multiplied by ``1 / (s_block * S_dec)``.
+    ``divide_first``: TE 2.8-2.13's ``e4m3(block_amax / 6 * S_enc)`` (``util/nvfp4_transpose.cuh``
+    v2.8 line 124, ``core_nvfp4.cuh`` v2.12-v2.13 line 50), which can differ by one float32 ulp and
+    so, now and then, by one E4M3 step. Blocks are 1x16 along the last dim (``block_2d``: 16x16,
+    TE's default for weights). ``scale`` is the elements' encode factor, ``scale_inv`` their decode
+    factor."""
     x2d = as_matrix(x)
     dev = x2d.device
     g = block_amax(x2d.reshape(1, -1)).reshape(())
@@ -257,7 +260,8 @@ def nvfp4_blocks(x: torch.Tensor, block_2d: bool = False) -> BlockScales:
     sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=dev)
 
     def scales_of(amax):
-        s_block = (amax * (s_enc * sixth)).clamp(max=_FLT_MAX).clamp(max=448.0).to(torch.float8_e4m3fn).float()
+        s_dec_b = amax / 6.0 * s_enc if divide_first else amax * (s_enc * sixth)
+        s_block = s_dec_b.clamp(max=_FLT_MAX).clamp(max=448.0).to(torch.float8_e4m3fn).float()
         enc = torch.reciprocal(s_block * s_dec).clamp(max=_FLT_MAX)
         return enc, s_block * s_dec
 

@@ -16,7 +16,14 @@ What each recipe gives (docs/integrations.md has the table by version):
   from the module's input and norm parameters where TE keeps nothing to read.
 - **MXFP8 / Float8BlockScaling**: per-block scales from the visible tensor with TE's block shapes and
   rounding (``emulate.blocks``), rowwise and columnwise (``role@columnwise``).
-- **NVFP4, CustomRecipe, anything else**: one warning, no rows (nothing is labelled as what it is not).
+- **NVFP4** (2.8+): E2M1 rows measured as TE quantizes the visible tensor (``emulate.block_linear.
+  nvfp4_operand``, with the version's block-scale formula): 1x16 blocks rowwise, and columnwise for
+  activations and gradients after TE's random Hadamard transform along the tokens (its own tensor
+  scale); weights in 16x16 tiles that serve both usages (one row), unless the recipe switches them
+  off. Gradients are measured rounded to nearest (TE rounds them stochastically with torch's CUDA
+  generator, which the monitor leaves alone; ``Monitor(whatif_recipes=["nvfp4"])`` gives the
+  expectation). ``row_scaled_activation`` (2.16+) and 4over6 (2.17+) are not read: one warning, no rows.
+- **CustomRecipe, anything else**: one warning, no rows (nothing is labelled as what it is not).
 
 Cached weights (``is_first_microbatch=False``) are reported against the scale of the cached FP8
 weight (``_fp8_workspaces``), which TE quantized at the first micro-batch.
@@ -37,7 +44,7 @@ from fp8scope.capture.adapters.te_layout import NEWEST_READ, OLDEST, TeLayout, i
 from fp8scope.formats import Fp8Format, get_format, recipe_format
 
 _TE_CLASSES = ("Linear", "LayerNormLinear", "LayerNormMLP", "GroupedLinear")
-READABLE = ("delayed", "current", "mxfp8", "block")
+READABLE = ("delayed", "current", "mxfp8", "block", "nvfp4")
 COLUMNWISE = "@columnwise"  # the suffix of a tensor's columnwise copy (the other GEMM's operand)
 
 
@@ -80,6 +87,19 @@ def _is_quantized(t: Any) -> bool:
     return isinstance(t, torch.Tensor) and (
         any(hasattr(t, a) for a in ("_scale_inv", "_rowwise_scale_inv", "_columnwise_scale_inv"))
         or (hasattr(t, "_data") and t.dtype not in (torch.float32, torch.bfloat16, torch.float16)))
+
+
+_E2M1 = get_format("e2m1")  # NVFP4's elements (its block scales are E4M3)
+
+
+def _nvfp4_options_not_read(recipe: Any) -> str:
+    """The NVFP4BlockScaling options set that change TE's quantization in ways not read here, or ''."""
+    unread = []
+    if getattr(recipe, "row_scaled_activation", False):
+        unread.append("row_scaled_activation")
+    if str(getattr(recipe, "nvfp4_4over6", "none") or "none").lower() != "none":
+        unread.append(f"nvfp4_4over6={recipe.nvfp4_4over6!r}")
+    return " and ".join(unread)
 
 
 def _quantizer(mod: nn.Module, key: str, idx: int):
@@ -173,8 +193,12 @@ class _Reader:
         kind = self._recipe_kind
         if kind not in READABLE:
             sink.warn(f"te-recipe-{kind}", f"Transformer Engine recipe {type(meta.get('recipe')).__name__} is not "
-                      f"read by fp8scope (only per-tensor FP8 and FP8 block recipes are): layer {self.layer} and the "
-                      "others under it log no rows (docs/integrations.md)")
+                      f"read by fp8scope (only per-tensor FP8, FP8 block and NVFP4 recipes are): layer {self.layer} and "
+                      "the others under it log no rows (docs/integrations.md)")
+            return
+        if kind == "nvfp4" and (unread := _nvfp4_options_not_read(recipe)):
+            sink.warn("te-nvfp4-options", f"Transformer Engine NVFP4 with {unread} is not read by fp8scope: layer "
+                      f"{self.layer} and the others under it log no rows (docs/integrations.md)")
             return
         x = args[0] if args and isinstance(args[0], torch.Tensor) else kwargs.get("inp")
         first_mb = kwargs.get("is_first_microbatch", args[2] if self.kind == "GroupedLinear" and len(args) > 2
@@ -329,6 +353,18 @@ class _Reader:
                 b = fp8_block_scaling_blocks(t, fmt, dim, columnwise, pow2=_pow2(q, meta, role), epsilon=_epsilon(q))
                 sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", fmt, b.x, b.scale, b.scale_inv,
                             b.amax, original=t)
+
+        elif kind == "nvfp4":
+            from fp8scope.emulate.block_linear import nvfp4_operand
+
+            rec = meta.get("recipe")
+            t2d = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
+            tiles = role == "weight" and not getattr(rec, "disable_2d_quantization", False)  # 16x16: one set
+            for columnwise in (False, True) if both and not tiles else (False,):
+                b, deq, _ = nvfp4_operand(t2d, role, columnwise, rec, draw=False,
+                                          divide_first=self.layout.nvfp4_divides_first)
+                sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", _E2M1, b.x, b.scale, b.scale_inv,
+                            b.amax, deq=deq, original=t)
 
     def report_hidden(self, mod, meta, kind, name, role, fmt, key, slot, state, recompute) -> None:
         """A tensor made inside the module: TE's recorded amax and scale where TE keeps them, else

@@ -23,6 +23,14 @@ against the same table and TE's own layout is checked on a GPU by ``examples/te_
   backward. The other modules keep it on ``ctx`` in every version.
 - **MXFP8 code 0**: before 2.13 a block whose E8M0 code is 0 is multiplied by 1 before the cast
   (``common/util/ptx.cuh``, v2.8 lines 114-118); from 2.13 by 2^127 (v2.16 lines 337-346).
+- **NVFP4 block scale**: ``e4m3(block_amax / 6 * S_enc)`` in 2.8-2.13 (``common/util/nvfp4_transpose.cuh``
+  v2.8 line 124; ``common/cast/nvfp4/core_nvfp4.cuh`` v2.12 and v2.13 line 50), ``e4m3(block_amax *
+  (S_enc * (1/6)))`` from 2.14 (v2.14 and v2.18 line 51): the two roundings of the product can differ
+  by one float32 ulp, and so now and then by one E4M3 step of a block's scale.
+- ``NVFP4BlockScaling``'s switches: ``disable_rht``, ``disable_stochastic_rounding`` and
+  ``disable_2d_quantization`` in every version that has the recipe (``common/recipe/__init__.py`` v2.8
+  lines 412-416); ``row_scaled_activation`` from 2.16 (v2.16 line 538) and ``nvfp4_4over6`` from 2.17
+  (v2.17 line 554), both off by default.
 - Recipes: ``Float8CurrentScaling`` from 2.2, ``Float8BlockScaling`` from 2.3, ``NVFP4BlockScaling``
   from 2.8, ``CustomRecipe`` from 2.12 (``common/recipe/__init__.py``).
 """
@@ -44,6 +52,7 @@ class TeLayout:
     current_buffers: bool  # Float8CurrentScalingQuantizer keeps .scale / .amax after a cast
     linear_flag_on_args: bool  # _Linear's backward-update flag lives on ctx.backward_objects
     mx_code0_is_one: bool  # MXFP8: a code-0 block is multiplied by 1 before the cast
+    nvfp4_divides_first: bool  # NVFP4: a block's scale is e4m3(amax / 6 * S_enc), not e4m3(amax * (S_enc / 6))
 
     def grouped_slots(self, i: int, n: int) -> tuple[int, int, int]:
         """GroupedLinear GEMM ``i`` of ``n``: (input, weight, grad_output) slots."""
@@ -72,6 +81,7 @@ def layout_for(version: tuple[int, int]) -> TeLayout:
         current_buffers=(2, 2) <= v < (2, 16),
         linear_flag_on_args=v >= (2, 16),
         mx_code0_is_one=v < (2, 13),
+        nvfp4_divides_first=v < (2, 14),
     )
 
 
