@@ -40,8 +40,7 @@ def unregister(tap: int) -> None:
     _TAPS[tap] = None
 
 
-@torch.library.custom_op("fp8scope::observe", mutates_args=("sink",))
-def observe_op(xs: list[torch.Tensor], sink: torch.Tensor, tap: int) -> None:
+def _observe(xs: list[torch.Tensor], sink: torch.Tensor, tap: int) -> None:
     fn = _TAPS[tap]
     if isinstance(fn, weakref.WeakMethod):
         fn = fn()
@@ -49,9 +48,14 @@ def observe_op(xs: list[torch.Tensor], sink: torch.Tensor, tap: int) -> None:
         fn(*xs)
 
 
-@observe_op.register_fake
-def _observe_fake(xs, sink, tap) -> None:
-    return None
+# Defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: the op is called once
+# per captured tensor per step from compiled code, and custom_op's Python wrapper costs several times
+# the dispatcher's own call (``benchmarks/capture_cost.py`` counts the taps a compiled step makes).
+_LIB = torch.library.Library("fp8scope", "DEF")
+_LIB.define("observe(Tensor[] xs, Tensor(a!) sink, int tap) -> ()")
+_LIB.impl("observe", _observe, "CompositeExplicitAutograd")
+torch.library.register_fake("fp8scope::observe", lib=_LIB)(lambda xs, sink, tap: None)
+observe_op = torch.ops.fp8scope.observe.default
 
 
 def observe(tap: int, *xs: torch.Tensor) -> None:

@@ -252,6 +252,7 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
 def _z(x):
     return np.where(np.isnan(x), 0.0, x)
 
+
 # ---- small array idioms of sorted keys (np.r_ costs more than the arrays it builds here) -------
 def starts_of(key: np.ndarray) -> np.ndarray:
     """True at the first row of each run of equal keys."""
@@ -283,7 +284,6 @@ def shifted(x: np.ndarray, fill) -> np.ndarray:
 def appended(a: np.ndarray, tail) -> np.ndarray:
     """``a`` followed by ``tail`` (a value or an array)."""
     return np.concatenate([a, np.atleast_1d(np.asarray(tail, dtype=a.dtype))])
-
 
 
 def group_features(c: dict, group_of_key: np.ndarray) -> None:

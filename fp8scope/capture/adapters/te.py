@@ -353,7 +353,6 @@ class _Reader:
                 b = fp8_block_scaling_blocks(t, fmt, dim, columnwise, pow2=_pow2(q, meta, role), epsilon=_epsilon(q))
                 sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", fmt, b.x, b.scale, b.scale_inv,
                             b.amax, original=t)
-
         elif kind == "nvfp4":
             from fp8scope.emulate.block_linear import nvfp4_operand
 
