@@ -63,26 +63,15 @@ def observe(tap: int, *xs: torch.Tensor) -> None:
     observe_op(list(xs), _SINK, tap)
 
 
-def in_graph_amax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(a, c)`` of :func:`fp8scope.emulate.amax.amax_parts` computed in the graph being traced, so that
-    inductor fuses the reduction with the kernels around it and a cheap step's tap reads no tensor
-    data: the logged (NaN-propagating) amax and minus TE's recorded one."""
-    from fp8scope.emulate.amax import amaxes_of_magnitudes
-
-    logged, recorded = amaxes_of_magnitudes(x.detach().abs())
-    return logged, recorded.neg()
-
-
 class GradObserver(torch.autograd.Function):
-    """``x`` unchanged (a view); its gradient goes to tap ``tap`` when autograd computes it (with
-    ``amax``: followed by its :func:`in_graph_amax` parts)."""
+    """``x`` unchanged (a view); its gradient goes to tap ``tap`` when autograd computes it."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tap: int, amax: bool = False) -> torch.Tensor:  # type: ignore[override]
-        ctx.tap, ctx.amax = tap, amax
+    def forward(ctx, x: torch.Tensor, tap: int) -> torch.Tensor:  # type: ignore[override]
+        ctx.tap = tap
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        observe_op([grad, *in_graph_amax(grad)] if ctx.amax else [grad], _SINK, ctx.tap)
-        return grad, None, None
+        observe_op([grad], _SINK, ctx.tap)
+        return grad, None

@@ -103,11 +103,10 @@ class DeviceDelayedBank:
         return len(self.updates) - 1
 
     # ---- cheap steps -------------------------------------------------------------------
-    def capture(self, slot: int, x: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> DeferredRow:
-        """Measure ``x``'s amax for ``slot`` (one pass, no host sync; none when ``parts``, its
-        :func:`~fp8scope.emulate.amax.amax_parts`, were computed already); the row's values come with
+    def capture(self, slot: int, x: torch.Tensor) -> DeferredRow:
+        """Measure ``x``'s amax for ``slot`` (one pass, no host sync); the row's values come with
         :meth:`resolve`."""
-        self._parts.extend(amax_parts(x) if parts is None else parts)
+        self._parts.extend(amax_parts(x))
         self._captured.append(slot)
         self._taken += 1
         return DeferredRow(self, self._taken - 1)

@@ -79,20 +79,16 @@ class _WhatIfTap:
 
     def _graph_capture(self, roles: str | tuple[str, ...], *tensors: torch.Tensor) -> None:
         """Run by the compiled graph's op: one role's tensor, or the forward's tensors in
-        ``_forward_roles`` order, each followed by its in-graph amax parts (``graph_taps.in_graph_amax``)."""
+        ``_forward_roles`` order."""
         if self.sink.active:
-            for i, role in enumerate((roles,) if isinstance(roles, str) else roles):
-                x, a, c = tensors[3 * i:3 * i + 3]
-                # the graph's buffers are only lent for the call (inductor reuses them after it) and a
-                # cheap row's parts are read when the step ends: one copy of the two values
-                self.capture(role, x, None if self.sink.full else tuple(torch.stack((a, c)).unbind(0)))
+            for role, x in zip((roles,) if isinstance(roles, str) else roles, tensors):
+                self.capture(role, x)
 
     def traced_hook(self, mod, args, output):
-        """The forward hook as dynamo traces it: the tensors and their amaxes (computed in the graph, where
-        inductor fuses them with the kernels around) go to the graph taps, whose Python runs when the
-        graph runs (nothing here depends on the step). Grad mode is read now: dynamo guards on it, and a
-        compiled forward runs its graph with grad off."""
-        from fp8scope.graph_taps import GradObserver, in_graph_amax, observe
+        """The forward hook as dynamo traces it: the tensors go to the graph taps, whose Python runs
+        when the graph runs (nothing here depends on the step). Grad mode is read now: dynamo guards
+        on it, and a compiled forward runs its graph with grad off."""
+        from fp8scope.graph_taps import GradObserver, observe
 
         taps = self._graph_taps
         if self._forward_roles and (self.sink.capture_no_grad or torch.is_grad_enabled()):
@@ -100,14 +96,14 @@ class _WhatIfTap:
             by_role = {"activation": x, "weight": self.kind.weight(mod, x), "output": output_tensor(output)}
             tensors = [by_role[role] for role in self._forward_roles]
             if all(isinstance(t, torch.Tensor) for t in tensors):
-                observe(taps["forward"], *[v for t in tensors for v in (t, *in_graph_amax(t))])
+                observe(taps["forward"], *tensors)
             else:  # an input, weight or output that is not one tensor: role by role
                 for role, t in zip(self._forward_roles, tensors):
                     if isinstance(t, torch.Tensor):
-                        observe(taps[role], t, *in_graph_amax(t))
+                        observe(taps[role], t)
         out = output_tensor(output)
         if "gradient" in self.sink.roles and out is not None and out.requires_grad:
-            return replace_output(output, GradObserver.apply(out, taps["gradient"], True))
+            return replace_output(output, GradObserver.apply(out, taps["gradient"]))
         return None
 
     def forward_hook(self, mod, args, output):
@@ -143,8 +139,7 @@ class _WhatIfTap:
         except Exception as exc:
             sink.fail(exc)
 
-    def capture(self, role: str, x: torch.Tensor, parts: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
-        """One capture of ``x``; ``parts``: its amax parts already computed (in a compiled graph)."""
+    def capture(self, role: str, x: torch.Tensor) -> None:
         sink, layer, fmt = self.sink, self.layer, self.fmts[role]
         if not self.delayed:  # current scaling: the scale comes from this tensor's own amax
             state = self.states.get(role)
@@ -170,4 +165,4 @@ class _WhatIfTap:
             scale, scale_inv, expected = bank.scales(s)
             bank.record_amax(s, sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected))
         else:
-            sink.record_deferred(role, bank.capture(s, x, parts), kid, x.numel())
+            sink.record_deferred(role, bank.capture(s, x), kid, x.numel())
