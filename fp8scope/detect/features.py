@@ -378,6 +378,10 @@ class _Padded:
         keys, rows = self.grid
         return a.reshape(keys, self.pad + rows)[:, self.pad - shift:self.pad - shift + rows].reshape(-1)
 
+    def before(self, v: np.ndarray, shift: int) -> np.ndarray:
+        """Each wanted row's value ``shift`` rows earlier in its key (NaN where there is none)."""
+        return np.where(self.rel >= shift, self._take(self._place(v, np.nan), shift), np.nan)
+
     def max_window(self, v: np.ndarray, width: int, include_current: bool) -> np.ndarray:
         a = self._place(np.where(np.isnan(v), -np.inf, v), -np.inf)
         return _no_neginf(self._take(_sliding_max(a, width), 0 if include_current else 1))
@@ -404,6 +408,10 @@ class _Tail:
 
     def mine(self, v: np.ndarray) -> np.ndarray:
         return v.reshape(self.shape)[:, -self.tail:].reshape(-1)
+
+    def before(self, v: np.ndarray, shift: int) -> np.ndarray:
+        """Each wanted row's value ``shift`` rows earlier in its key (NaN where there is none)."""
+        return np.where(self.rel >= shift, v[np.maximum(self.rows - shift, 0)], np.nan)
 
     def _reduce(self, v: np.ndarray, width: int, include_current: bool, fill, ufunc) -> np.ndarray:
         """``ufunc`` reduced over each wanted row's window, ``fill`` standing for rows before a key's first."""
@@ -491,7 +499,7 @@ def window_features_numpy(key, cols: dict, cfg: DetectConfig, tail: int | None =
     out["n_rate"] = np.minimum(rel + 1, R).astype(np.int64)
     # amax_trend: this tensor's distance above its kind's median (dev, binades) now against T rows ago,
     # and the largest one-row rise of it over those rows (a steady climb, not one jump)
-    out["dev_old"] = np.where(rel >= T, dev[np.maximum(rows - T, 0)], np.nan)
+    out["dev_old"] = lay.before(dev, T)
     out["dev_jump"] = lay.max_window(dev - prev_rows(dev, np.nan), T, True)
     if tail is not None and isinstance(lay, _Padded):  # every row's features: keep the wanted ones
         out = {k: v.reshape(keys, -1)[:, -tail:].reshape(-1) for k, v in out.items()}
