@@ -360,8 +360,11 @@ def main() -> int:
         res[f"{v}: payload_kb"] = round(n / 1024)
     t, _ = timed(lambda: page("?view=runs"))
     res["runs_page_with_run_loaded_s"] = round(t, 3)
-    # live: append 10 steps to a second segment while the run is cached, then refresh
-    w = make_big_run(run_dir, 10, args.layers, close=False, start=args.steps, writer=writer)
+    # live: append 10 steps to a second segment while the run is cached, then refresh; after the steps
+    # already there (a reused run holds the 10 an earlier call appended: the same steps again would be
+    # a restarted job's rewrite, which changes nothing a refresh can see)
+    start = args.steps if writer is not None else int(e.run.info()["last_step"]) + 1
+    w = make_big_run(run_dir, 10, args.layers, close=False, start=start, writer=writer)
     t, changed = timed(lambda: app.cache.refresh(run_dir, force=True))
     assert changed
     res["live_refresh_10_new_steps_s" + ("" if writer else " (restarted writer: new segment, dedup path)")] = round(t, 3)

@@ -128,10 +128,11 @@ def events_panel(app, e, p, layer=None, role=None, timeline=True):
     fig.update_layout(title="event timeline (info hidden: click it in the legend)", height=260, xaxis_title="step",
                       yaxis_title="rule", margin={"l": 10, "r": 10, "t": 40, "b": 40})
     show_info = p.get("info") == "1"
-    rank = ev["severity"].map(SEVERITY_RANK).fillna(0)
+    # numbers whatever the column's string dtype (an empty selection's map keeps the strings' dtype)
+    rank = pd.to_numeric(ev["severity"].map(SEVERITY_RANK), errors="coerce").fillna(0)
     n_info = int((rank == 0).sum())
-    listed = ev if show_info else ev[rank > 0]
-    listed = listed.assign(_r=-listed["severity"].map(SEVERITY_RANK).fillna(0)).sort_values(["_r", "step"], kind="stable")
+    keep = slice(None) if show_info else (rank > 0).to_numpy()
+    listed = ev[keep].assign(_r=-rank[keep].to_numpy()).sort_values(["_r", "step"], kind="stable")
     pages = max(1, -(-len(listed) // EVENTS_PAGE))
     try:
         page = min(max(1, int(p.get("page") or 1)), pages)

@@ -1,7 +1,7 @@
 """The dashboard's data layer on real runs: one table of derived statistics (SQL and numpy agree), the
 report's analysis cached in the run folder, the culprit / blame the card shows, the layer_outlier
-ranking, step ranges that re-bucket down to single steps, Compare's divergence step, and a corrupt
-stream listed as an error. Real training runs of the demo model and real stream files."""
+ranking, step ranges that re-bucket down to single steps, Compare's divergence step, a corrupt
+stream listed as an error, and the events panel of a run whose events are all ``info``. Real training runs of the demo model and real stream files."""
 
 from __future__ import annotations
 
@@ -165,3 +165,41 @@ def test_corrupt_stream_is_listed_as_error(runs, tmp_path):
 def test_plot_labels_show_names_literally():
     assert plot_label("a&amp;b") == "a&amp;amp;b"  # plotly turns &amp; back into &: the name shows as written
     assert "<" not in plot_label("<img src=x>")
+
+
+def test_events_panel_of_a_run_with_only_info_events(tmp_path):
+    """A clean run's events are often all ``info`` (dynamic range, say): hidden by default, they leave
+    nothing to list, and the panel must say so instead of failing on the empty selection."""
+    import pyarrow as pa
+
+    from dashboard.app import DashboardApp, parse
+    from fp8scope.schema import TENSOR_SCHEMA
+    from fp8scope.store.manifest import new_manifest, write_manifest
+    from fp8scope.store.writer import RunWriter
+
+    run = tmp_path / "runs" / "clean"
+    write_manifest(run, new_manifest(meta={"model": "clean"}))
+    with RunWriter(run) as w:
+        for step in range(12):
+            cols = {f.name: pa.nulls(1, f.type) for f in TENSOR_SCHEMA}
+            cols.update(step=pa.array([step], pa.int64()), rank=pa.array([0], pa.int32()), layer=pa.array(["fc"]),
+                        tensor=pa.array(["activation"]), order=pa.array([0], pa.int32()), amax=pa.array([1.0]),
+                        min_nonzero=pa.array([1e-7]),  # 23 binades: dynamic_range (info), nothing worse
+                        scale=pa.array([448.0]), scale_inv=pa.array([1 / 448]), fp8_max=pa.array([448.0]),
+                        expected_amax=pa.array([1.0]), fp8_format=pa.array(["e4m3"]), source=pa.array(["emulated"]),
+                        numel=pa.array([100], pa.int64()), overflow=pa.array([0], pa.int64()),
+                        underflow=pa.array([0], pa.int64()), saturated=pa.array([0], pa.int64()))
+            w.write("tensors", pa.record_batch([cols[f.name] for f in TENSOR_SCHEMA], schema=TENSOR_SCHEMA))
+    from dashboard import verdict
+
+    app = DashboardApp(tmp_path / "runs")
+    e = app.cache.get(run)
+    verdict.ensure(e, app.cache)
+    thread = verdict.analyser(e).thread
+    if thread is not None:
+        thread.join(60)
+    assert verdict.events(e) is not None and set(verdict.events(e)["severity"]) == {"info"}
+    for query in ("?run=clean&view=overview", "?run=clean&view=overview&info=1"):
+        page = str(app.render(parse(query)))
+        assert "error-card" not in page, page[page.find("error-card") - 300:page.find("error-card") + 300]
+    assert "dynamic_range" in page  # listed once info is asked for
