@@ -372,6 +372,17 @@ def test_nvfp4_switches_are_read_from_the_recipe(tmp_path, monkeypatch):
     assert col.amax == act.amax  # no transform: the columnwise copy holds the same values
 
 
+def test_nvfp4_cheap_steps_log_the_amax_and_scales_without_quantizing(tmp_path, monkeypatch):
+    pt = te_standin.install(monkeypatch, "2.18.0")
+    torch.manual_seed(0)
+    x = torch.randn(32, 32)
+    df, _, _ = train(pt, nn.Sequential(pt.Linear(32, 48)), te_standin.NVFP4BlockScaling(), tmp_path, steps=2, every=2,
+                     forward=lambda m: m(x.clone().requires_grad_(True)))
+    full, cheap = row(df, 0, "0", "activation"), row(df, 1, "0", "activation")
+    assert full.full and not cheap.full and np.isnan(cheap.underflow)
+    assert cheap.amax == full.amax == float(x.abs().max()) and cheap.scale == full.scale
+
+
 @pytest.mark.parametrize("option", [dict(row_scaled_activation=True), dict(nvfp4_4over6="all")])
 def test_nvfp4_options_not_read_warn_and_log_nothing(tmp_path, monkeypatch, option):
     pt = te_standin.install(monkeypatch, "2.18.0")

@@ -133,15 +133,13 @@ class StepCollector:
                 try:
                     vec, recorded, matrix = stats_call(x, scale, scale_inv, expected_amax, fmt, deq=deq, recipes=recipes,
                                                        role=base_role(role), whole=original)
+                    self._recipe_rows.append((kid, recipes, matrix))
                 except Exception as exc:  # the recipes are extra: their failure stops them, not the capture
-                    self.whatif_recipes = ()
+                    self.whatif_recipes = recipes = ()
                     self.warn("whatif-recipes", f"measuring other recipes failed ({type(exc).__name__}: {exc}); "
                               "they are switched off, capture goes on")
-                else:
-                    self._append(role, vec, kid, x.numel())
-                    self._recipe_rows.append((kid, recipes, matrix))
-                    return recorded
-            vec, recorded, _ = stats_call(x, scale, scale_inv, expected_amax, fmt, deq=deq)
+            if not recipes:
+                vec, recorded, _ = stats_call(x, scale, scale_inv, expected_amax, fmt, deq=deq)
             self._append(role, vec, kid, x.numel())
             return recorded
         if amax is None:

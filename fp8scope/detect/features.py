@@ -49,6 +49,8 @@ class KeyMap:
         self._role_of = np.zeros(0, np.int32)
         self._grad_of = np.zeros(0, bool)
         self._bin_of = np.zeros(0, float)
+        self._uf_floor = np.zeros(0, float)  # per key: what its recipe may lose by design (detect.design_loss)
+        self._ovf_floor = np.zeros(0, float)
         self._peer_fmt: list[str | None] = []  # per key: the format most tensors of its (rank, role) use
         self._peer_n = np.zeros(0, np.int64)  # ... and how many do
         self._odd_fmt = np.zeros(0, bool)
@@ -349,7 +351,6 @@ class _Padded:
         seg_start = np.flatnonzero(start)
         self.rel = np.arange(n) - seg_start[seg]  # each wanted row's place within its key
         self.rows = np.arange(n)  # the wanted rows (all of them)
-        self.first = self.rel == 0
         self.pad, n_keys = pad, len(seg_start)
         counts = np.diff(appended(seg_start, n))
         self.grid = (n_keys, int(counts[0])) if (counts == counts[0]).all() else None
@@ -404,7 +405,6 @@ class _Tail:
         cols = np.arange(rows - tail, rows)
         self.rel = np.tile(cols, keys)
         self.rows = (np.arange(keys)[:, None] * rows + cols).reshape(-1)
-        self.first = self.rel == 0
 
     def mine(self, v: np.ndarray) -> np.ndarray:
         return v.reshape(self.shape)[:, -self.tail:].reshape(-1)
@@ -469,24 +469,23 @@ def window_features_numpy(key, cols: dict, cfg: DetectConfig, tail: int | None =
     if n == 0:
         return out
     pad = max(W, K, R, T) + 2
-    keys = int(np.count_nonzero(starts_of(key))) if tail is not None else 0
+    start = starts_of(key)
+    keys = int(np.count_nonzero(start))
     if tail is not None and tail * pad <= 4 * (n // keys):  # a few wanted rows per key: their windows alone
         lay = _Tail(keys, n // keys, tail)
     else:
         lay = _Padded(key, pad)
-    rel, rows, first, mine = lay.rel, lay.rows, lay.first, lay.mine
+    rel, rows, mine = lay.rel, lay.rows, lay.mine
 
     def prev_rows(v, fill):  # each row's previous row of its key (every row: windows are taken over it)
         p = shifted(v, fill)
-        p[starts_of(key)] = fill
+        p[start] = fill
         return p
 
     amax_f, si, dev = cols["amax_f"], cols["scale_inv_f"], cols["dev"]
     out["prev_max"] = lay.max_window(amax_f, W, False)
     out["n_prev"] = lay.count_window(~np.isnan(amax_f), W, False)
-    prev_bad = mine(shifted(cols["bad_amax"], False))
-    prev_bad[first] = False
-    out["prev_bad_amax"] = prev_bad
+    out["prev_bad_amax"] = mine(prev_rows(cols["bad_amax"], False))
     prev_si = prev_rows(si, np.nan)
     out["prev_scale_inv"] = mine(prev_si)
     out["si_old"] = si[rows - np.minimum(rel, K)]

@@ -64,22 +64,39 @@ def operand(x2d: torch.Tensor, kind: str, role: str, columnwise: bool = False, r
     return b, deq, b.unview(deq).reshape(x2d.shape)
 
 
-def nvfp4_operand(x2d, role, columnwise, recipe, draw: bool = True, divide_first: bool = False):
-    """TE's NVFP4 usages (``pytorch/module/linear.py`` with ``NVFP4Quantizer``): weights in 16x16
-    blocks serving both GEMMs; activations and gradients 1x16 along the row rowwise, along the tokens
-    columnwise (after the transform; its own tensor scale); gradients rounded stochastically. A
-    columnwise matrix comes back in ``x2d``'s layout (transformed, and padded to 16 tokens).
-    ``recipe``: an ``NVFP4BlockScaling`` (ours or TE's: the same three switches). ``draw=False``
-    rounds a gradient to nearest instead of drawing from torch's generator (the TE adapter measures
-    TE's operands and must not touch the user's random state); ``divide_first``: TE 2.8-2.13's
-    block-scale formula (:func:`~fp8scope.emulate.blocks.nvfp4_blocks`)."""
-    two_d = role == "weight" and not getattr(recipe, "disable_2d_quantization", False)
-    stochastic = draw and role == "gradient" and not getattr(recipe, "disable_stochastic_rounding", False)
+def nvfp4_tiles(role: str, recipe) -> bool:
+    """Whether TE quantizes this tensor of NVFP4 in 16x16 tiles that serve both of its usages (weights,
+    unless the recipe's ``disable_2d_quantization``); else in 1x16 blocks per usage."""
+    return role == "weight" and not getattr(recipe, "disable_2d_quantization", False)
+
+
+def _nvfp4_matrix(x2d, role, columnwise, recipe) -> tuple[torch.Tensor, bool]:
+    """The matrix TE quantizes for one usage (blocks run along its last dim), and whether it is the
+    transpose of ``x2d``: columnwise, activations and gradients first pass the transform along the
+    tokens (unless ``disable_rht``), and the blocks then run along the tokens."""
     if columnwise and role != "weight" and not getattr(recipe, "disable_rht", False):
         x2d = rht16(x2d)
-    transposed = columnwise and not two_d  # blocks along dim 0: quantize the transpose, hand it back transposed
-    t = x2d.t().contiguous() if transposed else x2d
-    b = nvfp4_blocks(t, block_2d=two_d, divide_first=divide_first)
+    transposed = columnwise and not nvfp4_tiles(role, recipe)
+    return (x2d.t().contiguous() if transposed else x2d), transposed
+
+
+def nvfp4_scaled(x2d, role, columnwise, recipe, divide_first: bool = False):
+    """TE's NVFP4 blocks and scales of one usage of ``x2d`` (``pytorch/module/linear.py`` with
+    ``NVFP4Quantizer``), not yet rounded: what the TE adapter measures. ``recipe``: an
+    ``NVFP4BlockScaling`` (ours or TE's: the same three switches); ``divide_first``: TE 2.8-2.13's
+    block-scale formula (:func:`~fp8scope.emulate.blocks.nvfp4_blocks`)."""
+    t, _ = _nvfp4_matrix(x2d, role, columnwise, recipe)
+    return nvfp4_blocks(t, block_2d=nvfp4_tiles(role, recipe), divide_first=divide_first)
+
+
+def nvfp4_operand(x2d, role, columnwise, recipe):
+    """TE's NVFP4 usages: weights in 16x16 blocks serving both GEMMs; activations and gradients 1x16
+    along the row rowwise, along the tokens columnwise (after the transform; its own tensor scale);
+    gradients rounded stochastically, with torch's generator. A columnwise matrix comes back in
+    ``x2d``'s layout (transformed, and padded to 16 tokens)."""
+    t, transposed = _nvfp4_matrix(x2d, role, columnwise, recipe)
+    b = nvfp4_blocks(t, block_2d=nvfp4_tiles(role, recipe))
+    stochastic = role == "gradient" and not getattr(recipe, "disable_stochastic_rounding", False)
     _, deq = quantize(b, E2M1, stochastic)
     matrix = b.unview(deq).reshape(t.shape)
     return b, deq, matrix.t() if transposed else matrix

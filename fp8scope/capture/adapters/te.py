@@ -17,7 +17,7 @@ What each recipe gives (docs/integrations.md has the table by version):
 - **MXFP8 / Float8BlockScaling**: per-block scales from the visible tensor with TE's block shapes and
   rounding (``emulate.blocks``), rowwise and columnwise (``role@columnwise``).
 - **NVFP4** (2.8+): E2M1 rows measured as TE quantizes the visible tensor (``emulate.block_linear.
-  nvfp4_operand``, with the version's block-scale formula): 1x16 blocks rowwise, and columnwise for
+  nvfp4_scaled``, with the version's block-scale formula): 1x16 blocks rowwise, and columnwise for
   activations and gradients after TE's random Hadamard transform along the tokens (its own tensor
   scale); weights in 16x16 tiles that serve both usages (one row), unless the recipe switches them
   off. Gradients are measured rounded to nearest (TE rounds them stochastically with torch's CUDA
@@ -354,14 +354,16 @@ class _Reader:
                 sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", fmt, b.x, b.scale, b.scale_inv,
                             b.amax, original=t)
         elif kind == "nvfp4":
-            from fp8scope.emulate.block_linear import nvfp4_operand
+            from fp8scope.emulate.block_linear import nvfp4_scaled, nvfp4_tiles
+            from fp8scope.emulate.blocks import as_matrix
+            from fp8scope.emulate.recipe_table import E2M1, quantize
 
             rec = meta.get("recipe")
-            t2d = t.reshape(-1, t.shape[-1]) if t.dim() != 2 else t
-            tiles = role == "weight" and not getattr(rec, "disable_2d_quantization", False)  # 16x16: one set
-            for columnwise in (False, True) if both and not tiles else (False,):
-                b, deq, _ = nvfp4_operand(t2d, role, columnwise, rec, draw=False,
-                                          divide_first=self.layout.nvfp4_divides_first)
+            for columnwise in (False, True) if both and not nvfp4_tiles(role, rec) else (False,):
+                b = nvfp4_scaled(as_matrix(t), role, columnwise, rec, divide_first=self.layout.nvfp4_divides_first)
+                # full steps only (a cheap row reads the amax): rounded to nearest, gradients too, so the
+                # monitor never draws from the user's generator (TE rounds them stochastically)
+                deq = quantize(b, E2M1)[1] if sink.full else None
                 sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", _E2M1, b.x, b.scale, b.scale_inv,
                             b.amax, deq=deq, original=t)
 
