@@ -142,16 +142,18 @@ def make_setups(fp8: str, tmp: str, size: dict, configs=CONFIGS):
 
 
 def time_interleaved(setups, rounds: int, block: int, warmup: int,
-                     sync=None) -> tuple[dict[str, float], dict[str, float]]:
+                     sync=None, step_fn=None) -> tuple[dict[str, float], dict[str, float]]:
     """Median step time per configuration, and the paired ratio to ``plain``: the median over rounds
     of (this configuration's block / plain's block in the same round). Adjacent blocks see the same
     machine, so the paired ratio cancels the slow drifts of a shared VM that the medians keep.
-    ``sync``: called before reading the clock (``torch.cuda.synchronize`` on a GPU)."""
+    ``sync``: called before reading the clock (``torch.cuda.synchronize`` on a GPU). ``step_fn(setup,
+    step, monitor)``: one training step (the demo's ``train.train_step`` unless given)."""
+    step_fn = step_fn or train.train_step
     per_step: dict[str, list[float]] = {k: [] for k in setups}
     step = {k: 0 for k in setups}
     for k, (s, m) in setups.items():  # warm-up: allocator, first-step costs
         for _ in range(warmup):
-            train.train_step(s, step[k], m)
+            step_fn(s, step[k], m)
             step[k] += 1
     order = list(setups)
     for r in range(rounds):
@@ -160,7 +162,7 @@ def time_interleaved(setups, rounds: int, block: int, warmup: int,
             s, m = setups[k]
             t0 = time.perf_counter()
             for _ in range(block):
-                train.train_step(s, step[k], m)
+                step_fn(s, step[k], m)
                 step[k] += 1
             if sync is not None:
                 sync()

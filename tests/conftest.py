@@ -49,9 +49,9 @@ def stats_path(request, monkeypatch):
     monkeypatch.setenv("FP8SCOPE_COMPILE", "sync" if request.param == "compiled" else "0")
     yield request.param
     from fp8scope.capture.stats import FULL_STATS
-    from fp8scope.emulate.amax import AMAX, AMAX_PARTS
+    from fp8scope.emulate.amax import AMAX
 
-    failed = {**FULL_STATS.failures, **AMAX.failures, **AMAX_PARTS.failures}
+    failed = {**FULL_STATS.failures, **AMAX.failures}
     assert not failed, f"the stats pass did not compile: {failed}"
 
 

@@ -46,7 +46,8 @@ def test_emulated_fp8_on_cuda_matches_cpu_semantics(tmp_path):
     m = convert_to_fp8(MLP().cuda(), recipe=DelayedScaling(amax_history_len=4))
     with fp8scope.Monitor(m, tmp_path / "r", every=1) as mon:
         _train(m, mon, steps=5)
-        payload = mon.collector.end_step({})  # an empty step still uses the async path
+        # a step's rows and device scalars reach the host in one non-blocking copy into pinned memory
+        payload = mon.collector.end_step({"loss": torch.ones((), device="cuda")})
         assert payload.ready is not None and payload.host.is_pinned()
     df = fp8scope.load_run(tmp_path / "r").tensors()
     assert len(df) == 5 * 9 and df.amax.notna().all()
@@ -201,3 +202,72 @@ def test_compiled_model_monitored_on_cuda(tmp_path, kind):
     df = fp8scope.load_run(tmp_path / "r").tensors()
     n = len(m.linear_names()) * 3
     assert len(df) == 6 * n and df.amax.notna().all() and not df.layer.str.contains("_orig_mod").any()
+
+
+def _emulated_rows(recipe, device: str, tmp_path):
+    """Three steps of an emulated-FP8 MLP on ``device`` from one seed, every step full."""
+    torch.manual_seed(0)
+    m = convert_to_fp8(MLP(d=128, h=256, out=128), recipe=recipe).to(device)
+    xs = [torch.randn(64, 128) for _ in range(3)]
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    with fp8scope.Monitor(m, tmp_path / device, every=1, detect=False) as mon:
+        for x in xs:
+            loss = m(x.to(device)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss=loss.detach())
+    return fp8scope.load_run(tmp_path / device).tensors()
+
+
+@pytest.mark.parametrize("recipe", ["delayed", "current", "mxfp8", "block", "nvfp4"])
+def test_emulated_recipes_on_cuda_log_the_rows_the_cpu_logs(tmp_path, recipe):
+    """Each emulated recipe is device-agnostic torch: on CUDA it logs the same rows as on the CPU,
+    and the first step's forward operands (before any GEMM rounding can differ) the same amax and
+    scale."""
+    from fp8scope.emulate import CurrentScaling, Float8BlockScaling, MXFP8BlockScaling, NVFP4BlockScaling
+
+    make = {"delayed": lambda: DelayedScaling(amax_history_len=4), "current": CurrentScaling,
+            "mxfp8": MXFP8BlockScaling, "block": Float8BlockScaling,
+            "nvfp4": lambda: NVFP4BlockScaling(disable_rht=True)}[recipe]
+    cpu, cuda = (_emulated_rows(make(), d, tmp_path) for d in ("cpu", "cuda"))
+    key = ["step", "layer", "tensor", "order"]
+    cpu, cuda = (df.sort_values(key).reset_index(drop=True) for df in (cpu, cuda))
+    assert len(cuda) == len(cpu) > 0 and (cuda[key] == cpu[key]).all().all()
+    assert cuda.amax.notna().all() and (cuda.nonfinite == 0).all()
+    first = (cpu.step == 0) & (cpu.layer == "up") & (cpu.tensor != "gradient")
+    assert torch.allclose(torch.tensor(cuda[first].amax.values), torch.tensor(cpu[first].amax.values), rtol=1e-6)
+    assert torch.allclose(torch.tensor(cuda[first].scale.values), torch.tensor(cpu[first].scale.values), rtol=1e-6)
+    close = torch.isclose(torch.tensor(cuda.amax.values), torch.tensor(cpu.amax.values), rtol=0.05)
+    assert bool(close.all()), cuda[~close.numpy()]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs FP8 tensor cores (sm_89+)")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_torchao_compiled_real_fp8_gemms(tmp_path, recipe):
+    """torchao's intended mode: Float8Linear under torch.compile, real FP8 GEMMs, monitored without
+    graph breaks, every cast logged with torchao's own scale, no ``_orig_mod.`` in a name."""
+    import torch._dynamo as dynamo
+
+    pytest.importorskip("torchao")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from torchao.float8 import Float8LinearConfig, convert_to_float8_training
+    torch.manual_seed(0)
+    m = MLP(d=64, h=128, out=64).cuda().to(torch.bfloat16)
+    convert_to_float8_training(m, config=Float8LinearConfig.from_recipe_name(recipe))
+    compiled = torch.compile(m)
+    opt = torch.optim.SGD(m.parameters(), lr=0.01)
+    x = torch.randn(64, 64, device="cuda", dtype=torch.bfloat16)
+    with fp8scope.Monitor(compiled, tmp_path / "r", every=1, detect=False) as mon:
+        for _ in range(3):
+            loss = compiled(x).float().pow(2).mean()
+            loss.backward(); opt.step(); opt.zero_grad()
+            mon.step(loss=loss.detach())
+        explain = dynamo.explain(lambda i: m(i).float().pow(2).mean())(x)
+    assert explain.graph_break_count == 0, explain.break_reasons
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert set(df.source) == {"torchao"} and set(df.layer) == {"up", "down", "head"}
+    assert set(df.step) == {0, 1, 2} and df.amax.notna().all()
+    assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-3)).all()

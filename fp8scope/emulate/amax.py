@@ -13,14 +13,16 @@ Two numbers come out of the same pass over ``x``:
 Both come from :data:`AMAX`: on CUDA compiled ahead into one fused reduction (see
 ``fp8scope.compiled``); elsewhere, and until the compile is ready, four eager ops.
 
-:func:`amax_parts` is the what-if monitor's per-capture pass, and it returns two 0-d tensors
-``(a, c)`` from which the bank gets both numbers for a whole step at once, with ``b = -c``: the
-logged amax is ``maximum(a, b)`` (NaN-propagating) and the recorded one ``fmax(a, b)``. Compiled,
-``(a, b)`` is ``(logged, recorded)`` itself. Until its compile is ready (or with
-``FP8SCOPE_COMPILE=0``; on the CPU always, see :data:`AMAX_PARTS`) it is one eager op,
-``aminmax``, whose ``(max, min)`` is ``(a, c)``: the same logged amax, and a recorded one that
-differs from TE's only on a tensor holding a NaN, where the history then rolls in 0 for that step
-(``scaling.delayed_update``) instead of TE's fmaxf amax of the other elements.
+:func:`amax_parts` is the what-if monitor's per-capture pass on cheap steps, and it is one eager
+op on every device, ``aminmax``, whose ``(max, min)`` is ``(a, c)``: with ``b = -c`` the logged
+amax is ``maximum(a, b)`` (NaN-propagating, exact) and the recorded one ``fmax(a, b)``, which is
+TE's except on a tensor holding a NaN: there the history rolls in 0 for that step
+(``scaling.delayed_update``) instead of TE's fmaxf amax of the other elements, and is never NaN.
+Full steps record TE's exact amax from the stats pass. Why not compiled: through the compiled
+pass a cheap capture is a call of dynamo's guarded code and five Triton launches (the reduction is
+split at dynamic shapes) where the eager op is one launch, and on a GPU a cheap step costs what its
+launches cost the host. On an H200, a 1.1B-parameter Llama's cheap step went from about 1.75x to
+1.17x of an unmonitored one with this change (``benchmarks/large_model.py``, docs/benchmarks.md).
 """
 
 from __future__ import annotations
@@ -52,22 +54,6 @@ def _make_pair(key):
     return amax_pair
 
 
-def _make_parts(key):
-    def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logged, recorded = amaxes_of_magnitudes(x.abs())
-        return logged, recorded.neg()
-
-    return amax_parts
-
-
-def _make_minmax(key):
-    def amax_minmax(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        lo, hi = torch.aminmax(x)  # one op, NaN-propagating: max(hi, -lo) is the amax
-        return hi, lo
-
-    return amax_minmax
-
-
 def _examples(key):
     """A large flat tensor: inductor picks its loop structure (threads, block sizes) from the size."""
     device, dtype = key
@@ -75,10 +61,6 @@ def _examples(key):
 
 
 AMAX = CompiledFn("amax", _make_pair, _examples, devices=("cuda",))  # eagerly: its 4 ops (abs, amax, nan_to_num, amax)
-# Compiled on CUDA only: there the fused kernel is one pass like aminmax and gives TE's exact amax.
-# Inductor's C++ reductions (single-threaded at dynamic sizes) are several times slower than
-# torch's own aminmax, and the what-if amax is the per-tensor cost of every cheap step.
-AMAX_PARTS = CompiledFn("amax_parts", _make_parts, _examples, fallback=_make_minmax, devices=("cuda",))
 
 
 def _call(fns: CompiledFn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -101,9 +83,13 @@ def amax_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(a, c)``: with ``b = -c``, ``maximum(a, b)`` is the logged amax and ``fmax(a, b)`` the
-    recorded one (see above; :func:`combine_parts` does it for many). One compiled kernel, or one
-    eager op while none is ready."""
-    return _call(AMAX_PARTS, x)
+    recorded one (see above; :func:`combine_parts` does it for many). One op, any strides, no
+    host sync; ``(0, 0)`` for an empty tensor."""
+    if x.numel() == 0:
+        zero = torch.zeros((), dtype=torch.float32, device=x.device)
+        return zero, zero
+    lo, hi = torch.aminmax(x.detach())
+    return hi, lo
 
 
 def combine_parts(a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

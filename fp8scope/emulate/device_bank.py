@@ -5,7 +5,7 @@ Why a bank: with one :class:`~fp8scope.emulate.ScalingState` per tensor, a cheap
 on a GPU launched ~30 small kernels (the amax, the lazy delayed-scaling update, the row's stack):
 about 2,000 launches per step for the tiny GPT's 63 tensors, each costing the training thread
 microseconds (``benchmarks/whatif_device_bank.py``). Here a capture is one amax pass
-(``amax.amax_parts``: one fused kernel once compiled, one eager reduction before) and a returned
+(``amax.amax_parts``: one eager ``aminmax``) and a returned
 :class:`DeferredRow`; when the step ends, :meth:`DeviceDelayedBank.resolve` stacks the step's
 amaxes, runs the updates of all slots together (~30 ops whatever the slot count) and leaves the
 step's rows in :attr:`DeviceDelayedBank.values`, in capture order.

@@ -304,7 +304,7 @@ class Fp8Linear(nn.Linear):
             # the gradient's scales are known now (delayed: from the amaxes recorded so far), so the
             # backward reads no state: TE's order for a forward followed by its backward
             # (a re-run applies its own due update only: the others' may be this backward's records)
-            s_g = self.gradient_state.prepare(alone=recompute) if grad else None
+            s_g = self.gradient_state.prepare(alone=recompute, device=x.device) if grad else None
         if s_g is None:  # no backward can follow: no autograd Function needed
             return F.linear(x_deq, w_deq, None if self.bias is None else self.bias.to(torch.float32)).to(out_dtype)
         return _Fp8LinearFn.apply(input, self.weight, self.bias, x_deq, w_deq, s_g.scale, s_g.scale_inv,

@@ -325,12 +325,17 @@ class ScalingState:
         self._last_amax = amax_pair(x)[0]
         return self.scales()
 
-    def prepare(self, alone: bool = False) -> Scales:
+    def prepare(self, alone: bool = False, device: torch.device | None = None) -> Scales:
         """Apply a pending update and return the scales the next quantization will use, without
         measuring anything: the emulated layer asks this of its gradient state at forward time, so
         its backward reads no state (then :meth:`observe` records the gradient's amax). Delayed
         scaling only: under current scaling the scale comes from the tensor itself
-        (:func:`current_scales`, which the emulated backward applies to the gradient)."""
+        (:func:`current_scales`, which the emulated backward applies to the gradient). ``device``:
+        where the tensor to come lives (the layer's input's): the state follows it there, as
+        :meth:`begin` follows the tensor it measures, so a model moved after conversion (converted
+        on the CPU, then ``.cuda()``) keeps every state of a batched update on one device."""
+        if device is not None and device != self._device:
+            self._to(device)
         self.update(alone)
         return self.scales()
 
@@ -349,6 +354,8 @@ class ScalingState:
         """Record ``amax`` (TE's, a 0-d float32 tensor) of the tensor just scaled for the next update:
         row 0 keeps the largest amax recorded since the last update (TE's ``atomicMaxFloat``).
         ``due``: the update applies at the next use (else it waits for a record that is due)."""
+        if amax.device != self._device:  # the tensor moved (model.cuda()): the state follows it
+            self._to(amax.device)
         self._last = torch.fmax(self._last, amax) if self._pending else amax
         self._pending = True
         self._due = self._due or due

@@ -1,0 +1,111 @@
+"""What monitoring costs a model of the size our users train: a ``transformers`` Llama with
+TinyLlama-1.1B's shape (1.1 B parameters, random weights from the config, no download), bf16,
+AdamW, eager.
+
+Per model (what-if: plain bf16 linears; emulated: ``convert_to_fp8`` with delayed scaling, the head
+kept in bf16), the monitored / unmonitored step-time ratio of a cheap step and of a full-stats step
+(``every=1``), paired and interleaved as ``benchmarks/overhead.py`` times the demo, and from them
+the ratio at ``every=50`` (the product's default: one full-stats step in 50). On a GPU the stats compile to Triton
+(``FP8SCOPE_COMPILE=sync``, so the timed steps run the compiled code from the first one).
+
+    python benchmarks/large_model.py --device cuda             # 1.1 B parameters, on a GPU
+    python benchmarks/large_model.py --size tiny --rounds 2    # the same code on a CPU, in seconds
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fp8scope  # noqa: E402
+from fp8scope.emulate import DelayedScaling, convert_to_fp8  # noqa: E402
+from overhead import time_interleaved  # noqa: E402
+
+# TinyLlama-1.1B's shape (hidden 2048, 22 layers, 32 heads, 4 key-value heads, MLP 5632, vocab 32000)
+SIZES = {
+    "1b": dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22,
+               num_attention_heads=32, num_key_value_heads=4, max_position_embeddings=2048),
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=176, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128),
+}
+
+
+class Setup:
+    """One model, its optimizer and a fixed stream of random token batches."""
+
+    def __init__(self, size: str, fp8: str, device: str, batch: int, seq: int):
+        import transformers
+
+        torch.manual_seed(0)
+        cfg = transformers.LlamaConfig(**SIZES[size], attn_implementation="sdpa")
+        with torch.device(device):
+            self.model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        if fp8 == "delayed":
+            convert_to_fp8(self.model, DelayedScaling(amax_history_len=16), skip=["lm_head"])
+        self.recipe = DelayedScaling(amax_history_len=16)
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
+        self.batches = [torch.randint(0, cfg.vocab_size, (batch, seq), device=device) for _ in range(4)]
+        self.n_params = sum(p.numel() for p in self.model.parameters())
+
+
+def train_step(s: Setup, step: int, mon) -> None:
+    ids = s.batches[step % len(s.batches)]
+    loss = s.model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    grad_norm = torch.nn.utils.clip_grad_norm_(s.model.parameters(), 1.0, foreach=True)
+    s.opt.step()
+    s.opt.zero_grad(set_to_none=True)
+    if mon is not None:
+        mon.step(loss=loss.detach(), grad_norm=grad_norm, lr=1e-4)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--size", default="1b", choices=sorted(SIZES))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--block", type=int, default=10)
+    ap.add_argument("--models", default="off,delayed", help="off (what-if), delayed (emulated)")
+    args = ap.parse_args()
+    on_gpu = args.device.startswith("cuda")
+    os.environ["FP8SCOPE_COMPILE"] = "sync" if on_gpu else "0"
+    name = torch.cuda.get_device_name() if on_gpu else "cpu"
+    print(f"torch {torch.__version__}, {name}, Llama {args.size}, batch {args.batch} x {args.seq} tokens, bf16, eager")
+    print("   cheap: every timed step a cheap one (every=50 after its first, full, step); full: every=1;")
+    print("   every=50: (49 cheap + 1 full) / 50, from those two")
+    sync = torch.cuda.synchronize if on_gpu else None
+    for fp8, label in (("off", "what-if"), ("delayed", "emulated")):
+        if fp8 not in args.models.split(","):
+            continue
+        plain, watched = (Setup(args.size, fp8, args.device, args.batch, args.seq) for _ in range(2))
+        ratio, plain_ms, n_tensors = {}, [], 0
+        for every, kind in ((50, "cheap"), (1, "full")):  # one monitor at a time: its threads load no other timing
+            with tempfile.TemporaryDirectory() as tmp:
+                mon = fp8scope.Monitor(watched.model, os.path.join(tmp, "r"), every=every, recipe=watched.recipe)
+                setups = {"plain": (plain, None), "monitored": (watched, mon)}
+                medians, paired = time_interleaved(setups, args.rounds, args.block, warmup=3, sync=sync,
+                                                   step_fn=train_step)
+                mon.close()
+                n_tensors = len(fp8scope.load_run(os.path.join(tmp, "r")).tensors().query("step == 0"))
+            ratio[kind] = paired["monitored"]
+            plain_ms.append(medians["plain"] * 1e3)
+        every50 = (49 * ratio["cheap"] + ratio["full"]) / 50
+        print(f"   {label:9s} {plain.n_params / 1e9:.2f} B params, {n_tensors} tensors/step, plain {min(plain_ms):7.1f} ms/step"
+              f"   cheap {ratio['cheap']:.3f}x  full {ratio['full']:.3f}x  every=50 {every50:.3f}x", flush=True)
+        del plain, watched, setups
+        if on_gpu:
+            torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
