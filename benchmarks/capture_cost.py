@@ -75,14 +75,18 @@ def count_ops(fn) -> tuple[int, int]:
     return c.ops, c.views
 
 
-def generated_kernels(fn, *args) -> int:
-    """Kernels inductor generates for ``fn`` (C++ kernels on the CPU, Triton kernels on CUDA)."""
+def generated_kernels(fn, *args) -> tuple[int, int]:
+    """Kernels inductor generates for ``fn`` (C++ kernels on the CPU, Triton kernels on CUDA), and
+    the launches one call makes (a Triton kernel can run more than once: a split reduction's
+    finishing kernel per output). On a GPU each launch costs the host microseconds."""
     from torch._inductor.utils import run_and_get_code
 
     torch._dynamo.reset()
     _, codes = run_and_get_code(torch.compile(fn, dynamic=True), *args)
     code = "\n".join(codes)
-    return len(re.findall(r"async_compile\.(?:cpp_pybinding|cpp|triton)\(", code))
+    names = re.findall(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", code, flags=re.M)
+    launches = sum(len(re.findall(rf"^\s+{name}(?:\.run)?\(", code, flags=re.M)) for name in names)
+    return len(names), launches
 
 
 def timed(fn, reps: int) -> float:
@@ -99,14 +103,14 @@ def timed(fn, reps: int) -> float:
 
 def per_tensor(device: str, reps: int) -> None:
     print("1. per captured tensor (bf16, per-tensor scale, E4M3)")
-    print(f"   {'size':>12s} {'full: eager ops':>16s} {'kernels':>8s} {'eager ms':>9s} {'compiled ms':>12s}"
+    print(f"   {'size':>12s} {'full: eager ops':>16s} {'kernels (launches)':>19s} {'eager ms':>9s} {'compiled ms':>12s}"
           f"   {'cheap: ops':>11s}")
     from fp8scope.compiled import reset_dynamo
 
     fmt = get_format("e4m3")
     key = (device, torch.bfloat16, fmt.name, False, False)
     # kernels do not depend on the size (dynamic shapes); counting them resets dynamo, so first
-    full_kernels = generated_kernels(stats_mod.FULL_STATS.eager(key), *stats_mod._full_examples(key))
+    full_kernels, full_launches = generated_kernels(stats_mod.FULL_STATS.eager(key), *stats_mod._full_examples(key))
     reset_dynamo()
     for rows, cols in SIZES:
         x = torch.randn(rows, cols, device=device).to(torch.bfloat16)
@@ -120,7 +124,7 @@ def per_tensor(device: str, reps: int) -> None:
         stats_mod.FULL_STATS.wait(key)
         t_comp = timed(lambda: stats_mod.stats_call(x, scale, inv, exp, fmt), reps)  # the product's path
         cheap_ops, cheap_views = count_ops(lambda: amax_mod.amax_parts(x))  # one eager op on every device
-        print(f"   {rows:>5d}x{cols:<6d} {full_ops:>10d} (+{full_views} views) {full_kernels:>5d} {t_eager * 1e3:>9.2f}"
+        print(f"   {rows:>5d}x{cols:<6d} {full_ops:>10d} (+{full_views} views) {full_kernels:>8d} ({full_launches:>2d})     {t_eager * 1e3:>9.2f}"
               f" {t_comp * 1e3:>12.2f}   {cheap_ops:>5d} (+{cheap_views})")
 
 
@@ -136,10 +140,10 @@ def per_recipe(device: str, reps: int) -> None:
     x = torch.randn(rows, cols, device=device).to(torch.bfloat16)
     one = torch.ones((), device=device)
     base = (device, torch.bfloat16, fmt.name, False, False)
-    alone = generated_kernels(stats_mod.FULL_STATS.eager(base), *stats_mod._full_examples(base))
+    alone = generated_kernels(stats_mod.FULL_STATS.eager(base), *stats_mod._full_examples(base))[0]
     for recipe in RECIPES:
         key = (*base, (recipe,), "activation", False)
-        kernels = generated_kernels(stats_mod.FULL_STATS.eager(key), *stats_mod._full_examples(key)) - alone
+        kernels = generated_kernels(stats_mod.FULL_STATS.eager(key), *stats_mod._full_examples(key))[0] - alone
         reset_dynamo()
         os.environ["FP8SCOPE_COMPILE"] = "0"
         call = lambda r=(recipe,): stats_mod.stats_call(x, one, one, one, fmt, recipes=r)  # noqa: E731
