@@ -1,10 +1,12 @@
-"""Per-tensor FP8 statistics: one function of (tensor, scales, format), one fused pass.
+"""Per-tensor FP8 statistics: one function of (tensor, scales, format), compiled into few kernels.
 
 :func:`full_stats` returns one float64 vector laid out as ``schema.STAT_FIELDS`` on the tensor's
 own device, with no host sync; the collector stacks a step's vectors and moves them to the host in
 a single transfer. The arithmetic is one function, compiled ahead per (device type, dtype, format,
-scale layout) by ``fp8scope.compiled``: inductor turns it into one or two fused kernels, Triton on
-CUDA and C++ on the CPU (``benchmarks/capture_cost.py`` counts them). Until a variant is compiled,
+scale layout) by ``fp8scope.compiled``: inductor's C++ makes it one kernel on the CPU; on CUDA it
+was 12 Triton kernels and 17 launches on an H200 (two split reductions over the tensor, each with a
+finishing launch per output, and one-element writes of the constants: ``benchmarks/capture_cost.py``
+counts them, docs/benchmarks.md says where they go). Until a variant is compiled,
 or with ``FP8SCOPE_COMPILE=0``, the same function runs eagerly, about 30 aten ops whatever the
 tensor's size (no chunking: the temporaries are a few copies of the tensor in float32).
 

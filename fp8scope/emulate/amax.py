@@ -21,8 +21,7 @@ TE's except on a tensor holding a NaN: there the history rolls in 0 for that ste
 Full steps record TE's exact amax from the stats pass. Why not compiled: through the compiled
 pass a cheap capture is a call of dynamo's guarded code and five Triton launches (the reduction is
 split at dynamic shapes) where the eager op is one launch, and on a GPU a cheap step costs what its
-launches cost the host. On an H200, a 1.1B-parameter Llama's cheap step went from about 1.75x to
-1.17x of an unmonitored one with this change (``benchmarks/large_model.py``, docs/benchmarks.md).
+launches cost the host (``benchmarks/large_model.py``; docs/benchmarks.md, "On a GPU").
 """
 
 from __future__ import annotations
