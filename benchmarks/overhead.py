@@ -241,7 +241,7 @@ def time_stats(tensors, reps: int) -> dict[str, float]:
         try:
             from fp8scope.capture.stats import FULL_STATS
 
-            return [FULL_STATS.eager((x.device.type, x.dtype, f.name, False, False))(x.reshape(-1), one, one, one, None)
+            return [FULL_STATS.fallback((x.device.type, x.dtype, f.name, False, False))(x.reshape(-1), one, one, one, None)
                     for x, f in tensors]
         finally:
             os.environ["FP8SCOPE_COMPILE"] = old or "sync"

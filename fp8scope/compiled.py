@@ -77,7 +77,7 @@ def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callabl
     try:
         import torch
 
-        compiled = torch.compile(fn, dynamic=True)
+        compiled = torch.compile(fn, dynamic=True, options=owner.options(key))
         with torch.no_grad():  # grad mode is part of the guards: compile and run under the same one
             compiled(*examples())  # traces and compiles now, on this thread
         cached = torch._dynamo.run(fn)
@@ -103,13 +103,16 @@ class CompiledFn:
 
     ``make(key)`` returns the eager function for a variant (constants such as the FP8 format baked
     in); ``examples(key)`` returns example arguments for its compile (small tensors on the variant's
-    device, every dimension at least 2 so dynamic shapes do not specialise on 0 or 1).
+    device, every dimension at least 2 so dynamic shapes do not specialise on 0 or 1);
+    ``options(key)``, inductor settings for that variant's compile (``torch.compile(options=)``:
+    they apply to this compile only), or None.
     """
 
     def __init__(self, name: str, make: Callable[[Hashable], Callable],
                  examples: Callable[[Hashable], tuple], fallback: Callable[[Hashable], Callable] | None = None,
-                 devices: tuple[str, ...] | None = None):
+                 devices: tuple[str, ...] | None = None, options: Callable[[Hashable], dict | None] | None = None):
         self.name = name
+        self._options = options
         self._devices = devices  # device types worth compiling for (a key's first item); None: all
         self._make = make
         self._examples = examples
@@ -150,6 +153,10 @@ class CompiledFn:
                         else:
                             self._submit(key, fn)
         return self._fallbacks.get(key) or self._make_fallback(key)
+
+    def options(self, key: Hashable) -> dict | None:
+        """The inductor settings ``key`` compiles with (benchmarks count its kernels with them)."""
+        return self._options(key) if self._options is not None else None
 
     def eager(self, key: Hashable) -> Callable:
         """The eager function of ``key`` (the op-count proxies use it; queues no compile)."""

@@ -57,7 +57,8 @@ def test_compiled_full_stats_are_at_most_3_kernels():
 
     for key in (("cpu", torch.bfloat16, "e4m3", False, False), ("cpu", torch.float32, "e5m2", True, True)):
         torch._dynamo.reset()
-        _, codes = run_and_get_code(torch.compile(stats_mod.FULL_STATS.eager(key), dynamic=True),
+        _, codes = run_and_get_code(torch.compile(stats_mod.FULL_STATS.eager(key), dynamic=True,
+                                                  options=stats_mod.FULL_STATS.options(key)),
                                     *stats_mod._full_examples(key))
         kernels = len(re.findall(r"async_compile\.(?:cpp_pybinding|cpp|triton)\(", "\n".join(codes)))
         assert 1 <= kernels <= 3, (key, kernels)

@@ -127,3 +127,36 @@ def test_derived_limits_match_torch_finfo():
         smallest = torch.tensor([fmt.min_subnormal], dtype=torch.float32)
         assert float(smallest.to(fmt.dtype).float()) == fmt.min_subnormal  # representable
         assert float((smallest / 2).to(fmt.dtype).float()) == 0.0  # and nothing below it
+
+
+@pytest.mark.parametrize("variant", ["per_tensor", "deq", "per_row"])
+def test_the_fused_form_gives_the_eager_forms_numbers(variant):
+    """The form inductor compiles (stacked columns, one reduction per kind: few launches on CUDA) and
+    the eager form are one definition written twice: run eagerly on adversarial tensors (NaN, Inf,
+    zeros, subnormals, values past the format's range, scales that flush), they agree exactly but
+    for the squared norms' last bits."""
+    from fp8scope.capture import stats as st
+
+    g = torch.Generator().manual_seed(0)
+    for trial in range(20):
+        x = torch.randn(16, 40, generator=g) * torch.logspace(-12, 6, 40)
+        x[trial % 16, trial % 40] = [math.nan, math.inf, -math.inf, 0.0, 1e-44, 1e5][trial % 6]
+        x = x.to(torch.bfloat16) if variant == "per_tensor" else x
+        fmt = E4M3 if trial % 2 else E5M2
+        per_row, has_deq = variant == "per_row", variant != "per_tensor"
+        if per_row:
+            scale = torch.rand(16, 1, generator=g) * 10 ** (trial % 5)
+            xv = x
+        else:
+            scale, xv = torch.tensor(float(10 ** (trial % 5 - 2))), x.reshape(-1)
+        deq = (xv.float() * 0.999) if has_deq else None
+        key = (x.device.type, x.dtype, fmt.name, per_row, has_deq)
+        args = (xv, scale, 1 / scale, torch.tensor(3.0), deq)
+        fused, eager = st.traced_form(key)(*args), st.FULL_STATS.fallback(key)(*args)
+        assert fused[0].dtype == eager[0].dtype == torch.float64 and fused[0].shape == eager[0].shape
+        exact = [i for i, (name, _) in enumerate(STAT_FIELDS) if not name.startswith("sq_")]
+        assert torch.equal(fused[0][exact].isnan(), eager[0][exact].isnan())
+        same = (fused[0][exact] == eager[0][exact]) | eager[0][exact].isnan()
+        assert bool(same.all()), (variant, trial, fused[0], eager[0])
+        assert torch.allclose(fused[0], eager[0], rtol=1e-12, equal_nan=True)
+        assert torch.equal(fused[1], eager[1]) or (fused[1].isnan() and eager[1].isnan())

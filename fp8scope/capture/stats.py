@@ -78,27 +78,38 @@ def saturation_floor(fmt: Fp8Format) -> float:
     return mid
 
 
+def _variant(key):
+    """The constants of one variant: (format, fp8_max, saturation floor, underflow threshold, cast
+    dtype, per_row, has_deq, recipes, role, whole_given)."""
+    _device, _dtype, fmt_name, per_row, has_deq, *more = key
+    recipes, role, whole_given = more if more else ((), None, False)
+    fmt = get_format(fmt_name)
+    dtype8 = None if has_deq else fmt.dtype  # E2M1 rows come with their decoded values (no torch dtype)
+    return fmt, fmt.max, saturation_floor(fmt), fmt.underflow_threshold, dtype8, per_row, has_deq, recipes, role, whole_given
+
+
+def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq):
+    """The real cast of ``a`` (float32), decoded back: the quantization error's reference."""
+    if has_deq:
+        return deq.to(torch.float32)
+    return (a * scale).clamp(-fmax, fmax).to(dtype8).to(torch.float32) * scale_inv
+
+
 def _make_full(key):
     """The eager stats function of one variant: the format's limits are constants in its code. A
     variant with other recipes (``recipes``, the tensor's base ``role``) also measures each of them
     on the same tensor (``emulate.recipe_table.counts``) and returns their vectors as a third
-    output, in the same compiled graph: ``whole_given`` when the matrix they read is not ``x``
-    itself (``x`` is then a view of blocks)."""
-    _device, _dtype, fmt_name, per_row, has_deq, *more = key
-    recipes, role, whole_given = more if more else ((), None, False)
-    fmt = get_format(fmt_name)
-    fmax, sat, under = fmt.max, saturation_floor(fmt), fmt.underflow_threshold
-    dtype8 = None if has_deq else fmt.dtype  # E2M1 rows come with their decoded values (no torch dtype)
+    output: ``whole_given`` when the matrix they read is not ``x`` itself (``x`` is then a view of
+    blocks). About 37 ops whatever the size, each a pass over the tensor at most: what runs while
+    the compiled form (:func:`_make_full_fused`, the same numbers) is not ready or not wanted."""
+    fmt, fmax, sat, under, dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
         a = x.to(torch.float32)
         m = a.abs()
         # quantization error first: the real cast, decoded (or the caller's dequantized copy);
         # non-finite elements count as no error and no signal
-        if has_deq:
-            q = deq.to(torch.float32)
-        else:
-            q = (a * scale).clamp(-fmax, fmax).to(dtype8).to(torch.float32) * scale_inv
+        q = _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq)
         err = torch.nan_to_num(q - a, nan=0.0, posinf=0.0, neginf=0.0)
         clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
         y = m * scale  # the scaled magnitudes the cast sees
@@ -127,6 +138,51 @@ def _make_full(key):
     return full_stats
 
 
+def _make_full_fused(key):
+    """The same numbers as :func:`_make_full`, written for inductor: every sum is a column of one
+    ``[elements, 8]`` float64 sum and every max or min a column of one ``[elements, 8]`` amax (a
+    minimum as the max of its negation; the scales as constant columns), so that both reductions
+    run in one pass over the tensor and each finishes in one launch. Eagerly those stacked
+    columns would be 64 bytes per element: this form is only ever compiled.
+
+    Why: on CUDA the eager form compiled to 12 Triton kernels and 17 launches per tensor (a split
+    reduction finishes each of its outputs in a launch of its own, the scale constants took one
+    launch each, and ``|x|`` was written out in float32 between two passes); this form is one
+    pass and 4 launches with :func:`_compile_options` (``benchmarks/triton_kernels.py`` counts
+    them without a GPU). The sums are
+    float64 sums of 0/1, exact below 2**53 elements; the squared norms are summed in float64 as
+    the eager form's ``vector_norm(dtype=float64)`` does (the two may differ in the last bits)."""
+    fmt, fmax, sat, under, dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
+    f64 = torch.float64
+
+    def full_stats(x, scale, scale_inv, expected, deq, whole=None):
+        a = x.to(torch.float32)
+        m = a.abs()
+        q = _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq)
+        err = torch.nan_to_num(q - a, nan=0.0, posinf=0.0, neginf=0.0).to(f64)
+        clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0).to(f64)
+        y = m * scale
+        nonzero = (m > 0).to(f64)
+        sums = torch.stack([  # numel .. sq_signal, in STAT_FIELDS order
+            torch.ones_like(clean), (m == 0).to(f64), 1.0 - (m < _INF).to(f64), (y > fmax).to(f64),
+            nonzero - (y > under).to(f64), (y > sat).to(f64), err * err, clean * clean,
+        ], -1).reshape(-1, 8).sum(0)
+        ones = torch.ones_like(m)
+        maxes = torch.stack([
+            m, torch.where(m > 0, m, _INF).neg(), torch.nan_to_num(m, nan=0.0, posinf=_INF),
+            scale.neg() * ones, scale_inv * ones, expected * ones, ones, ones,
+        ], -1).reshape(-1, 8).amax(0)
+        amax, neg_min, recorded, neg_scale, inv, exp, _, _ = maxes.unbind(0)
+        vec = torch.cat([torch.stack([amax, neg_min.neg()]).to(f64), sums,
+                         torch.stack([neg_scale.neg(), inv, exp]).to(f64)])
+        if not recipes:
+            return vec, recorded
+        matrix = whole if whole_given else x
+        return vec, recorded, torch.stack([recipe_counts(matrix, r, role) for r in recipes])
+
+    return full_stats
+
+
 def _full_examples(key):
     device, dtype, fmt_name, per_row, has_deq, *more = key
     recipes, _role, whole_given = more if more else ((), None, False)
@@ -146,7 +202,50 @@ def _full_examples(key):
     return x, scale, scale_inv, expected, deq
 
 
-FULL_STATS = CompiledFn("full_stats", _make_full, _full_examples)
+def _compile_options(key) -> dict | None:
+    """Inductor settings for the fused form: its stacked columns must stay inside the reduction
+    that reads them. By default inductor writes a pointwise node out to memory when it reads more
+    than 8 buffers or holds more than 30 ops, which the columns of a variant with a dequantized
+    copy or per-row scales do: 64 bytes per element, a second pass and two more launches. The
+    final vector is assembled in one pointwise kernel (``force_pointwise_cat``) instead of one per
+    piece. The variants that compile the eager form keep inductor's defaults."""
+    if not _fused(key):
+        return None
+    return {"force_pointwise_cat": True, "realize_opcount_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20}
+
+
+def _fused(key) -> bool:
+    """Whether a variant compiles the fused form: on accelerators (Triton), not on the CPU, where
+    inductor's C++ makes the eager form one loop nest already and runs the stacked columns several
+    times slower; nor for the variants that also measure other recipes (full steps of
+    ``Monitor(whatif_recipes=...)`` only), whose graphs are much larger."""
+    return key[0] != "cpu" and len(key) <= 5
+
+
+def traced_form(key):
+    """The function inductor compiles for a variant (see :func:`_fused`)."""
+    return _make_full_fused(key) if _fused(key) else _make_full(key)
+
+
+def _make_compiled(key):
+    """The function ``FULL_STATS`` compiles: :func:`traced_form` while dynamo traces it, the eager
+    form when it runs as plain Python. ``torch._dynamo.run`` runs a call its guards reject (a
+    strided view, a dispatch mode) as plain Python, and the fused form run eagerly would hold its
+    stacked columns in memory (64 bytes per element)."""
+    eager = _make_full(key)
+    if not _fused(key):
+        return eager
+    fused = _make_full_fused(key)
+
+    def full_stats(x, scale, scale_inv, expected, deq, whole=None):
+        if torch.compiler.is_compiling():
+            return fused(x, scale, scale_inv, expected, deq, whole)
+        return eager(x, scale, scale_inv, expected, deq, whole)
+
+    return full_stats
+
+
+FULL_STATS = CompiledFn("full_stats", _make_compiled, _full_examples, fallback=_make_full, options=_compile_options)
 
 
 def _f32(v: torch.Tensor | float, device: torch.device) -> torch.Tensor:
