@@ -16,10 +16,10 @@ Compiling takes seconds, so it must never happen on the training thread:
 
 Where it compiles: by default (``FP8SCOPE_COMPILE`` unset, or ``auto``) on accelerators (CUDA and
 any device type but the CPU), where each eager op is a kernel launch and a few generated kernels
-replace tens of them (the full-stats pass: 17 Triton launches for 37 eager ops on an H200). On the CPU the default is eager: there an eager op is a loop over memory, not a
-launch, inductor's C++ reductions at dynamic sizes are no faster than torch's own
-(``benchmarks/capture_cost.py``, per-tensor timings), and each compile takes seconds to tens of
-seconds of the very cores that train, which a short CPU run (a test, the demo) never earns back.
+replace tens of them (the full-stats pass: 4 Triton launches for 37 eager ops). On the CPU the
+default is eager: there an eager op is a loop over memory, not a launch, and each compile takes
+seconds to tens of seconds of the very cores that train, which a short CPU run (a test, the demo)
+never earns back (``benchmarks/capture_cost.py``, per-tensor timings).
 ``FP8SCOPE_COMPILE=1`` compiles on the CPU too; ``FP8SCOPE_COMPILE=0`` (or a torch without a
 working inductor) keeps everything eager; ``FP8SCOPE_COMPILE=sync`` compiles each variant, on any
 device, on the calling thread at its first call (tests and benchmarks that must measure the

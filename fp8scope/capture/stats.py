@@ -3,12 +3,11 @@
 :func:`full_stats` returns one float64 vector laid out as ``schema.STAT_FIELDS`` on the tensor's
 own device, with no host sync; the collector stacks a step's vectors and moves them to the host in
 a single transfer. The arithmetic is one function, compiled ahead per (device type, dtype, format,
-scale layout) by ``fp8scope.compiled``: inductor's C++ makes it one kernel on the CPU; on CUDA it
-was 12 Triton kernels and 17 launches on an H200 (two split reductions over the tensor, each with a
-finishing launch per output, and one-element writes of the constants: ``benchmarks/capture_cost.py``
-counts them, docs/benchmarks.md says where they go). Until a variant is compiled,
-or with ``FP8SCOPE_COMPILE=0``, the same function runs eagerly, about 30 aten ops whatever the
-tensor's size (no chunking: the temporaries are a few copies of the tensor in float32).
+scale layout) by ``fp8scope.compiled``: inductor's C++ makes it one kernel on the CPU; on an
+accelerator inductor compiles a form written for Triton (:func:`_make_full_fused`: 4 launches per
+tensor, where the eager form compiled to 17; ``benchmarks/triton_kernels.py`` counts them). Until
+a variant is compiled, or with ``FP8SCOPE_COMPILE=0``, the eager form runs, about 37 aten ops
+whatever the tensor's size (no chunking: the temporaries are a few copies of the tensor in float32).
 
 What each field means:
 
