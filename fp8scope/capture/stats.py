@@ -147,8 +147,11 @@ def _make_full_fused(key):
     Why: on CUDA the eager form compiled to 12 Triton kernels and 17 launches per tensor (a split
     reduction finishes each of its outputs in a launch of its own, the scale constants took one
     launch each, and ``|x|`` was written out in float32 between two passes); this form is one
-    pass and 4 launches with :func:`_compile_options` (``benchmarks/triton_kernels.py`` counts
-    them without a GPU). The sums are
+    kernel over the tensor and 4 launches with :func:`_compile_options`
+    (``benchmarks/triton_kernels.py`` counts them without a GPU). The trade: Triton gives each
+    column programs of their own, so the tensor is read once per column (8 reads, where the
+    other form read it twice and wrote and read a float32 copy); on an H200 the launches, not the
+    bytes, were the cost of a full-stats call. The sums are
     float64 sums of 0/1, exact below 2**53 elements; the squared norms are summed in float64 as
     the eager form's ``vector_norm(dtype=float64)`` does (the two may differ in the last bits)."""
     fmt, fmax, sat, under, dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
