@@ -17,4 +17,12 @@ PY=${PYTHON:-python3}
 .venv/bin/python -m pip install -q --upgrade pip
 # constraints pin torch to the local CPU build; pyproject keeps torch loose for users.
 .venv/bin/python -m pip install -q -c .ci/constraints.txt -e '.[dev]'
+# triton, apart from the venv (.triton/, on no test's path but one's): benchmarks/triton_kernels.py
+# generates inductor's CUDA kernels with it on a machine without a GPU, and a test counts them.
+TRITON=$(grep -E '^triton==' .ci/constraints.txt | cut -d= -f3)
+if [ ! -f ".triton/triton-$TRITON.stamp" ]; then
+  rm -rf .triton
+  .venv/bin/python -m pip install -q --no-deps --target .triton "triton==$TRITON"
+  touch ".triton/triton-$TRITON.stamp"
+fi
 echo "setup: ok ($(.venv/bin/python -c 'import torch; print("torch", torch.__version__)'))"

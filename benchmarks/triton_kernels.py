@@ -9,11 +9,12 @@ stops before anything would be compiled for a device, so no GPU and no CUDA tool
 It reproduced the H200's count for the pre-fusion full-stats pass exactly (12 kernels, 17 launches,
 the same kernel names).
 
-It needs ``pip install triton`` (inductor generates Triton code through it) and stands in for the
+It needs triton (inductor generates Triton code through it): ``.ci/setup.sh`` installs it into
+``.triton/``, apart from the venv, so that nothing else in the tests sees it. It stands in for the
 CUDA runtime by patching torch (device properties: an H100's; RNG state; device guards): it was
 written against torch 2.13 and triton 3.9, and a later torch may need the patches adjusted.
 
-    pip install triton && python benchmarks/triton_kernels.py
+    python benchmarks/triton_kernels.py          # .ci/setup.sh puts triton in .triton/ (used if present)
     python benchmarks/triton_kernels.py --code /tmp/full_stats_triton.py   # also write the code
 
 Counts only: how fast the kernels run needs a GPU (``benchmarks/gpu_check.sh``).
@@ -30,7 +31,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, _ROOT)
+if os.path.isdir(os.path.join(_ROOT, ".triton")):  # .ci/setup.sh installs triton there, apart from the venv
+    sys.path.append(os.path.join(_ROOT, ".triton"))
 
 
 def fake_cuda() -> None:
@@ -139,21 +143,24 @@ def kernels_and_launches(code: str) -> tuple[int, int]:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--code", help="write the generated code of the first full-stats variant here")
+    ap.add_argument("--json", action="store_true", help="one JSON object: {name: [kernels, launches]}")
     args = ap.parse_args()
     try:
         import triton  # noqa: F401
     except ImportError:
-        sys.stderr.write("benchmarks/triton_kernels.py needs triton: pip install triton\n")
+        sys.stderr.write("benchmarks/triton_kernels.py needs triton: bash .ci/setup.sh, or pip install triton\n")
         return 2
     fake_cuda()
     from fp8scope.capture import stats
     from fp8scope.emulate import amax, scaling
 
-    print(f"torch {torch.__version__}: Triton kernels (launches) per call, generated for an H100 without a GPU")
+    counts: dict[str, list[int]] = {}
+    say = (lambda *a, **k: None) if args.json else print
+    say(f"torch {torch.__version__}: Triton kernels (launches) per call, generated for an H100 without a GPU")
     variants = [("bf16, per-tensor scale (what-if, TE, torchao tensorwise)", (torch.bfloat16, "e4m3", False, False)),
                 ("bf16, a dequantized copy given (the emulated layer)", (torch.bfloat16, "e4m3", False, True)),
                 ("fp32, per-row scales and a copy (block / rowwise)", (torch.float32, "e5m2", True, True))]
-    print("full stats:")
+    say("full stats:")
     for i, (label, rest) in enumerate(variants):
         key = ("cuda", *rest)
         examples = stats._full_examples(("cpu", *rest))
@@ -162,15 +169,22 @@ def main() -> int:
         if i == 0 and args.code:
             with open(args.code, "w") as f:
                 f.write(now)
-        print("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
+        counts[f"full_stats {rest}"] = list(kernels_and_launches(now))
+        counts[f"full_stats {rest} eager form"] = list(kernels_and_launches(before))
+        say("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
             label, *kernels_and_launches(now), *kernels_and_launches(before)))
     key = ("cuda", torch.bfloat16)
     ex = amax._examples(("cpu", torch.bfloat16))
     now = triton_code(amax._fused_pair, ex)
     before = triton_code(lambda x: amax.amaxes_of_magnitudes(x.abs()), ex)
-    print("amax pair (the emulated layer's amax, every step):")
-    print("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
+    counts["amax_pair"], counts["amax_pair eager form"] = list(kernels_and_launches(now)), list(kernels_and_launches(before))
+    say("amax pair (the emulated layer's amax, every step):")
+    say("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
         "bf16", *kernels_and_launches(now), *kernels_and_launches(before)))
+    if args.json:
+        import json
+
+        print(json.dumps(counts))
     return 0
 
 
