@@ -151,10 +151,10 @@ def _make_full_fused(key):
     (``benchmarks/triton_kernels.py`` counts them without a GPU). The trade: Triton gives each
     column programs of their own, so the tensor is read once per column (8 reads, where the
     other form read it twice and wrote and read a float32 copy); on an H200 the launches, not the
-    bytes, were the cost of a full-stats call. The sums are
-    float64 sums of 0/1, exact below 2**53 elements; the squared norms are summed in float64 as
-    the eager form's ``vector_norm(dtype=float64)`` does (the two may differ in the last bits)."""
-    fmt, fmax, sat, under, dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
+    bytes, were the cost of a full-stats call. The sums are float64 sums of 0/1, exact below 2**53
+    elements; the squared norms are summed in float64 as the eager form's
+    ``vector_norm(dtype=float64)`` does (the two may differ in the last bits)."""
+    _fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
     f64 = torch.float64
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
@@ -177,10 +177,7 @@ def _make_full_fused(key):
         amax, neg_min, recorded, neg_scale, inv, exp, _, _ = maxes.unbind(0)
         vec = torch.cat([torch.stack([amax, neg_min.neg()]).to(f64), sums,
                          torch.stack([neg_scale.neg(), inv, exp]).to(f64)])
-        if not recipes:
-            return vec, recorded
-        matrix = whole if whole_given else x
-        return vec, recorded, torch.stack([recipe_counts(matrix, r, role) for r in recipes])
+        return vec, recorded  # (no other recipes: their variants compile the eager form, see _fused)
 
     return full_stats
 
