@@ -47,9 +47,9 @@ class Setup:
         cfg = transformers.LlamaConfig(**SIZES[size], attn_implementation="sdpa")
         with torch.device(device):
             self.model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        self.recipe = DelayedScaling(amax_history_len=16)  # the emulated layers' recipe, or the what-if one
         if fp8 == "delayed":
-            convert_to_fp8(self.model, DelayedScaling(amax_history_len=16), skip=["lm_head"])
-        self.recipe = DelayedScaling(amax_history_len=16)
+            convert_to_fp8(self.model, self.recipe, skip=["lm_head"])
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, weight_decay=0.1)
         self.batches = [torch.randint(0, cfg.vocab_size, (batch, seq), device=device) for _ in range(4)]
         self.n_params = sum(p.numel() for p in self.model.parameters())
