@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import sys
 import tempfile
 import time
@@ -49,6 +48,7 @@ from fp8scope.demo import train  # noqa: E402
 from fp8scope.emulate import amax as amax_mod  # noqa: E402
 from fp8scope.formats import get_format  # noqa: E402
 from overhead import time_interleaved  # noqa: E402  (benchmarks/overhead.py: the paired, interleaved timing)
+from triton_kernels import kernels_and_launches  # noqa: E402  (counts the kernels in inductor's code)
 
 SIZES = ((256, 256), (1024, 4096), (8192, 4096))
 
@@ -83,10 +83,7 @@ def generated_kernels(fn, *args, options: dict | None = None) -> tuple[int, int]
 
     torch._dynamo.reset()
     _, codes = run_and_get_code(torch.compile(fn, dynamic=True, options=options), *args)
-    code = "\n".join(codes)
-    names = re.findall(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", code, flags=re.M)
-    launches = sum(len(re.findall(rf"^\s+{name}(?:\.run)?\(", code, flags=re.M)) for name in names)
-    return len(names), launches
+    return kernels_and_launches("\n".join(codes))
 
 
 def timed(fn, reps: int) -> float:

@@ -33,8 +33,6 @@ import torch
 
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, _ROOT)
-if os.path.isdir(os.path.join(_ROOT, ".triton")):  # .ci/setup.sh installs triton there, apart from the venv
-    sys.path.append(os.path.join(_ROOT, ".triton"))
 
 
 def fake_cuda() -> None:
@@ -136,8 +134,10 @@ def triton_code(fn, examples: tuple, options: dict | None = None) -> str:
 
 
 def kernels_and_launches(code: str) -> tuple[int, int]:
-    names = re.findall(r"^(\w+) = async_compile\.triton\(", code, flags=re.M)
-    return len(names), sum(len(re.findall(rf"^\s+{n}\.run\(", code, flags=re.M)) for n in names)
+    """The kernels in inductor's output code (Triton or C++) and the launches one call of it makes
+    (a Triton kernel can run more than once: a split reduction's finishing kernel per output)."""
+    names = re.findall(r"^(\w+) = async_compile\.(?:cpp_pybinding|cpp|triton)\(", code, flags=re.M)
+    return len(names), sum(len(re.findall(rf"^\s+{n}(?:\.run)?\(", code, flags=re.M)) for n in names)
 
 
 def main() -> int:
@@ -145,6 +145,8 @@ def main() -> int:
     ap.add_argument("--code", help="write the generated code of the first full-stats variant here")
     ap.add_argument("--json", action="store_true", help="one JSON object: {name: [kernels, launches]}")
     args = ap.parse_args()
+    if os.path.isdir(os.path.join(_ROOT, ".triton")):  # .ci/setup.sh installs triton there, apart from the venv
+        sys.path.append(os.path.join(_ROOT, ".triton"))
     try:
         import triton  # noqa: F401
     except ImportError:
@@ -152,7 +154,7 @@ def main() -> int:
         return 2
     fake_cuda()
     from fp8scope.capture import stats
-    from fp8scope.emulate import amax, scaling
+    from fp8scope.emulate import amax
 
     counts: dict[str, list[int]] = {}
     say = (lambda *a, **k: None) if args.json else print
@@ -172,15 +174,13 @@ def main() -> int:
         counts[f"full_stats {rest}"] = list(kernels_and_launches(now))
         counts[f"full_stats {rest} eager form"] = list(kernels_and_launches(before))
         say("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
-            label, *kernels_and_launches(now), *kernels_and_launches(before)))
-    key = ("cuda", torch.bfloat16)
+            label, *counts[f"full_stats {rest}"], *counts[f"full_stats {rest} eager form"]))
     ex = amax._examples(("cpu", torch.bfloat16))
-    now = triton_code(amax._fused_pair, ex)
-    before = triton_code(lambda x: amax.amaxes_of_magnitudes(x.abs()), ex)
-    counts["amax_pair"], counts["amax_pair eager form"] = list(kernels_and_launches(now)), list(kernels_and_launches(before))
+    counts["amax_pair"] = list(kernels_and_launches(triton_code(amax._fused_pair, ex)))
+    counts["amax_pair eager form"] = list(kernels_and_launches(triton_code(lambda x: amax.amaxes_of_magnitudes(x.abs()), ex)))
     say("amax pair (the emulated layer's amax, every step):")
     say("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
-        "bf16", *kernels_and_launches(now), *kernels_and_launches(before)))
+        "bf16", *counts["amax_pair"], *counts["amax_pair eager form"]))
     if args.json:
         import json
 
