@@ -16,7 +16,7 @@ Compiling takes seconds, so it must never happen on the training thread:
 
 Where it compiles: by default (``FP8SCOPE_COMPILE`` unset, or ``auto``) on accelerators (CUDA and
 any device type but the CPU), where each eager op is a kernel launch and a few generated kernels
-replace tens of them (the full-stats pass: 4 Triton launches for 37 eager ops). On the CPU the
+replace tens of them (the full-stats pass: 3 Triton launches for 37 eager ops). On the CPU the
 default is eager: there an eager op is a loop over memory, not a launch, and each compile takes
 seconds to tens of seconds of the very cores that train, which a short CPU run (a test, the demo)
 never earns back (``benchmarks/capture_cost.py``, per-tensor timings).

@@ -4,7 +4,8 @@
 
 A step's rows come in two widths, both on the device until the step's single transfer:
 
-- *wide* rows, ``N_FIELDS`` float64 values laid out as ``schema.STAT_FIELDS`` (full stats);
+- *wide* rows, ``N_WIDE`` float64 values laid out as ``WIDE_FIELDS`` (full stats), which the
+  host reorders into ``schema.STAT_FIELDS``;
 - *narrow* rows, ``CHEAP_FIELDS`` (the logged amax and the scales in use), what a cheap step
   records without reading the tensor where the recipe already did.
 
@@ -22,9 +23,24 @@ from typing import Any
 
 import numpy as np
 
-from fp8scope.schema import FIELD_INDEX, N_FIELDS, RECIPE_FIELDS
+from fp8scope.schema import FIELD_INDEX, N_FIELDS, RECIPE_FIELDS, STAT_FIELDS
 
 N_RECIPE = len(RECIPE_FIELDS)
+
+# What a wide (full-stats) row holds on the device, in this order: first the values reduced by a
+# maximum (the two minima as maxima of their negation, turned back before they are stored), then
+# the sums. Why not STAT_FIELDS' order: compiled, a full-stats pass ends in one max and one sum
+# reduction, and each writes its half of this row in place; putting the values in STAT_FIELDS'
+# order on the device took one more kernel launch per tensor, where reordering on the host is free.
+# ``recorded_amax`` (TE's amax, NaN ignored: what a what-if scaling state records) is not logged;
+# the two unused slots give both halves eight columns (inductor fuses the two reductions' first
+# stages only when their shapes match).
+WIDE_FIELDS = ("amax", "min_nonzero", "recorded_amax", "scale", "scale_inv", "expected_amax", "unused6", "unused7",
+               "numel", "zeros", "nonfinite", "overflow", "underflow", "saturated", "sq_err", "sq_signal")
+N_WIDE = len(WIDE_FIELDS)
+N_WIDE_MAX = 8  # the first eight are reduced by a maximum
+WIDE_INDEX = {name: i for i, name in enumerate(WIDE_FIELDS)}
+_WIDE_TO_STAT = [WIDE_INDEX[name] for name, _ in STAT_FIELDS]
 
 # What a narrow (cheap) row holds on the device, in this order.
 CHEAP_FIELDS = ("amax", "scale", "scale_inv", "expected_amax")
@@ -76,13 +92,14 @@ class StepPayload:
     def _layout(self) -> tuple[np.ndarray, int, int, int]:
         """``host`` as numpy and where its wide, narrow and recipe rows end."""
         arr = self.host.numpy() if hasattr(self.host, "numpy") else np.asarray(self.host)
-        w = self.n_wide * N_FIELDS
+        w = self.n_wide * N_WIDE
         n = w + self.n_narrow * N_CHEAP
         return arr, w, n, n + self.n_recipe * N_RECIPE
 
     def _parts(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The wide rows (as ``STAT_FIELDS``), the narrow rows and the scalar values."""
         arr, w, n, r = self._layout()
-        return arr[:w].reshape(self.n_wide, N_FIELDS), arr[w:n].reshape(self.n_narrow, N_CHEAP), arr[r:]
+        return wide_stats(arr[:w].reshape(self.n_wide, N_WIDE)), arr[w:n].reshape(self.n_narrow, N_CHEAP), arr[r:]
 
     def recipe_matrix(self) -> np.ndarray:
         """The (n_recipe, N_RECIPE) rows of the other recipes, in ``recipe_keys`` order."""
@@ -103,6 +120,12 @@ def cheap_rows(payload: StepPayload) -> tuple[np.ndarray, np.ndarray]:
     if idx != list(range(len(idx))):
         narrow = narrow[idx]
     return narrow, tail
+
+
+def wide_stats(rows: np.ndarray) -> np.ndarray:
+    """Wide rows (``WIDE_FIELDS``, one per row) as ``STAT_FIELDS`` rows; works on any array with a
+    last axis of ``N_WIDE`` (numpy or torch)."""
+    return rows[..., _WIDE_TO_STAT]
 
 
 def nonfinite_flags(amax: np.ndarray) -> np.ndarray:

@@ -56,6 +56,10 @@ def _train_one(rank: int, run_dir: str, reduce: str, check, plant: bool) -> None
 
 
 def _worker(rank: int, world: int, port: int, runs: list) -> None:
+    import faulthandler
+    import sys
+
+    faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
@@ -64,6 +68,15 @@ def _worker(rank: int, world: int, port: int, runs: list) -> None:
             _train_one(rank, run_dir, reduce, check, plant)
     finally:
         dist.destroy_process_group()
+    # Once a rank has written its run and its worker file, it leaves without interpreter finalization:
+    # gloo's C++ worker threads may free tensors that hold Python objects while the interpreter is being
+    # torn down, which aborts the process (SIGABRT, "terminate called without an active exception";
+    # pytorch/pytorch#179291 describes it). A 4-rank run aborted so once in CI, with no Python stack to
+    # tell where: faulthandler now prints one if a rank aborts before this point. The test checks what the
+    # ranks wrote; how gloo tears itself down is not fp8scope's.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def _launch(tmp_path, world: int, configs: dict) -> dict:

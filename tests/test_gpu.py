@@ -127,9 +127,11 @@ def test_torchao_real_fp8_gemms(tmp_path):
     assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-3)).all()
 
 
+@pytest.mark.parametrize("per_row", [False, True])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype):
-    """The stats pass compiled to Triton gives the eager numbers, and the CPU's, on CUDA tensors."""
+def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype, per_row):
+    """The stats pass compiled to Triton gives the eager numbers, and the CPU's, on CUDA tensors;
+    per-row scales compile another form (each row, then the rows; no split reductions)."""
     import os
 
     from fp8scope.capture.stats import FULL_STATS, stats_call
@@ -139,13 +141,15 @@ def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype):
     x = (torch.randn(1000, 257) * torch.logspace(-6, 3, 257)).to(dtype).cuda()
     x[0, 0], x[1, 1] = float("nan"), float("inf")
     scale = torch.tensor(448 / 30.0, device="cuda")
+    if per_row:
+        scale = torch.rand(1000, 1, device="cuda") * 20 + 0.5
     fmt = get_format("e4m3")
     old = os.environ.get("FP8SCOPE_COMPILE")
     try:
         os.environ["FP8SCOPE_COMPILE"] = "0"
         eager, rec_e, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)
         os.environ["FP8SCOPE_COMPILE"] = "sync"
-        key = ("cuda", dtype, "e4m3", False, False)
+        key = ("cuda", dtype, "e4m3", per_row, False)
         assert FULL_STATS.wait(key), FULL_STATS.failures
         compiled, rec_c, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)
     finally:

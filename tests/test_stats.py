@@ -9,6 +9,7 @@ from fp8scope.capture.stats import full_stats, saturation_floor, stats_call
 from fp8scope.emulate.amax import amax_pair
 from fp8scope.formats import get_format, recipe_format
 from fp8scope.schema import FIELD_INDEX, STAT_FIELDS
+from fp8scope.step_payload import N_WIDE, WIDE_FIELDS, wide_stats
 
 # every test here runs on both stats paths (compiled, eager)
 pytestmark = pytest.mark.usefixtures("stats_path")
@@ -115,8 +116,8 @@ def test_amax_pair_logs_nan_and_records_te_amax():
 
 
 def test_full_stats_return_te_amax_for_a_whatif_state():
-    vec, recorded, _ = stats_call(torch.tensor([math.nan, 3.0, -5.0]), 1.0, 1.0, 1.0, E4M3)
-    assert math.isnan(float(vec[FIELD_INDEX["amax"]])) and float(recorded) == 5.0
+    row, recorded, _ = stats_call(torch.tensor([math.nan, 3.0, -5.0]), 1.0, 1.0, 1.0, E4M3)
+    assert math.isnan(float(wide_stats(row)[FIELD_INDEX["amax"]])) and float(recorded) == 5.0
 
 
 def test_derived_limits_match_torch_finfo():
@@ -153,13 +154,12 @@ def test_the_fused_form_gives_the_eager_forms_numbers(variant):
         key = (x.device.type, x.dtype, fmt.name, per_row, has_deq)
         args = (xv, scale, 1 / scale, torch.tensor(3.0), deq)
         fused, eager = st._make_full_fused(key)(*args), st.FULL_STATS.fallback(key)(*args)  # the CPU compiles no fused form
-        assert fused[0].dtype == eager[0].dtype == torch.float64 and fused[0].shape == eager[0].shape
-        exact = [i for i, (name, _) in enumerate(STAT_FIELDS) if not name.startswith("sq_")]
-        assert torch.equal(fused[0][exact].isnan(), eager[0][exact].isnan())
-        same = (fused[0][exact] == eager[0][exact]) | eager[0][exact].isnan()
-        assert bool(same.all()), (variant, trial, fused[0], eager[0])
-        assert torch.allclose(fused[0], eager[0], rtol=1e-12, equal_nan=True)
-        assert torch.equal(fused[1], eager[1]) or (fused[1].isnan() and eager[1].isnan())
+        assert fused.dtype == eager.dtype == torch.float64 and fused.shape == eager.shape == (N_WIDE,)
+        exact = [i for i, name in enumerate(WIDE_FIELDS) if not name.startswith("sq_")]
+        assert torch.equal(fused[exact].isnan(), eager[exact].isnan())
+        same = (fused[exact] == eager[exact]) | eager[exact].isnan()
+        assert bool(same.all()), (variant, trial, fused, eager)
+        assert torch.allclose(fused, eager, rtol=1e-12, equal_nan=True)
 
 
 def test_the_fused_amax_pair_gives_the_eager_pair():

@@ -30,13 +30,15 @@ def counts() -> dict:
 
 
 def test_full_stats_are_one_pass_and_few_launches_on_cuda(counts):
-    """Budget: 4 launches per tensor (5 with per-row scales); the eager form compiled made 17 (21)."""
-    per_tensor = counts["full_stats (torch.bfloat16, 'e4m3', False, False)"]
-    with_copy = counts["full_stats (torch.bfloat16, 'e4m3', False, True)"]
-    per_row = counts["full_stats (torch.float32, 'e5m2', True, True)"]
-    assert per_tensor[1] <= 4 and with_copy[1] <= 4 and per_row[1] <= 5, counts
-    # the tool still sees the old form as the H200 compiled it: 12 kernels, 17 launches
-    assert counts["full_stats (torch.bfloat16, 'e4m3', False, False) eager form"] == [12, 17], counts
+    """Budget (issue 15): at most 3 generated kernels per captured tensor, and as many launches, for
+    every scale layout; the eager form compiled makes 19 (23 with per-row scales)."""
+    for variant in ("(torch.bfloat16, 'e4m3', False, False)", "(torch.bfloat16, 'e4m3', False, True)",
+                    "(torch.float32, 'e5m2', True, True)"):
+        kernels, launches = counts[f"full_stats {variant}"]
+        assert kernels <= 3 and launches <= 3, (variant, counts)
+    # The tool reproduced an H200's count for the eager form as it then was (12 kernels, 17
+    # launches); the same form, now with the recorded amax in its row, must still count the same way.
+    assert counts["full_stats (torch.bfloat16, 'e4m3', False, False) eager form"] == [12, 19], counts
 
 
 def test_the_emulated_layers_amax_pair_is_two_launches_on_cuda(counts):

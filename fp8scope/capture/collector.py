@@ -45,7 +45,7 @@ class StepCollector:
         self.keys: list[TensorKey] = []
         self._key_ids: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
-        # (row, key id, numel) in execution order. A row is a full-stats vector (N_FIELDS, float64),
+        # (row, key id, numel) in execution order. A row is a full-stats vector (step_payload.N_WIDE, float64),
         # a narrow tuple of 0-d float32 tensors (CHEAP_FIELDS), or a DeferredRow of a what-if bank.
         self.caps: list[tuple[Any, int, int]] = []
         self._recomputed: list[tuple[Any, int, int]] = []  # forwards re-run inside backward

@@ -1,11 +1,13 @@
 """Per-tensor FP8 statistics: one function of (tensor, scales, format), compiled into few kernels.
 
 :func:`full_stats` returns one float64 vector laid out as ``schema.STAT_FIELDS`` on the tensor's
-own device, with no host sync; the collector stacks a step's vectors and moves them to the host in
-a single transfer. The arithmetic is one function, compiled ahead per (device type, dtype, format,
-scale layout) by ``fp8scope.compiled``: inductor's C++ makes it one kernel on the CPU; on an
-accelerator inductor compiles a form written for Triton (:func:`_make_full_fused`: 4 launches per
-tensor, where the eager form compiled to 17; ``benchmarks/triton_kernels.py`` counts them). Until
+own device, with no host sync. The capture path calls :func:`stats_call`, whose row holds the same
+numbers in the order a compiled pass writes them (``step_payload.WIDE_FIELDS``); the collector stacks
+a step's rows and moves them to the host in a single transfer, and the host reorders them. The
+arithmetic is one function, compiled ahead per (device type, dtype, format, scale layout) by
+``fp8scope.compiled``: inductor's C++ makes it one kernel on the CPU; on an accelerator inductor
+compiles a form written for Triton (:func:`_make_full_fused`: 3 kernels and 3 launches per tensor,
+where the eager form compiled to 17 launches; ``benchmarks/triton_kernels.py`` counts them). Until
 a variant is compiled, or with ``FP8SCOPE_COMPILE=0``, the eager form runs, about 37 aten ops
 whatever the tensor's size (no chunking: the temporaries are a few copies of the tensor in float32).
 
@@ -54,9 +56,11 @@ from fp8scope.emulate.amax import recorded_amax
 from fp8scope.emulate.blocks import as_matrix, e2m1_round
 from fp8scope.emulate.recipe_table import E2M1, count, counts as recipe_counts
 from fp8scope.formats import Fp8Format, get_format
-from fp8scope.schema import N_FIELDS, RECIPE_FIELDS
+from fp8scope.schema import RECIPE_FIELDS
+from fp8scope.step_payload import N_WIDE, N_WIDE_MAX, WIDE_INDEX, wide_stats
 
 _INF = float("inf")
+_RECORDED = WIDE_INDEX["recorded_amax"]
 
 
 @lru_cache(maxsize=None)
@@ -114,9 +118,14 @@ def _make_full(key):
         y = m * scale  # the scaled magnitudes the cast sees
         nonzero = m > 0  # NaN compares false
         n_nonzero = count(nonzero)
-        vec = torch.stack([
+        row = torch.stack([  # step_payload.WIDE_FIELDS
             m.amax(),  # NaN propagates
             torch.where(nonzero, m, _INF).amin(),  # smallest non-zero (inf if none)
+            recorded_amax(m),  # TE's amax (NaN ignored), for a what-if state
+            scale.amin() if per_row else scale,
+            scale_inv.amax() if per_row else scale_inv,
+            expected,
+            expected, expected,  # unused: a copy costs no op
             torch.full((), a.numel(), dtype=torch.float64, device=a.device),
             count(m == 0),
             a.numel() - count(m < _INF),  # NaN and Inf
@@ -125,35 +134,34 @@ def _make_full(key):
             count(y > sat),
             torch.linalg.vector_norm(err, 2, dtype=torch.float64).square(),
             torch.linalg.vector_norm(clean, 2, dtype=torch.float64).square(),
-            scale.amin() if per_row else scale,
-            scale_inv.amax() if per_row else scale_inv,
-            expected,
         ])
         if not recipes:
-            return vec, recorded_amax(m)  # TE's amax (NaN ignored), for a what-if state
+            return row
         matrix = whole if whole_given else x
-        return vec, recorded_amax(m), torch.stack([recipe_counts(matrix, r, role) for r in recipes])
+        return row, torch.stack([recipe_counts(matrix, r, role) for r in recipes])
 
     return full_stats
 
 
 def _make_full_fused(key):
-    """The same numbers as :func:`_make_full`, written for inductor: every sum is a column of one
-    ``[elements, 8]`` float64 sum and every max or min a column of one ``[elements, 8]`` amax (a
-    minimum as the max of its negation; the scales as constant columns), so that both reductions
-    run in one pass over the tensor and each finishes in one launch. Eagerly those stacked
-    columns would be 64 bytes per element: this form is only ever compiled.
+    """The same row as :func:`_make_full`, written for inductor: every value reduced by a maximum is
+    a column of one ``[elements, 8]`` stack (a minimum as the max of its negation; the scales as
+    constant columns) and every sum a column of one ``[elements, 8]`` float64 stack, so both
+    reductions run in one pass over the tensor, and each writes its half of the row in place
+    (``step_payload.WIDE_FIELDS`` is laid out for that). Eagerly those stacked columns would be
+    128 bytes per element: this form is only ever compiled.
 
     Why: on CUDA the eager form compiled to 12 Triton kernels and 17 launches per tensor (a split
     reduction finishes each of its outputs in a launch of its own, the scale constants took one
-    launch each, and ``|x|`` was written out in float32 between two passes); this form is one
-    kernel over the tensor and 4 launches with :func:`_compile_options`
-    (``benchmarks/triton_kernels.py`` counts them without a GPU). The trade: Triton gives each
-    column programs of their own, so the tensor is read once per column (8 reads, where the
-    other form read it twice and wrote and read a float32 copy); on an H200 the launches, not the
-    bytes, were the cost of a full-stats call. The sums are float64 sums of 0/1, exact below 2**53
-    elements; the squared norms are summed in float64 as the eager form's
-    ``vector_norm(dtype=float64)`` does (the two may differ in the last bits)."""
+    launch each, and ``|x|`` was written out in float32 between two passes); this form is 3
+    kernels and 3 launches: the pass over the tensor and the two finishing reductions
+    (``benchmarks/triton_kernels.py`` counts them without a GPU). A variant with per-row scales
+    reduces each row first and then the rows, without split reductions (:func:`_compile_options`),
+    which is 3 as well. The trade: Triton gives each column programs of its own, so a flat tensor
+    is read once per column (the other form read it twice and wrote and read a float32 copy); on
+    an H200 the launches, not the bytes, were the cost of a full-stats call. The sums are float64
+    sums of 0/1, exact below 2**53 elements; the squared norms are summed in float64 as the eager
+    form's ``vector_norm(dtype=float64)`` does (the two may differ in the last bits)."""
     _fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
     f64 = torch.float64
 
@@ -165,19 +173,23 @@ def _make_full_fused(key):
         clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0).to(f64)
         y = m * scale
         nonzero = (m > 0).to(f64)
-        sums = torch.stack([  # numel .. sq_signal, in STAT_FIELDS order
+        ones = torch.ones_like(m)
+        held = expected * ones
+        maxed = torch.stack([  # amax .. unused7, WIDE_FIELDS' order
+            m, torch.where(m > 0, m, _INF).neg(), torch.nan_to_num(m, nan=0.0, posinf=_INF),  # recorded_amax's
+            scale.neg() * ones, scale_inv * ones, held, held, held,
+        ], -1)
+        summed = torch.stack([  # numel .. sq_signal
             torch.ones_like(clean), (m == 0).to(f64), 1.0 - (m < _INF).to(f64), (y > fmax).to(f64),
             nonzero - (y > under).to(f64), (y > sat).to(f64), err * err, clean * clean,
-        ], -1).reshape(-1, 8).sum(0)
-        ones = torch.ones_like(m)
-        maxes = torch.stack([
-            m, torch.where(m > 0, m, _INF).neg(), torch.nan_to_num(m, nan=0.0, posinf=_INF),
-            scale.neg() * ones, scale_inv * ones, expected * ones, ones, ones,
-        ], -1).reshape(-1, 8).amax(0)
-        amax, neg_min, recorded, neg_scale, inv, exp, _, _ = maxes.unbind(0)
-        vec = torch.cat([torch.stack([amax, neg_min.neg()]).to(f64), sums,
-                         torch.stack([neg_scale.neg(), inv, exp]).to(f64)])
-        return vec, recorded  # (no other recipes: their variants compile the eager form, see _fused)
+        ], -1)
+        if per_row:  # [rows, cols, k]: each row, then the rows
+            maxes, sums = maxed.amax(1).amax(0), summed.sum(1).sum(0)
+        else:
+            maxes, sums = maxed.reshape(-1, N_WIDE_MAX).amax(0), summed.reshape(-1, N_WIDE - N_WIDE_MAX).sum(0)
+        column = torch.arange(N_WIDE_MAX, device=maxes.device)
+        maxes = torch.where((column == 1) | (column == 3), maxes.neg(), maxes)  # the two minima
+        return torch.cat([maxes.to(f64), sums])  # (no other recipes: their variants compile the eager form)
 
     return full_stats
 
@@ -202,15 +214,19 @@ def _full_examples(key):
 
 
 def _compile_options(key) -> dict | None:
-    """Inductor settings for the fused form: its stacked columns must stay inside the reduction
-    that reads them. By default inductor writes a pointwise node out to memory when it reads more
+    """Inductor settings for the fused form: its stacked columns must stay inside the reductions
+    that read them. By default inductor writes a pointwise node out to memory when it reads more
     than 8 buffers or holds more than 30 ops, which the columns of a variant with a dequantized
-    copy or per-row scales do: 64 bytes per element, a second pass and two more launches. The
-    final vector is assembled in one pointwise kernel (``force_pointwise_cat``) instead of one per
-    piece. The variants that compile the eager form keep inductor's defaults."""
+    copy or per-row scales do: 128 bytes per element, a second pass and more launches. A per-row
+    variant also turns split reductions off: its first stage already has a program per row and
+    column, and a split would finish each stage in two launches (5 in all instead of 3). The
+    variants that compile the eager form keep inductor's defaults."""
     if not _fused(key):
         return None
-    return {"force_pointwise_cat": True, "realize_opcount_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20}
+    options = {"realize_opcount_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20}
+    if key[3]:  # per_row
+        options["split_reductions"] = False
+    return options
 
 
 def _fused(key) -> bool:
@@ -274,8 +290,10 @@ def _shaped(t: torch.Tensor, shape) -> torch.Tensor:
 
 def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, recipes: tuple[str, ...] = (),
                role: str = "activation", whole: torch.Tensor | None = None):
-    """``(vector, recorded amax, recipe matrix)`` of :func:`full_stats`: the recorded amax is TE's
-    (NaN elements ignored), what a what-if delayed-scaling state records; the matrix holds one
+    """``(row, recorded amax, recipe matrix)``: the row is :func:`full_stats`' numbers laid out as
+    ``step_payload.WIDE_FIELDS`` (a float64 device vector; the host reorders it); the recorded amax
+    is TE's (NaN elements ignored, a 0-d float64 view of the row), what a what-if delayed-scaling
+    state records; the matrix holds one
     ``schema.RECIPE_FIELDS`` row per name in ``recipes`` (None without), measured on ``whole`` (the
     matrix ``x`` is a view of blocks of; default ``x`` itself) as a tensor of ``role``. Empty
     tensors give zero counts."""
@@ -287,10 +305,12 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, rec
     # variants see the 0-d value they were made for (a rank the guards did not see runs eagerly)
     e = e.reshape(()) if e.numel() == 1 else e.amax()
     if x.numel() == 0:
-        vec = torch.tensor([0.0, _INF, 0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 0], dtype=torch.float64, device=dev)
-        vec[10], vec[11], vec[12] = s.amin(), si.amax(), e.amax()
+        row = torch.zeros(N_WIDE, dtype=torch.float64, device=dev)  # WIDE_FIELDS
+        row[1] = _INF
+        row[3], row[4] = s.amin(), si.amax()
+        row[5:8] = e.amax()
         matrix = torch.zeros(len(recipes), len(RECIPE_FIELDS), dtype=torch.float64, device=dev) if recipes else None
-        return vec, torch.zeros((), dtype=torch.float32, device=dev), matrix
+        return row, row[2], matrix
     rows_s, rows_si = _rows_of(s, x), _rows_of(si, x)
     if rows_s is None or rows_si is None:
         raise ValueError(f"scale of shape {tuple(s.shape)} does not fit a tensor of shape {tuple(x.shape)}")
@@ -307,10 +327,13 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, rec
         d = _shaped(deq.detach() if deq.requires_grad else deq, xv.shape)
     key = (dev.type, x.dtype, fmt.name, per_row, d is not None)
     if not recipes:
-        return (*FULL_STATS.get(key)(xv, s, si, e, d), None)
+        row = FULL_STATS.get(key)(xv, s, si, e, d)
+        return row, row[_RECORDED], None
     if whole is None or whole is x:
-        return FULL_STATS.get((*key, tuple(recipes), role, False))(xv, s, si, e, d)
-    return FULL_STATS.get((*key, tuple(recipes), role, True))(xv, s, si, e, d, as_matrix(whole))
+        row, matrix = FULL_STATS.get((*key, tuple(recipes), role, False))(xv, s, si, e, d)
+    else:
+        row, matrix = FULL_STATS.get((*key, tuple(recipes), role, True))(xv, s, si, e, d, as_matrix(whole))
+    return row, row[_RECORDED], matrix
 
 
 def full_stats(
@@ -327,7 +350,4 @@ def full_stats(
     or per-block scaling, ``x`` viewed as ``[rows, -1]``). ``deq`` is the dequantized tensor when
     the caller already quantized ``x`` (our emulated linear); otherwise ``x`` is quantized here
     to measure the error."""
-    return stats_call(x, scale, scale_inv, expected_amax, fmt, deq)[0]
-
-
-assert N_FIELDS == 13  # the layout full_stats writes (schema.STAT_FIELDS)
+    return wide_stats(stats_call(x, scale, scale_inv, expected_amax, fmt, deq)[0])

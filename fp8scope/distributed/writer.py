@@ -101,6 +101,7 @@ class DistributedWriter(BackgroundWriter):
         self._scalar_name: dict[int, str] = {}
         self._onset = OnsetFilter(check.repeat)
         self.exchange_failed: str | None = None
+        self._last_exchange = None
         self.exchanges = 0  # collectives issued (tests and overhead reports read it)
         self.unknown_rows = 0
         self._warned: set[str] = set()
@@ -153,6 +154,11 @@ class DistributedWriter(BackgroundWriter):
         t = torch.from_numpy(np.ascontiguousarray(wire))
         out = [torch.empty_like(t) for _ in range(self._world)]
         dist.all_gather(out, t, group=self._group)
+        # Held until the next exchange: gloo's worker thread lets go of its work (and these tensors)
+        # just after the wait returns, and a tensor made from Python that a C++ thread frees last takes
+        # the GIL to do it, which aborts the process if that happens during interpreter shutdown
+        # (pytorch/pytorch#179291). With this reference a Python thread frees them.
+        self._last_exchange = (t, out)
         self.exchanges += 1
         return torch.stack(out).numpy()
 

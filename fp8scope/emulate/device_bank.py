@@ -136,7 +136,7 @@ class DeviceDelayedBank:
             self._blocks.append(values)
         if self._recorded:
             slots = list(self._recorded)
-            amaxes = torch.stack([self._recorded.pop(s) for s in slots])
+            amaxes = torch.stack([self._recorded.pop(s) for s in slots]).to(torch.float32)
             self._update(self._index(slots), amaxes)
 
     def take_rows(self) -> torch.Tensor | None:
@@ -188,13 +188,15 @@ class DeviceDelayedBank:
         """``(scale, scale_inv, expected_amax)`` to quantize ``slot``'s tensor with now (0-d tensors
         of their own; a pending update of the slot applied first)."""
         if slot in self._recorded:
-            self._update(self._index([slot]), self._recorded.pop(slot).reshape(1))
+            self._update(self._index([slot]), self._recorded.pop(slot).reshape(1).to(torch.float32))
         both = torch.stack([self.scale[slot], self.scale_inv[slot], self.expected[slot]])
         return both[0], both[1], both[2]
 
     def record_amax(self, slot: int, amax: torch.Tensor | float) -> None:
         """Record the amax of the tensor :meth:`scales` was asked for (the update waits for :meth:`resolve`)."""
-        self._recorded[slot] = torch.as_tensor(amax, dtype=torch.float32, device=self.device).reshape(())
+        # as given (the stats row's float64 view, or a float): made float32 once per step, in the stack
+        self._recorded[slot] = amax.reshape(()) if isinstance(amax, torch.Tensor) else torch.tensor(
+            float(amax), dtype=torch.float32, device=self.device)
 
     # ---- the update ----------------------------------------------------------------------
     def _update(self, slots: tuple[list[int], torch.Tensor | None], last: torch.Tensor) -> None:
