@@ -16,6 +16,7 @@ written against torch 2.13 and triton 3.9, and a later torch may need the patche
 
     python benchmarks/triton_kernels.py          # .ci/setup.sh puts triton in .triton/ (used if present)
     python benchmarks/triton_kernels.py --code /tmp/full_stats_triton.py   # also write the code
+    python benchmarks/triton_kernels.py --recipes ''                       # without the other recipes
 
 Counts only: how fast the kernels run needs a GPU (``benchmarks/gpu_check.sh``).
 """
@@ -144,6 +145,9 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--code", help="write the generated code of the first full-stats variant here")
     ap.add_argument("--json", action="store_true", help="one JSON object: {name: [kernels, launches]}")
+    ap.add_argument("--recipes", default="current,block128,rowwise,mxfp8_floor,bf16",
+                    help="the other recipes to count a full-stats variant with, one at a time (comma-separated; "
+                         "'' for none; mxfp8 and nvfp4 make constants on the device, which the generator cannot trace)")
     args = ap.parse_args()
     if os.path.isdir(os.path.join(_ROOT, ".triton")):  # .ci/setup.sh installs triton there, apart from the venv
         sys.path.append(os.path.join(_ROOT, ".triton"))
@@ -175,6 +179,19 @@ def main() -> int:
         counts[f"full_stats {rest} eager form"] = list(kernels_and_launches(before))
         say("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
             label, *counts[f"full_stats {rest}"], *counts[f"full_stats {rest} eager form"]))
+    recipes = [r for r in args.recipes.split(",") if r]
+    if recipes:
+        say("full stats measuring one other recipe too (Monitor(whatif_recipes=...), full steps; bf16 activation):")
+    for recipe in recipes:
+        rest = (torch.bfloat16, "e4m3", False, False, (recipe,), "activation", False)
+        key = ("cuda", *rest)
+        examples = stats._full_examples(("cpu", *rest))
+        now = triton_code(stats.traced_form(key), examples, stats.FULL_STATS.options(key))
+        before = triton_code(stats.FULL_STATS.fallback(key), examples)
+        counts[f"full_stats + {recipe}"] = list(kernels_and_launches(now))
+        counts[f"full_stats + {recipe} eager form"] = list(kernels_and_launches(before))
+        say("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
+            recipe, *counts[f"full_stats + {recipe}"], *counts[f"full_stats + {recipe} eager form"]))
     ex = amax._examples(("cpu", torch.bfloat16))
     counts["amax_pair"] = list(kernels_and_launches(triton_code(amax._fused_pair, ex)))
     counts["amax_pair eager form"] = list(kernels_and_launches(triton_code(lambda x: amax.amaxes_of_magnitudes(x.abs()), ex)))

@@ -127,11 +127,12 @@ def test_torchao_real_fp8_gemms(tmp_path):
     assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-3)).all()
 
 
-@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("layout", ["per_tensor", "per_row", "recipes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype, per_row):
+def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype, layout):
     """The stats pass compiled to Triton gives the eager numbers, and the CPU's, on CUDA tensors;
-    per-row scales compile another form (each row, then the rows; no split reductions)."""
+    per-row scales compile another form (each row, then the rows; no split reductions), and other
+    recipes are measured in the same graph as the fused stats."""
     import os
 
     from fp8scope.capture.stats import FULL_STATS, stats_call
@@ -141,24 +142,31 @@ def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype, per_row):
     x = (torch.randn(1000, 257) * torch.logspace(-6, 3, 257)).to(dtype).cuda()
     x[0, 0], x[1, 1] = float("nan"), float("inf")
     scale = torch.tensor(448 / 30.0, device="cuda")
-    if per_row:
+    if layout == "per_row":
         scale = torch.rand(1000, 1, device="cuda") * 20 + 0.5
+    recipes = ("current", "block128") if layout == "recipes" else ()
     fmt = get_format("e4m3")
+    call = lambda t, s: stats_call(t, s, 1 / s, 30.0, fmt, recipes=recipes)  # noqa: E731
     old = os.environ.get("FP8SCOPE_COMPILE")
     try:
         os.environ["FP8SCOPE_COMPILE"] = "0"
-        eager, rec_e, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)
+        eager, rec_e, mat_e = call(x, scale)
         os.environ["FP8SCOPE_COMPILE"] = "sync"
-        key = ("cuda", dtype, "e4m3", per_row, False)
+        key = ("cuda", dtype, "e4m3", layout == "per_row", False)
+        if recipes:
+            key = (*key, recipes, "activation", False)
         assert FULL_STATS.wait(key), FULL_STATS.failures
-        compiled, rec_c, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)
+        compiled, rec_c, mat_c = call(x, scale)
     finally:
         os.environ["FP8SCOPE_COMPILE"] = old if old is not None else "0"
-    cpu, _, _ = stats_call(x.cpu(), scale.cpu(), 1 / scale.cpu(), 30.0, fmt)
+    cpu, _, mat_cpu = call(x.cpu(), scale.cpu())
     for got in (compiled.cpu(), cpu):
         same = torch.isclose(got, eager.cpu(), rtol=1e-6, equal_nan=True)
         assert bool(same.all()), (got, eager)
     assert float(rec_c) == float(rec_e)
+    if recipes:
+        for got in (mat_c.cpu(), mat_cpu):
+            assert torch.allclose(got, mat_e.cpu(), rtol=1e-6, equal_nan=True), (got, mat_e)
 
 
 def test_emulated_layer_compiles_without_breaks_on_cuda():

@@ -130,7 +130,7 @@ def test_derived_limits_match_torch_finfo():
         assert float((smallest / 2).to(fmt.dtype).float()) == 0.0  # and nothing below it
 
 
-@pytest.mark.parametrize("variant", ["per_tensor", "deq", "per_row"])
+@pytest.mark.parametrize("variant", ["per_tensor", "deq", "per_row", "recipes"])
 def test_the_fused_form_gives_the_eager_forms_numbers(variant):
     """The form inductor compiles (stacked columns, one reduction per kind: few launches on CUDA) and
     the eager form are one definition written twice: run eagerly on adversarial tensors (NaN, Inf,
@@ -142,18 +142,24 @@ def test_the_fused_form_gives_the_eager_forms_numbers(variant):
     for trial in range(20):
         x = torch.randn(16, 40, generator=g) * torch.logspace(-12, 6, 40)
         x[trial % 16, trial % 40] = [math.nan, math.inf, -math.inf, 0.0, 1e-44, 1e5][trial % 6]
-        x = x.to(torch.bfloat16) if variant == "per_tensor" else x
+        x = x.to(torch.bfloat16) if variant in ("per_tensor", "recipes") else x
         fmt = E4M3 if trial % 2 else E5M2
-        per_row, has_deq = variant == "per_row", variant != "per_tensor"
+        per_row, has_deq = variant == "per_row", variant in ("deq", "per_row")
         if per_row:
             scale = torch.rand(16, 1, generator=g) * 10 ** (trial % 5)
             xv = x
-        else:
-            scale, xv = torch.tensor(float(10 ** (trial % 5 - 2))), x.reshape(-1)
+        else:  # with other recipes the stats read the matrix, as stats_call hands it over
+            scale = torch.tensor(float(10 ** (trial % 5 - 2)))
+            xv = x if variant == "recipes" else x.reshape(-1)
         deq = (xv.float() * 0.999) if has_deq else None
         key = (x.device.type, x.dtype, fmt.name, per_row, has_deq)
+        if variant == "recipes":
+            key = (*key, ("current", "bf16"), "activation", False)
         args = (xv, scale, 1 / scale, torch.tensor(3.0), deq)
         fused, eager = st._make_full_fused(key)(*args), st.FULL_STATS.fallback(key)(*args)  # the CPU compiles no fused form
+        if variant == "recipes":  # the recipes' rows: one expression in both forms
+            assert torch.equal(fused[1], eager[1]) or torch.allclose(fused[1], eager[1], equal_nan=True)
+            fused, eager = fused[0], eager[0]
         assert fused.dtype == eager.dtype == torch.float64 and fused.shape == eager.shape == (N_WIDE,)
         exact = [i for i, name in enumerate(WIDE_FIELDS) if not name.startswith("sq_")]
         assert torch.equal(fused[exact].isnan(), eager[exact].isnan())

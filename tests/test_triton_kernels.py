@@ -23,7 +23,8 @@ pytestmark = pytest.mark.skipif(not os.path.isdir(os.path.join(ROOT, ".triton", 
 
 @pytest.fixture(scope="module")
 def counts() -> dict:
-    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "triton_kernels.py"), "--json"],
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "triton_kernels.py"), "--json",
+                          "--recipes", "current"],
                          capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert out.returncode == 0, out.stderr[-3000:]
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -43,3 +44,10 @@ def test_full_stats_are_one_pass_and_few_launches_on_cuda(counts):
 
 def test_the_emulated_layers_amax_pair_is_two_launches_on_cuda(counts):
     assert counts["amax_pair"][1] <= 2, counts
+
+
+def test_a_variant_measuring_another_recipe_compiles_the_fused_stats_too(counts):
+    """Full steps of ``Monitor(whatif_recipes=["current"])``: the fused stats (3 launches) and the
+    recipe's counts in one graph, 14 launches, where the eager form compiled made 30."""
+    assert counts["full_stats + current"][1] <= 14, counts
+    assert counts["full_stats + current eager form"][1] >= 2 * counts["full_stats + current"][1], counts

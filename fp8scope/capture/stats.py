@@ -101,7 +101,7 @@ def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq):
 def _make_full(key):
     """The eager stats function of one variant: the format's limits are constants in its code. A
     variant with other recipes (``recipes``, the tensor's base ``role``) also measures each of them
-    on the same tensor (``emulate.recipe_table.counts``) and returns their vectors as a third
+    on the same tensor (``emulate.recipe_table.counts``) and returns their vectors as a second
     output: ``whole_given`` when the matrix they read is not ``x`` itself (``x`` is then a view of
     blocks). About 37 ops whatever the size, each a pass over the tensor at most: what runs while
     the compiled form (:func:`_make_full_fused`, the same numbers) is not ready or not wanted."""
@@ -135,10 +135,7 @@ def _make_full(key):
             torch.linalg.vector_norm(err, 2, dtype=torch.float64).square(),
             torch.linalg.vector_norm(clean, 2, dtype=torch.float64).square(),
         ])
-        if not recipes:
-            return row
-        matrix = whole if whole_given else x
-        return row, torch.stack([recipe_counts(matrix, r, role) for r in recipes])
+        return row if not recipes else (row, _recipe_matrix(x, whole, recipes, role, whole_given))
 
     return full_stats
 
@@ -162,7 +159,7 @@ def _make_full_fused(key):
     an H200 the launches, not the bytes, were the cost of a full-stats call. The sums are float64
     sums of 0/1, exact below 2**53 elements; the squared norms are summed in float64 as the eager
     form's ``vector_norm(dtype=float64)`` does (the two may differ in the last bits)."""
-    _fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
+    _fmt, fmax, sat, under, dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
     f64 = torch.float64
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
@@ -189,9 +186,17 @@ def _make_full_fused(key):
             maxes, sums = maxed.reshape(-1, N_WIDE_MAX).amax(0), summed.reshape(-1, N_WIDE - N_WIDE_MAX).sum(0)
         column = torch.arange(N_WIDE_MAX, device=maxes.device)
         maxes = torch.where((column == 1) | (column == 3), maxes.neg(), maxes)  # the two minima
-        return torch.cat([maxes.to(f64), sums])  # (no other recipes: their variants compile the eager form)
+        row = torch.cat([maxes.to(f64), sums])
+        return row if not recipes else (row, _recipe_matrix(x, whole, recipes, role, whole_given))
 
     return full_stats
+
+
+def _recipe_matrix(x, whole, recipes, role, whole_given):
+    """The other recipes' ``RECIPE_FIELDS`` rows, measured on the matrix ``x`` is (or is a view of
+    the blocks of): the same expression in both forms, so in the same graph as the stats."""
+    matrix = whole if whole_given else x
+    return torch.stack([recipe_counts(matrix, r, role) for r in recipes])
 
 
 def _full_examples(key):
@@ -232,9 +237,11 @@ def _compile_options(key) -> dict | None:
 def _fused(key) -> bool:
     """Whether a variant compiles the fused form: on accelerators (Triton), not on the CPU, where
     inductor's C++ makes the eager form one loop nest already and runs the stacked columns several
-    times slower; nor for the variants that also measure other recipes (full steps of
-    ``Monitor(whatif_recipes=...)`` only), whose graphs are much larger."""
-    return key[0] != "cpu" and len(key) <= 5
+    times slower. A variant that also measures other recipes (full steps of
+    ``Monitor(whatif_recipes=...)``) compiles it too, with the recipes' counts in the same graph,
+    except with per-row scales: those turn split reductions off for the whole graph, where the
+    recipes' whole-tensor reductions need them."""
+    return key[0] != "cpu" and (len(key) <= 5 or not key[3])
 
 
 def traced_form(key):
