@@ -14,11 +14,16 @@
 3. Monitored / unmonitored step time of the demo model, eager and ``torch.compile``d, at
    ``every=50`` and ``every=1``: paired ratios, timed interleaved (round-robin blocks of steps);
    ``--whatif-recipes`` adds a monitor that also measures those recipes.
+3b. Where a what-if monitor's time goes at ``every=50`` (the demo model, eager), five
+   configurations timed interleaved in one run: unmonitored; cheap captures only (no online
+   detection, no extra full steps after a suspicious one); those plus online detection; ``every=50``
+   without detection or extra full steps; the default monitor.
 
     python benchmarks/capture_cost.py                 # all sections, ~6 minutes on a 2-core CPU
     python benchmarks/capture_cost.py --sections ops  # section 2 only (deterministic)
     python benchmarks/capture_cost.py --sections recipes,ratio --whatif-recipes all  # other recipes' cost
     python benchmarks/capture_cost.py --device cuda   # on a GPU
+    python benchmarks/capture_cost.py --sections parts --rounds 10  # section 3b only
 
 Op and kernel counts are deterministic; timings are this machine's, printed as ratios measured in
 one run. Section 3 times the product's default: on a GPU the stats compiled (synchronously here,
@@ -213,6 +218,31 @@ def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("ea
             print(f"   {mode} {label:9s} plain {min(plain_ms):7.1f} ms/step   {'  '.join(cells)}")
 
 
+def ratio_parts(device: str, rounds: int, block: int) -> None:
+    print("\n3b. where a what-if monitor's time goes at every=50, demo model, eager (paired ratios, interleaved)")
+    os.environ["FP8SCOPE_COMPILE"] = "0" if device == "cpu" else "sync"
+    configs = {
+        "plain": None,
+        "cheap captures only": dict(every=10**9, detect=False, full_on_anomaly=0),
+        "  + online detection": dict(every=10**9, full_on_anomaly=0),
+        "every=50, no detection, no extra full steps": dict(every=50, detect=False, full_on_anomaly=0),
+        "every=50, the default monitor": dict(every=50),
+    }
+    setups = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, kwargs) in enumerate(configs.items()):
+            setup = train.build(fp8="off", quiet=True, device=device)
+            mon = None if kwargs is None else fp8scope.Monitor(setup.model, os.path.join(tmp, str(i)), **kwargs)
+            setups[name] = (setup, mon)
+        sync = torch.cuda.synchronize if device.startswith("cuda") else None
+        medians, paired = time_interleaved(setups, rounds, block, warmup=3, sync=sync)
+        for _, mon in setups.values():
+            if mon is not None:
+                mon.close()
+    for name in configs:
+        print(f"   {name:45s} {medians[name] * 1e3:7.1f} ms/step   {paired[name]:.3f}x")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -235,6 +265,8 @@ def main() -> int:
         per_recipe(args.device, args.reps)
     if "ops" in sections:
         step_ops(args.device)
+    if "parts" in sections:
+        ratio_parts(args.device, args.rounds, args.block)
     if "ratio" in sections:
         compile_stats = args.compile_stats or (args.device != "cpu" and not args.no_compile_stats)
         from fp8scope.emulate.recipe_table import RECIPES
