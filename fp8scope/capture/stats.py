@@ -7,7 +7,7 @@ a step's rows and moves them to the host in a single transfer, and the host reor
 arithmetic is one function, compiled ahead per (device type, dtype, format, scale layout) by
 ``fp8scope.compiled``: inductor's C++ makes it one kernel on the CPU; on an accelerator inductor
 compiles a form written for Triton (:func:`_make_full_fused`: 3 kernels and 3 launches per tensor,
-where the eager form compiled to 17 launches; ``benchmarks/triton_kernels.py`` counts them). Until
+where the eager form compiles to 19 launches; ``benchmarks/triton_kernels.py`` counts them). Until
 a variant is compiled, or with ``FP8SCOPE_COMPILE=0``, the eager form runs, about 37 aten ops
 whatever the tensor's size (no chunking: the temporaries are a few copies of the tensor in float32).
 
@@ -148,9 +148,10 @@ def _make_full_fused(key):
     (``step_payload.WIDE_FIELDS`` is laid out for that). Eagerly those stacked columns would be
     128 bytes per element: this form is only ever compiled.
 
-    Why: on CUDA the eager form compiled to 12 Triton kernels and 17 launches per tensor (a split
-    reduction finishes each of its outputs in a launch of its own, the scale constants took one
-    launch each, and ``|x|`` was written out in float32 between two passes); this form is 3
+    Why: on an H200 the eager form (as it then was) compiled to 12 Triton kernels and 17 launches
+    per tensor (a split reduction finishes each of its outputs in a launch of its own, the scale
+    constants took one launch each, and ``|x|`` was written out in float32 between two passes;
+    with the recorded amax in its row it compiles to 19 launches now); this form is 3
     kernels and 3 launches: the pass over the tensor and the two finishing reductions
     (``benchmarks/triton_kernels.py`` counts them without a GPU). A variant with per-row scales
     reduces each row first and then the rows, without split reductions (:func:`_compile_options`),
