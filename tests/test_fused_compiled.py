@@ -1,0 +1,49 @@
+"""The fused full-stats form as inductor compiles it, against the eager form.
+
+On a GPU the fused form (``capture.stats._make_full_fused``) is what runs; ``tests/test_stats.py``
+checks its arithmetic eagerly, and ``tests/test_gpu.py`` compiled to Triton where a GPU is lent.
+Here inductor compiles it with the variant's own options (realize thresholds; per-row scales without
+split reductions; other recipes in the same graph) to C++, on adversarial tensors (NaN, Inf, zeros,
+subnormals, values past the format's range), so a lowering that changes a number (NaN through a
+max, the minima's negation, float64 sums) fails without a GPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from fp8scope.capture import stats as st
+
+
+@pytest.mark.parametrize("variant", ["per_tensor", "deq", "per_row", "recipes"])
+def test_the_fused_form_compiled_gives_the_eager_numbers(variant):
+    per_row, has_deq = variant == "per_row", variant in ("deq", "per_row")
+    dtype = torch.bfloat16 if variant in ("per_tensor", "recipes") else torch.float32
+    key = ("cpu", dtype, "e4m3", per_row, has_deq)
+    if variant == "recipes":
+        key = (*key, ("current", "bf16"), "activation", False)
+    options = st._compile_options(("cuda", *key[1:]))  # the options the variant compiles with on a GPU
+    assert options is not None and options.get("split_reductions", True) is not per_row
+    compiled = torch.compile(st._make_full_fused(key), dynamic=True, options=options)
+    eager = st._make_full(key)
+    g = torch.Generator().manual_seed(0)
+    for trial in range(6):
+        x = torch.randn(64, 200, generator=g) * torch.logspace(-12, 6, 200)
+        x[trial, trial] = [math.nan, math.inf, -math.inf, 0.0, 1e-44, 1e5][trial]
+        x = x.to(dtype)
+        if per_row:
+            scale, xv = torch.rand(64, 1, generator=g) * 10 ** (trial % 5), x
+        else:  # with other recipes the stats read the matrix, as stats_call hands it over
+            scale = torch.tensor(float(10 ** (trial % 5 - 2)))
+            xv = x if variant == "recipes" else x.reshape(-1)
+        deq = xv.float() * 0.999 if has_deq else None
+        args = (xv, scale, 1 / scale, torch.tensor(3.0), deq)
+        with torch.no_grad():  # as fp8scope.compiled runs it
+            got, want = compiled(*args), eager(*args)
+        if variant == "recipes":
+            assert torch.allclose(got[1], want[1], rtol=1e-9, equal_nan=True), (trial, got[1], want[1])
+            got, want = got[0], want[0]
+        assert torch.equal(got.isnan(), want.isnan()), (variant, trial, got, want)
+        assert torch.allclose(got, want, rtol=1e-9, equal_nan=True), (variant, trial, got, want)
