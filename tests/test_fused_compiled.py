@@ -47,3 +47,22 @@ def test_the_fused_form_compiled_gives_the_eager_numbers(variant):
             got, want = got[0], want[0]
         assert torch.equal(got.isnan(), want.isnan()), (variant, trial, got, want)
         assert torch.allclose(got, want, rtol=1e-9, equal_nan=True), (variant, trial, got, want)
+
+
+def test_the_recipes_fused_sums_give_the_eager_counts():
+    """``recipe_table.counts(fused=True)`` (the six sums stacked, one reduction: the form compiled on a
+    GPU) and the eager form (each column reduced alone): the same vector for every recipe and role,
+    NVFP4 gradients' expectations included, on a tensor with NaN, Inf, zeros and subnormals."""
+    from fp8scope.emulate.recipe_table import RECIPES, counts
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 256, generator=g) * torch.logspace(-10, 5, 256)
+    x[0, 0], x[1, 1], x[2, 2], x[3, :7] = math.nan, math.inf, -math.inf, 0.0
+    x[4, 4] = 1e-42
+    for recipe in RECIPES:
+        for role in ("activation", "weight", "gradient"):
+            fused, eager = counts(x, recipe, role, fused=True), counts(x, recipe, role)
+            assert fused.shape == eager.shape == (8,), (recipe, role)
+            exact = [0, 1, 3, 7] if recipe == "nvfp4" and role == "gradient" else [0, 1, 2, 3, 4, 7]
+            assert torch.equal(fused[exact], eager[exact]), (recipe, role, fused, eager)
+            assert torch.allclose(fused, eager, rtol=1e-9, equal_nan=True), (recipe, role, fused, eager)

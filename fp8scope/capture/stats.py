@@ -188,16 +188,17 @@ def _make_full_fused(key):
         column = torch.arange(N_WIDE_MAX, device=maxes.device)
         maxes = torch.where((column == 1) | (column == 3), maxes.neg(), maxes)  # the two minima
         row = torch.cat([maxes.to(f64), sums])
-        return row if not recipes else (row, _recipe_matrix(x, whole, recipes, role, whole_given))
+        return row if not recipes else (row, _recipe_matrix(x, whole, recipes, role, whole_given, fused=True))
 
     return full_stats
 
 
-def _recipe_matrix(x, whole, recipes, role, whole_given):
+def _recipe_matrix(x, whole, recipes, role, whole_given, fused=False):
     """The other recipes' ``RECIPE_FIELDS`` rows, measured on the matrix ``x`` is (or is a view of
-    the blocks of): the same expression in both forms, so in the same graph as the stats."""
+    the blocks of), in the same graph as the stats; ``fused``: each recipe's sums in one stacked
+    reduction (``recipe_table.counts``)."""
     matrix = whole if whole_given else x
-    return torch.stack([recipe_counts(matrix, r, role) for r in recipes])
+    return torch.stack([recipe_counts(matrix, r, role, fused=fused) for r in recipes])
 
 
 def _full_examples(key):

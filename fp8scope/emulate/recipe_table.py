@@ -123,10 +123,16 @@ def count(mask: torch.Tensor) -> torch.Tensor:
     return torch.count_nonzero(mask)
 
 
-def counts(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
+def counts(x: torch.Tensor, recipe: str, role: str, fused: bool = False) -> torch.Tensor:
     """``x`` (2-D) under ``recipe``: ``schema.RECIPE_FIELDS`` as a float64 vector on its device (see
     ``capture.stats`` for what each count means). NVFP4 gradients: expected counts and squared error
-    under TE's stochastic rounding."""
+    under TE's stochastic rounding.
+
+    The six sums are per-element columns (masks, values, or values to square). Eagerly each is
+    reduced alone, so no stacked copy of the tensor is held; ``fused`` stacks them and sums them in
+    one reduction, the form inductor compiles on a GPU (``capture.stats._make_full_fused``: one pass
+    and two finishing launches where the columns reduced alone took two launches each). The same
+    numbers either way, but for the sums of squares' last bits."""
     blocks, elem = scaled(x, recipe, role)
     a = (x.detach() if blocks is None else blocks.x).float()
     m = a.abs()
@@ -142,32 +148,58 @@ def counts(x: torch.Tensor, recipe: str, role: str) -> torch.Tensor:
         q, deq = quantize(blocks, elem)
         top = E2M1_MAX if elem == E2M1 else _ELEMENTS[elem].max
     clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+    over = y > top if blocks is not None else m > top
     if elem == E2M1 and role == "gradient":
-        underflow, saturated, sq_err = _stochastic_e2m1(a, y, blocks, nonzero)
+        underflow, saturated, sq_err = ((_SUM, c) for c in _stochastic_e2m1(a, y, blocks, nonzero))
     else:
         err = torch.nan_to_num(deq - a, nan=0.0, posinf=0.0, neginf=0.0)
-        underflow = count(nonzero & (deq == 0)).to(f64)
-        saturated = (count((q.abs() == top) & (m < float("inf"))).to(f64) if blocks is not None
-                     else torch.zeros((), dtype=f64, device=a.device))
-        sq_err = torch.linalg.vector_norm(err, 2, dtype=f64).square()
-    return torch.stack([
-        torch.full((), a.numel(), dtype=f64, device=a.device),
-        count(nonzero).to(f64),
-        underflow,
-        count(y > top).to(f64) if blocks is not None else count(m > top).to(f64),
-        saturated,
-        sq_err,
-        torch.linalg.vector_norm(clean, 2, dtype=f64).square(),
-        (torch.nan_to_num(y, nan=0.0).amax() / top).to(f64),  # how far the worst value clips (> 1)
+        underflow = (_COUNT, nonzero & (deq == 0))
+        saturated = (_COUNT, (q.abs() == top) & (m < float("inf"))) if blocks is not None else (_NONE, m)
+        sq_err = (_SQUARES, err)
+    columns = [(_COUNT, nonzero), underflow, (_COUNT, over), saturated, sq_err, (_SQUARES, clean)]
+    if fused:
+        sums = torch.stack([_summand(kind, c) for kind, c in columns], -1).reshape(-1, len(columns)).sum(0)
+    else:
+        sums = torch.stack([_reduced(kind, c) for kind, c in columns])
+    return torch.cat([
+        torch.full((1,), a.numel(), dtype=f64, device=a.device),
+        sums,
+        (torch.nan_to_num(y, nan=0.0).amax() / top).to(f64).reshape(1),  # how far the worst value clips (> 1)
     ])
 
 
+# how a column of ``counts`` sums: a mask's true elements, values, squares of values; or nothing
+_COUNT, _SUM, _SQUARES, _NONE = "count", "sum", "squares", "none"
+
+
+def _reduced(kind: str, column: torch.Tensor) -> torch.Tensor:
+    """One column summed alone, as a float64 0-d tensor (the eager form)."""
+    f64 = torch.float64
+    if kind == _COUNT:
+        return count(column).to(f64)
+    if kind == _SUM:
+        return column.sum(dtype=f64)
+    if kind == _SQUARES:
+        return torch.linalg.vector_norm(column, 2, dtype=f64).square()
+    return torch.zeros((), dtype=f64, device=column.device)
+
+
+def _summand(kind: str, column: torch.Tensor) -> torch.Tensor:
+    """What one element adds to its column's sum, in float64 (the fused form)."""
+    f64 = torch.float64
+    if kind == _SQUARES:
+        c = column.to(f64)
+        return c * c
+    if kind == _NONE:
+        return torch.zeros_like(column, dtype=f64)
+    return column.to(f64)
+
+
 def _stochastic_e2m1(a, y, blocks, nonzero):
-    """Expected underflow, saturation and squared error of E2M1 with stochastic rounding
+    """Per element, the expected underflow, saturation and squared error of E2M1 with stochastic rounding
     (``blocks.e2m1_stochastic``): a value flushes with probability ``1 - p_up`` when its lower
     neighbour is 0, lands on 6 with ``p_up`` when its upper one is, and its expected squared error is
     ``(a - lo)(hi - a)`` in the scaled domain, plus what clipping at 6 takes."""
-    f64 = torch.float64
     c, lo, hi, p_up = e2m1_stochastic(y)
     dec = blocks.scale_inv
     live = blocks.scale_inv > 0  # a block whose own scale flushed decodes to 0: all its values are lost
@@ -177,5 +209,4 @@ def _stochastic_e2m1(a, y, blocks, nonzero):
     sq = torch.where(live, (c - lo) * (hi - c) * dec * dec, a * a) + over * over
     sq = torch.nan_to_num(sq, nan=0.0, posinf=0.0, neginf=0.0)
     finite = (a.abs() < float("inf")).float()
-    return ((flushed * finite).sum(dtype=f64), (on_top * finite).sum(dtype=f64),
-            (sq * finite).sum(dtype=f64))
+    return flushed * finite, on_top * finite, sq * finite
