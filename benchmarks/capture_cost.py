@@ -186,6 +186,28 @@ def step_ops(device: str) -> None:
             print(f"   {label:22s} {kind:5s} step: +{extra:5d} ops for {n} tensors = {extra / n:5.2f} per tensor")
 
 
+def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: int, block: int):
+    """Medians and paired ratios (:func:`overhead.time_interleaved`) of the demo model under each
+    configuration: ``configs`` maps a name to the Monitor's keyword arguments, None for the model
+    unmonitored ("plain", the ratios' reference). A monitor's what-if recipe is the model's own."""
+    setups = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for i, (name, kwargs) in enumerate(configs.items()):
+            setup = train.build(fp8=fp8, quiet=True, device=device)
+            if compiled:
+                setup.model = torch.compile(setup.model)
+            mon = None if kwargs is None else fp8scope.Monitor(setup.model, os.path.join(tmp, str(i)),
+                                                               recipe=setup.recipe or None, **kwargs)
+            setups[name] = (setup, mon)
+        sync = torch.cuda.synchronize if device.startswith("cuda") else None
+        try:
+            return time_interleaved(setups, rounds, block, warmup=6 if compiled else 3, sync=sync)
+        finally:
+            for _, mon in setups.values():
+                if mon is not None:
+                    mon.close()
+
+
 def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("eager", "compiled"),
            models=("off", "delayed"), whatif_recipes=()) -> None:
     print("\n3. monitored / unmonitored step time, demo model (paired ratios, interleaved)")
@@ -194,23 +216,10 @@ def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("ea
         for fp8, label in [(f, lab) for f, lab in (("off", "what-if"), ("delayed", "emulated")) if f in models]:
             cells, plain_ms = [], []
             for every in (50, 1):  # apart: a monitor's writer and detector threads must not load the other's timing
-                setups = {}
-                with tempfile.TemporaryDirectory() as tmp:
-                    for cfg in ("plain", "monitored") + (("recipes",) if whatif_recipes else ()):
-                        setup = train.build(fp8=fp8, quiet=True, device=device)
-                        if compiled:
-                            setup.model = torch.compile(setup.model)
-                        mon = None
-                        if cfg != "plain":
-                            mon = fp8scope.Monitor(setup.model, os.path.join(tmp, cfg), every=every,
-                                                   recipe=setup.recipe or None,
-                                                   whatif_recipes=whatif_recipes if cfg == "recipes" else ())
-                        setups[cfg] = (setup, mon)
-                    sync = torch.cuda.synchronize if device.startswith("cuda") else None
-                    medians, paired = time_interleaved(setups, rounds, block, warmup=6 if compiled else 3, sync=sync)
-                    for _, m in setups.values():
-                        if m is not None:
-                            m.close()
+                configs = {"plain": None, "monitored": dict(every=every)}
+                if whatif_recipes:
+                    configs["recipes"] = dict(every=every, whatif_recipes=whatif_recipes)
+                medians, paired = time_monitors(device, fp8, compiled, configs, rounds, block)
                 cells.append(f"every={every} {paired['monitored']:.3f}x"
                              + (f" (+recipes {paired['recipes']:.3f}x)" if whatif_recipes else ""))
                 plain_ms.append(medians["plain"] * 1e3)
@@ -228,17 +237,7 @@ def ratio_parts(device: str, rounds: int, block: int) -> None:
         "every=50, no detection, no extra full steps": dict(every=50, detect=False, full_on_anomaly=0),
         "every=50, the default monitor": dict(every=50),
     }
-    setups = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, kwargs) in enumerate(configs.items()):
-            setup = train.build(fp8="off", quiet=True, device=device)
-            mon = None if kwargs is None else fp8scope.Monitor(setup.model, os.path.join(tmp, str(i)), **kwargs)
-            setups[name] = (setup, mon)
-        sync = torch.cuda.synchronize if device.startswith("cuda") else None
-        medians, paired = time_interleaved(setups, rounds, block, warmup=3, sync=sync)
-        for _, mon in setups.values():
-            if mon is not None:
-                mon.close()
+    medians, paired = time_monitors(device, "off", False, configs, rounds, block)
     for name in configs:
         print(f"   {name:45s} {medians[name] * 1e3:7.1f} ms/step   {paired[name]:.3f}x")
 

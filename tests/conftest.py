@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import socket
 import sys
@@ -98,3 +99,24 @@ def train(model, mon, steps: int, micro: int = 1, batch: int = 8, poison=None):
         opt.zero_grad()
         if mon is not None:
             mon.step(loss=loss.detach(), lr=0.05)
+
+
+def fused_stats_case(variant: str, fmt_name: str, rows: int, cols: int, trial: int, g: torch.Generator):
+    """``(key, args)`` of one check of the fused full-stats form against the eager one: an adversarial
+    tensor (magnitudes over 18 decades and one NaN, Inf, -Inf, zero, subnormal or out-of-range value)
+    laid out as ``stats_call`` hands it over for ``variant`` ("per_tensor", "deq": a dequantized copy,
+    "per_row": per-row scales and a copy, "recipes": current and bf16 measured too, on the matrix)."""
+    x = torch.randn(rows, cols, generator=g) * torch.logspace(-12, 6, cols)
+    x[trial % rows, trial % cols] = [math.nan, math.inf, -math.inf, 0.0, 1e-44, 1e5][trial % 6]
+    x = x.to(torch.bfloat16) if variant in ("per_tensor", "recipes") else x
+    per_row, has_deq = variant == "per_row", variant in ("deq", "per_row")
+    if per_row:
+        scale, xv = torch.rand(rows, 1, generator=g) * 10 ** (trial % 5), x
+    else:  # with other recipes the stats read the matrix
+        scale = torch.tensor(float(10 ** (trial % 5 - 2)))
+        xv = x if variant == "recipes" else x.reshape(-1)
+    deq = xv.float() * 0.999 if has_deq else None
+    key = ("cpu", x.dtype, fmt_name, per_row, has_deq)
+    if variant == "recipes":
+        key = (*key, ("current", "bf16"), "activation", False)
+    return key, (xv, scale, 1 / scale, torch.tensor(3.0), deq)

@@ -15,31 +15,19 @@ import pytest
 import torch
 
 from fp8scope.capture import stats as st
+from tests.conftest import fused_stats_case
 
 
 @pytest.mark.parametrize("variant", ["per_tensor", "deq", "per_row", "recipes"])
 def test_the_fused_form_compiled_gives_the_eager_numbers(variant):
-    per_row, has_deq = variant == "per_row", variant in ("deq", "per_row")
-    dtype = torch.bfloat16 if variant in ("per_tensor", "recipes") else torch.float32
-    key = ("cpu", dtype, "e4m3", per_row, has_deq)
-    if variant == "recipes":
-        key = (*key, ("current", "bf16"), "activation", False)
+    g = torch.Generator().manual_seed(0)
+    cases = [fused_stats_case(variant, "e4m3", 64, 200, trial, g) for trial in range(6)]
+    key = cases[0][0]  # one variant: the same key for every case
     options = st._compile_options(("cuda", *key[1:]))  # the options the variant compiles with on a GPU
-    assert options is not None and options.get("split_reductions", True) is not per_row
+    assert options is not None and options.get("split_reductions", True) is not key[3]
     compiled = torch.compile(st._make_full_fused(key), dynamic=True, options=options)
     eager = st._make_full(key)
-    g = torch.Generator().manual_seed(0)
-    for trial in range(6):
-        x = torch.randn(64, 200, generator=g) * torch.logspace(-12, 6, 200)
-        x[trial, trial] = [math.nan, math.inf, -math.inf, 0.0, 1e-44, 1e5][trial]
-        x = x.to(dtype)
-        if per_row:
-            scale, xv = torch.rand(64, 1, generator=g) * 10 ** (trial % 5), x
-        else:  # with other recipes the stats read the matrix, as stats_call hands it over
-            scale = torch.tensor(float(10 ** (trial % 5 - 2)))
-            xv = x if variant == "recipes" else x.reshape(-1)
-        deq = xv.float() * 0.999 if has_deq else None
-        args = (xv, scale, 1 / scale, torch.tensor(3.0), deq)
+    for trial, (_, args) in enumerate(cases):
         with torch.no_grad():  # as fp8scope.compiled runs it
             got, want = compiled(*args), eager(*args)
         if variant == "recipes":

@@ -10,6 +10,7 @@ from fp8scope.emulate.amax import amax_pair
 from fp8scope.formats import get_format, recipe_format
 from fp8scope.schema import FIELD_INDEX, STAT_FIELDS
 from fp8scope.step_payload import N_WIDE, WIDE_FIELDS, wide_stats
+from tests.conftest import fused_stats_case
 
 # every test here runs on both stats paths (compiled, eager)
 pytestmark = pytest.mark.usefixtures("stats_path")
@@ -140,22 +141,7 @@ def test_the_fused_form_gives_the_eager_forms_numbers(variant):
 
     g = torch.Generator().manual_seed(0)
     for trial in range(20):
-        x = torch.randn(16, 40, generator=g) * torch.logspace(-12, 6, 40)
-        x[trial % 16, trial % 40] = [math.nan, math.inf, -math.inf, 0.0, 1e-44, 1e5][trial % 6]
-        x = x.to(torch.bfloat16) if variant in ("per_tensor", "recipes") else x
-        fmt = E4M3 if trial % 2 else E5M2
-        per_row, has_deq = variant == "per_row", variant in ("deq", "per_row")
-        if per_row:
-            scale = torch.rand(16, 1, generator=g) * 10 ** (trial % 5)
-            xv = x
-        else:  # with other recipes the stats read the matrix, as stats_call hands it over
-            scale = torch.tensor(float(10 ** (trial % 5 - 2)))
-            xv = x if variant == "recipes" else x.reshape(-1)
-        deq = (xv.float() * 0.999) if has_deq else None
-        key = (x.device.type, x.dtype, fmt.name, per_row, has_deq)
-        if variant == "recipes":
-            key = (*key, ("current", "bf16"), "activation", False)
-        args = (xv, scale, 1 / scale, torch.tensor(3.0), deq)
+        key, args = fused_stats_case(variant, "e4m3" if trial % 2 else "e5m2", 16, 40, trial, g)
         fused, eager = st._make_full_fused(key)(*args), st.FULL_STATS.fallback(key)(*args)  # the CPU compiles no fused form
         if variant == "recipes":  # the recipes' rows: one expression in both forms
             assert torch.equal(fused[1], eager[1]) or torch.allclose(fused[1], eager[1], equal_nan=True)

@@ -255,7 +255,7 @@ def _make_compiled(key):
     """The function ``FULL_STATS`` compiles: :func:`traced_form` while dynamo traces it, the eager
     form when it runs as plain Python. ``torch._dynamo.run`` runs a call its guards reject (a
     strided view, a dispatch mode) as plain Python, and the fused form run eagerly would hold its
-    stacked columns in memory (64 bytes per element)."""
+    stacked columns in memory (128 bytes per element)."""
     eager = _make_full(key)
     if not _fused(key):
         return eager

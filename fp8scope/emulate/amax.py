@@ -75,11 +75,16 @@ def _examples(key):
 AMAX = CompiledFn("amax", _make_pair, _examples, devices=("cuda",))  # eagerly: its 4 ops (abs, amax, nan_to_num, amax)
 
 
+def _empty_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What both passes give for an empty tensor: 0 and 0 (there is nothing to scale)."""
+    zero = torch.zeros((), dtype=torch.float32, device=x.device)
+    return zero, zero
+
+
 def _call(fns: CompiledFn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     x = x.detach()
     if x.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        return zero, zero
+        return _empty_pair(x)
     key = (x.device.type, x.dtype)
     fn, eager = fns.get(key), fns.fallback(key)
     if fn is eager or not x.is_contiguous():  # eager, or a strided view: read in place, no copy
@@ -98,8 +103,7 @@ def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     recorded one (see above; :func:`combine_parts` does it for many). One op, any strides, no
     host sync; ``(0, 0)`` for an empty tensor."""
     if x.numel() == 0:
-        zero = torch.zeros((), dtype=torch.float32, device=x.device)
-        return zero, zero
+        return _empty_pair(x)
     lo, hi = torch.aminmax(x.detach())
     return hi, lo
 

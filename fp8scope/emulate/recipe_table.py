@@ -154,6 +154,7 @@ def counts(x: torch.Tensor, recipe: str, role: str, fused: bool = False) -> torc
     else:
         err = torch.nan_to_num(deq - a, nan=0.0, posinf=0.0, neginf=0.0)
         underflow = (_COUNT, nonzero & (deq == 0))
+        # bf16 has no top code its rounding lands on: nothing saturates (no column to read)
         saturated = (_COUNT, (q.abs() == top) & (m < float("inf"))) if blocks is not None else (_NONE, m)
         sq_err = (_SQUARES, err)
     columns = [(_COUNT, nonzero), underflow, (_COUNT, over), saturated, sq_err, (_SQUARES, clean)]
