@@ -106,6 +106,8 @@ def fused_stats_case(variant: str, fmt_name: str, rows: int, cols: int, trial: i
     tensor (magnitudes over 18 decades and one NaN, Inf, -Inf, zero, subnormal or out-of-range value)
     laid out as ``stats_call`` hands it over for ``variant`` ("per_tensor", "deq": a dequantized copy,
     "per_row": per-row scales and a copy, "recipes": current and bf16 measured too, on the matrix)."""
+    from fp8scope.emulate.amax import row_matrix
+
     x = torch.randn(rows, cols, generator=g) * torch.logspace(-12, 6, cols)
     x[trial % rows, trial % cols] = [math.nan, math.inf, -math.inf, 0.0, 1e-44, 1e5][trial % 6]
     x = x.to(torch.bfloat16) if variant in ("per_tensor", "recipes") else x
@@ -114,7 +116,7 @@ def fused_stats_case(variant: str, fmt_name: str, rows: int, cols: int, trial: i
         scale, xv = torch.rand(rows, 1, generator=g) * 10 ** (trial % 5), x
     else:  # with other recipes the stats read the matrix
         scale = torch.tensor(float(10 ** (trial % 5 - 2)))
-        xv = x if variant == "recipes" else x.reshape(-1)
+        xv = x if variant == "recipes" else row_matrix(x.reshape(-1))  # a vector, refolded
     deq = xv.float() * 0.999 if has_deq else None
     key = ("cpu", x.dtype, fmt_name, per_row, has_deq)
     if variant == "recipes":

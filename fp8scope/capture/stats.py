@@ -52,7 +52,7 @@ from functools import lru_cache
 import torch
 
 from fp8scope.compiled import CompiledFn
-from fp8scope.emulate.amax import recorded_amax
+from fp8scope.emulate.amax import recorded_amax, row_matrix
 from fp8scope.emulate.blocks import as_matrix, e2m1_round
 from fp8scope.emulate.recipe_table import E2M1, count, counts as recipe_counts
 from fp8scope.formats import Fp8Format, get_format
@@ -141,25 +141,21 @@ def _make_full(key):
 
 
 def _make_full_fused(key):
-    """The same row as :func:`_make_full`, written for inductor: every value reduced by a maximum is
-    a column of one ``[elements, 8]`` stack (a minimum as the max of its negation; the scales as
-    constant columns) and every sum a column of one ``[elements, 8]`` float64 stack, so both
-    reductions run in one pass over the tensor, and each writes its half of the row in place
-    (``step_payload.WIDE_FIELDS`` is laid out for that). Eagerly those stacked columns would be
-    128 bytes per element: this form is only ever compiled.
+    """The same row as :func:`_make_full`, written for inductor on a GPU: ``x`` is a matrix (rows of
+    a per-row scale, or any 2-D view of the tensor, ``emulate.amax.row_matrix``), and every value is
+    reduced in two stages, each row first and then the rows. Each value is its own reduction, so
+    inductor fuses the first stage into one kernel with a program per block of rows that reads each
+    element once and keeps one accumulator per value; the second stage reduces a few vectors of
+    one value per row, and writes the row's two halves in place (``step_payload.WIDE_FIELDS`` is
+    laid out for that). Counts are summed per row as integers, then over the rows in float64; the squared norms in float64 throughout.
 
-    Why: on an H200 the eager form (as it then was) compiled to 12 Triton kernels and 17 launches
-    per tensor (a split reduction finishes each of its outputs in a launch of its own, the scale
-    constants took one launch each, and ``|x|`` was written out in float32 between two passes;
-    with the recorded amax in its row it compiles to 19 launches now); this form is 3
-    kernels and 3 launches: the pass over the tensor and the two finishing reductions
-    (``benchmarks/triton_kernels.py`` counts them without a GPU). A variant with per-row scales
-    reduces each row first and then the rows, without split reductions (:func:`_compile_options`),
-    which is 3 as well. The trade: Triton gives each column programs of its own, so a flat tensor
-    is read once per column (the other form read it twice and wrote and read a float32 copy); on
-    an H200 the launches, not the bytes, were the cost of a full-stats call. The sums are float64
-    sums of 0/1, exact below 2**53 elements; the squared norms are summed in float64 as the eager
-    form's ``vector_norm(dtype=float64)`` does (the two may differ in the last bits)."""
+    Why this shape: the eager form compiled to 12 Triton kernels and 17 launches per tensor on an
+    H200, each finishing launch of a split reduction costing host time. A first fused form stacked
+    the per-element columns into one ``[elements, 8]`` reduction, 3 launches, but Triton gave each
+    column programs of its own that computed every column: an H200 ran it several times slower
+    than the eager form on large tensors (docs/benchmarks.md). Split reductions stay off
+    (:func:`_compile_options`): the rows are the split. Eagerly this form would hold every
+    per-element column in memory: it is only ever compiled."""
     _fmt, fmax, sat, under, dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
     f64 = torch.float64
 
@@ -170,21 +166,24 @@ def _make_full_fused(key):
         err = torch.nan_to_num(q - a, nan=0.0, posinf=0.0, neginf=0.0).to(f64)
         clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0).to(f64)
         y = m * scale
-        nonzero = (m > 0).to(f64)
-        ones = torch.ones_like(m)
-        held = expected * ones
-        maxed = torch.stack([  # amax .. unused7, WIDE_FIELDS' order
-            m, torch.where(m > 0, m, _INF).neg(), torch.nan_to_num(m, nan=0.0, posinf=_INF),  # recorded_amax's
-            scale.neg() * ones, scale_inv * ones, held, held, held,
+
+        def each(v):  # v at every element, as an expression of x (never true: m is |x| or NaN), so
+            return torch.where(m < -1.0, 0.0, v)  # that its row reduction joins the first kernel
+
+        # each row: every value a reduction of its own, all in the first kernel (the scales too, as
+        # the extreme of a row of copies, so that they need no kernel of their own)
+        maxed = torch.stack([  # amax .. unused7, WIDE_FIELDS' order; the minima negated
+            m.amax(1), torch.where(m > 0, m, _INF).amin(1).neg(), recorded_amax(m, dim=1).squeeze(1),
+            each(scale).amin(1).neg(), each(scale_inv).amax(1), *[each(expected).amax(1)] * 3,
         ], -1)
         summed = torch.stack([  # numel .. sq_signal
-            torch.ones_like(clean), (m == 0).to(f64), 1.0 - (m < _INF).to(f64), (y > fmax).to(f64),
-            nonzero - (y > under).to(f64), (y > sat).to(f64), err * err, clean * clean,
+            m.shape[1] - (m < -1.0).sum(1),  # the row's size, counted (never true) to join the kernel
+            (m == 0).sum(1), m.shape[1] - (m < _INF).sum(1), (y > fmax).sum(1),
+            (m > 0).sum(1) - (y > under).sum(1),  # non-zero before the cast, zero after
+            (y > sat).sum(1), (err * err).sum(1), (clean * clean).sum(1),
         ], -1)
-        if per_row:  # [rows, cols, k]: each row, then the rows
-            maxes, sums = maxed.amax(1).amax(0), summed.sum(1).sum(0)
-        else:
-            maxes, sums = maxed.reshape(-1, N_WIDE_MAX).amax(0), summed.reshape(-1, N_WIDE - N_WIDE_MAX).sum(0)
+        # then the rows
+        maxes, sums = maxed.amax(0), summed.sum(0)
         column = torch.arange(N_WIDE_MAX, device=maxes.device)
         maxes = torch.where((column == 1) | (column == 3), maxes.neg(), maxes)  # the two minima
         row = torch.cat([maxes.to(f64), sums])
@@ -195,8 +194,8 @@ def _make_full_fused(key):
 
 def _recipe_matrix(x, whole, recipes, role, whole_given, fused=False):
     """The other recipes' ``RECIPE_FIELDS`` rows, measured on the matrix ``x`` is (or is a view of
-    the blocks of), in the same graph as the stats; ``fused``: each recipe's sums in one stacked
-    reduction (``recipe_table.counts``)."""
+    the blocks of), in the same graph as the stats; ``fused``: each recipe's sums reduced per row,
+    then over the rows (``recipe_table.counts``)."""
     matrix = whole if whole_given else x
     return torch.stack([recipe_counts(matrix, r, role, fused=fused) for r in recipes])
 
@@ -207,7 +206,7 @@ def _full_examples(key):
     # Sizes: distinct (dynamo would guard on equal ones: duck sizing) and large, because inductor
     # picks its loop structure (threads on the CPU, block sizes for Triton) from the example's size.
     # With recipes a per-tensor x is the matrix itself, its sides multiples of every block (128).
-    shape = (1024, 1025) if per_row else (1024, 1536) if recipes else (1 << 20,)
+    shape = (1024, 1025) if per_row else (1024, 1536)
     sshape = (1024, 1) if per_row else ()
     x = torch.randn(shape, device=device).to(dtype)  # a fresh tensor, not a view: no guard on a base
     # three tensors, not one three times: dynamo would guard on the aliasing and no real call would match
@@ -221,28 +220,28 @@ def _full_examples(key):
 
 
 def _compile_options(key) -> dict | None:
-    """Inductor settings for the fused form: its stacked columns must stay inside the reductions
-    that read them. By default inductor writes a pointwise node out to memory when it reads more
-    than 8 buffers or holds more than 30 ops, which the columns of a variant with a dequantized
-    copy or per-row scales do: 128 bytes per element, a second pass and more launches. A per-row
-    variant also turns split reductions off: its first stage already has a program per row and
-    column, and a split would finish each stage in two launches (5 in all instead of 3). The
-    variants that compile the eager form keep inductor's defaults."""
+    """Inductor settings for the fused form. Its per-element expressions must stay inside the
+    reductions that read them: by default inductor writes a pointwise node out to memory when it
+    reads more than 8 buffers or holds more than 30 ops, which a variant with a dequantized copy or
+    per-row scales does (a second pass over the tensor and more launches). Split reductions are
+    off: the rows are the split, and inductor would finish each stage in two launches. A variant
+    that also measures other recipes keeps them: a recipe's whole-tensor amax (current scaling's,
+    NVFP4's tensor scale) would otherwise run in one program. The variants that compile the eager
+    form keep inductor's defaults."""
     if not _fused(key):
         return None
     options = {"realize_opcount_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20}
-    if key[3]:  # per_row
+    if len(key) <= 5:  # no other recipes: every reduction is a stage of rows
         options["split_reductions"] = False
     return options
 
 
 def _fused(key) -> bool:
     """Whether a variant compiles the fused form: on accelerators (Triton), not on the CPU, where
-    inductor's C++ makes the eager form one loop nest already and runs the stacked columns several
-    times slower. A variant that also measures other recipes (full steps of
-    ``Monitor(whatif_recipes=...)``) compiles it too, with the recipes' counts in the same graph,
-    except with per-row scales: those turn split reductions off for the whole graph, where the
-    recipes' whole-tensor reductions need them."""
+    inductor's C++ makes the eager form one loop nest already. A variant that also measures other
+    recipes (full steps of ``Monitor(whatif_recipes=...)``) compiles it too, with the recipes'
+    counts in the same graph, except with per-row scales (block and rowwise recipes measuring
+    others), which no check has compiled on a GPU yet: they compile the eager form."""
     return key[0] != "cpu" and (len(key) <= 5 or not key[3])
 
 
@@ -254,8 +253,8 @@ def traced_form(key):
 def _make_compiled(key):
     """The function ``FULL_STATS`` compiles: :func:`traced_form` while dynamo traces it, the eager
     form when it runs as plain Python. ``torch._dynamo.run`` runs a call its guards reject (a
-    strided view, a dispatch mode) as plain Python, and the fused form run eagerly would hold its
-    stacked columns in memory (128 bytes per element)."""
+    strided view, a dispatch mode) as plain Python, and the fused form run eagerly would hold each of
+    its per-element values in memory."""
     eager = _make_full(key)
     if not _fused(key):
         return eager
@@ -330,7 +329,7 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, rec
     elif recipes:  # the recipes read the matrix (blocks run along its last dim)
         xv, s, si = as_matrix(x), _shaped(s, ()), _shaped(si, ())
     else:
-        xv, s, si = (x if x.dim() == 1 else x.reshape(-1)), _shaped(s, ()), _shaped(si, ())
+        xv, s, si = row_matrix(x), _shaped(s, ()), _shaped(si, ())
     d = None
     if deq is not None:
         d = _shaped(deq.detach() if deq.requires_grad else deq, xv.shape)

@@ -41,19 +41,40 @@ def recorded_amax(a: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     return clean.amax() if dim is None else clean.amax(dim=dim, keepdim=True)
 
 
+_MIN_ROWS = 64
+
+
+def row_matrix(x: torch.Tensor) -> torch.Tensor:
+    """A 2-D view of ``x`` for a reduction whose value does not depend on the layout (the stats of a
+    tensor with one scale, its amax): leading dims flattened, the last kept; a vector, or a matrix
+    of fewer than 64 rows, refolded into rows of up to 4,096 elements (64 rows or more where its
+    size allows). Why: compiled for a GPU, such a reduction runs each row and then the rows, with a
+    program per block of rows (``capture.stats._make_full_fused``, :func:`_fused_pair`), so rows are
+    its parallelism."""
+    v = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
+    n = v.numel()
+    for cols in (4096, 2048, 1024, 512, 256, 128):
+        if v.shape[0] >= _MIN_ROWS:
+            break
+        if n % cols == 0 and n // cols > v.shape[0]:
+            v = v.reshape(-1, cols)
+    return v
+
+
 def amaxes_of_magnitudes(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logged, recorded)`` of ``a = |x|`` as 0-d float32 tensors: ``max`` propagates NaN."""
     return a.amax().to(torch.float32), recorded_amax(a).to(torch.float32)
 
 
 def _fused_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`amaxes_of_magnitudes` of ``|x|`` as inductor should see it: both maxima one reduction
-    over two stacked columns, so Triton makes one pass and one finishing launch (2 launches; the
-    two reductions apart were 4 kernels and 5 launches: ``benchmarks/triton_kernels.py``). Only
-    ever traced: eagerly the columns would be a copy of the tensor."""
+    """:func:`amaxes_of_magnitudes` of ``|x|`` (a matrix, :func:`row_matrix`) as inductor should
+    see it: both maxima per row, in one kernel that reads each element once, then over the rows,
+    one more (2 launches; the two reductions apart were 4 kernels and 5 launches:
+    ``benchmarks/triton_kernels.py``). Only ever traced: eagerly it would hold a copy of the
+    tensor."""
     m = x.abs()
-    both = torch.stack([m, torch.nan_to_num(m, nan=0.0, posinf=_INF)], -1).reshape(-1, 2).amax(0)
-    logged, recorded = both.to(torch.float32).unbind(0)
+    per_row = torch.stack([m.amax(1), torch.nan_to_num(m, nan=0.0, posinf=_INF).amax(1)], -1)
+    logged, recorded = per_row.amax(0).to(torch.float32).unbind(0)
     return logged, recorded
 
 
@@ -67,12 +88,19 @@ def _make_pair(key):
 
 
 def _examples(key):
-    """A large flat tensor: inductor picks its loop structure (threads, block sizes) from the size."""
+    """A large matrix of distinct sides: inductor picks its loop structure (threads, block sizes) from
+    the size, and dynamo would guard on equal sides."""
     device, dtype = key
-    return (torch.randn(1 << 20, device=device).to(dtype),)
+    return (torch.randn(1024, 1536, device=device).to(dtype),)
 
 
-AMAX = CompiledFn("amax", _make_pair, _examples, devices=("cuda",))  # eagerly: its 4 ops (abs, amax, nan_to_num, amax)
+def _options(key) -> dict:
+    """No split reductions: the rows are the split (inductor would finish each stage in two launches)."""
+    return {"split_reductions": False}
+
+
+# eagerly: its 4 ops (abs, amax, nan_to_num, amax)
+AMAX = CompiledFn("amax", _make_pair, _examples, devices=("cuda",), options=_options)
 
 
 def _empty_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -89,7 +117,7 @@ def _call(fns: CompiledFn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     fn, eager = fns.get(key), fns.fallback(key)
     if fn is eager or not x.is_contiguous():  # eager, or a strided view: read in place, no copy
         return eager(x)
-    return fn(x.view(-1))  # one compiled variant per (device, dtype): the flat view of any shape
+    return fn(row_matrix(x))  # one compiled variant per (device, dtype): a matrix view of any shape
 
 
 def amax_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -129,10 +129,10 @@ def counts(x: torch.Tensor, recipe: str, role: str, fused: bool = False) -> torc
     under TE's stochastic rounding.
 
     The six sums are per-element columns (masks, values, or values to square). Eagerly each is
-    reduced alone, so no stacked copy of the tensor is held; ``fused`` stacks them and sums them in
-    one reduction, the form inductor compiles on a GPU (``capture.stats._make_full_fused``: one pass
-    and two finishing launches where the columns reduced alone took two launches each). The same
-    numbers either way, but for the sums of squares' last bits."""
+    reduced alone, so no stacked copy of the tensor is held; ``fused`` sums each per row and then
+    the rows, the form inductor compiles on a GPU (``capture.stats._make_full_fused``: the row sums
+    of all six are one kernel, one pass, and the rows one more). The same numbers either way, but
+    for the sums of squares' last bits."""
     blocks, elem = scaled(x, recipe, role)
     a = (x.detach() if blocks is None else blocks.x).float()
     m = a.abs()
@@ -158,8 +158,9 @@ def counts(x: torch.Tensor, recipe: str, role: str, fused: bool = False) -> torc
         saturated = (_COUNT, (q.abs() == top) & (m < float("inf"))) if blocks is not None else (_NONE, m)
         sq_err = (_SQUARES, err)
     columns = [(_COUNT, nonzero), underflow, (_COUNT, over), saturated, sq_err, (_SQUARES, clean)]
-    if fused:
-        sums = torch.stack([_summand(kind, c) for kind, c in columns], -1).reshape(-1, len(columns)).sum(0)
+    if fused:  # each column per row of x (all in one kernel, a program per block of rows), then the rows
+        per_row = [_summand(kind, c).reshape(x.shape[0], -1).sum(1) for kind, c in columns]
+        sums = torch.stack(per_row, -1).sum(0)
     else:
         sums = torch.stack([_reduced(kind, c) for kind, c in columns])
     return torch.cat([
@@ -191,8 +192,8 @@ def _summand(kind: str, column: torch.Tensor) -> torch.Tensor:
     if kind == _SQUARES:
         c = column.to(f64)
         return c * c
-    if kind == _NONE:
-        return torch.zeros_like(column, dtype=f64)
+    if kind == _NONE:  # 0, as an expression of the column (never true), so it joins its kernel
+        return (column < -float("inf")).to(f64)
     return column.to(f64)
 
 
