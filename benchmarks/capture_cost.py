@@ -4,7 +4,8 @@
    cheap capture (counted with a ``TorchDispatchMode``: on CUDA each op is about one kernel
    launch; the cheap capture is one eager op on every device, see ``fp8scope.emulate.amax``), and
    the kernels inductor generates for the compiled full stats (its C++ kernels here, Triton kernels
-   on CUDA). Plus the time of one full-stats call, eager and compiled.
+   on CUDA). Plus the time of one full-stats call, eager and compiled, and the compiled call's
+   rate over the tensor's bytes (on a GPU, against its memory bandwidth: what is left to tune).
 2. Aten ops the monitor adds to one training step of the demo's tiny GPT (forward, backward and
    ``mon.step``, against the same step unmonitored), on a cheap and on a full step, for the
    what-if model (plain FP32) and the emulated FP8 one, with the stats eager (the op counts of
@@ -106,7 +107,7 @@ def timed(fn, reps: int) -> float:
 def per_tensor(device: str, reps: int) -> None:
     print("1. per captured tensor (bf16, per-tensor scale, E4M3)")
     print(f"   {'size':>12s} {'full: eager ops':>16s} {'kernels (launches)':>19s} {'eager ms':>9s} {'compiled ms':>12s}"
-          f"   {'cheap: ops':>11s}")
+          f" {'compiled GB/s':>14s}   {'cheap: ops':>11s}")
     from fp8scope.compiled import reset_dynamo
 
     fmt = get_format("e4m3")
@@ -129,7 +130,7 @@ def per_tensor(device: str, reps: int) -> None:
         t_comp = timed(lambda: stats_mod.stats_call(x, scale, inv, exp, fmt), reps)  # the product's path
         cheap_ops, cheap_views = count_ops(lambda: amax_mod.amax_parts(x))  # one eager op on every device
         print(f"   {rows:>5d}x{cols:<6d} {full_ops:>10d} (+{full_views} views) {full_kernels:>8d} ({full_launches:>2d})     {t_eager * 1e3:>9.2f}"
-              f" {t_comp * 1e3:>12.2f}   {cheap_ops:>5d} (+{cheap_views})")
+              f" {t_comp * 1e3:>12.2f} {x.numel() * x.element_size() / t_comp / 1e9:>14.1f}   {cheap_ops:>5d} (+{cheap_views})")
 
 
 def per_recipe(device: str, reps: int) -> None:
