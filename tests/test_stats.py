@@ -133,7 +133,7 @@ def test_derived_limits_match_torch_finfo():
 
 @pytest.mark.parametrize("variant", ["per_tensor", "deq", "per_row", "recipes"])
 def test_the_fused_form_gives_the_eager_forms_numbers(variant):
-    """The form inductor compiles (stacked columns, one reduction per kind: few launches on CUDA) and
+    """The form inductor compiles on a GPU (each row, then the rows: few launches on CUDA) and
     the eager form are one definition written twice: run eagerly on adversarial tensors (NaN, Inf,
     zeros, subnormals, values past the format's range, scales that flush), they agree exactly but
     for the squared norms' last bits."""

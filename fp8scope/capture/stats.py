@@ -147,7 +147,8 @@ def _make_full_fused(key):
     inductor fuses the first stage into one kernel with a program per block of rows that reads each
     element once and keeps one accumulator per value; the second stage reduces a few vectors of
     one value per row, and writes the row's two halves in place (``step_payload.WIDE_FIELDS`` is
-    laid out for that). Counts are summed per row as integers, then over the rows in float64; the squared norms in float64 throughout.
+    laid out for that). Counts are summed per row as integers, then over the rows in float64; the
+    squared norms in float64 throughout.
 
     Why this shape: the eager form compiled to 12 Triton kernels and 17 launches per tensor on an
     H200, each finishing launch of a split reduction costing host time. A first fused form stacked
