@@ -131,8 +131,8 @@ def counts(x: torch.Tensor, recipe: str, role: str, fused: bool = False) -> torc
     The six sums are per-element columns (masks, values, or values to square). Eagerly each is
     reduced alone, so no stacked copy of the tensor is held; ``fused`` sums each per row and then
     the rows, the form inductor compiles on a GPU (``capture.stats._make_full_fused``: the row sums
-    of all six are one kernel, one pass, and the rows a kernel or two more). The same numbers either way, but
-    for the sums of squares' last bits."""
+    of all six are one kernel, one pass, and the rows a kernel or two more). The same numbers
+    either way, but for the sums of squares' last bits."""
     blocks, elem = scaled(x, recipe, role)
     a = (x.detach() if blocks is None else blocks.x).float()
     m = a.abs()
