@@ -12,6 +12,8 @@
    compiled code are not visible to a dispatch mode; section 1 counts its kernels).
 1b. Per other recipe measured on a tensor (``Monitor(whatif_recipes=...)``): eager ops, generated
    kernels, one call's time eager and compiled.
+1c. The host time of one compiled full-stats call, through ``torch.compile`` and called directly
+   (``fp8scope.compiled``), on a small tensor where that time is the call's whole cost.
 3. Monitored / unmonitored step time of the demo model, eager and ``torch.compile``d, at
    ``every=50`` and ``every=1``: paired ratios, timed interleaved (round-robin blocks of steps);
    ``--whatif-recipes`` adds a monitor that also measures those recipes.
@@ -133,6 +135,39 @@ def per_tensor(device: str, reps: int) -> None:
               f" {t_comp * 1e3:>12.2f} {x.numel() * x.element_size() / t_comp / 1e9:>14.1f}   {cheap_ops:>5d} (+{cheap_views})")
 
 
+def call_cost(device: str, reps: int) -> None:
+    """The host time of one compiled full-stats call: through ``torch.compile`` (dynamo's frame
+    evaluation and runtime wrappers on every call) and called directly (``fp8scope.compiled``'s
+    ``_Direct``: the graph traced once, its inputs checked here), beside the eager form."""
+    import torch._dynamo
+
+    from fp8scope.compiled import reset_dynamo
+
+    print("\n1c. one compiled full-stats call, through torch.compile and called directly (bf16, per-tensor scale)")
+    print(f"   {'size':>12s} {'eager us':>9s} {'torch.compile us':>17s} {'direct us':>10s}")
+    os.environ["FP8SCOPE_COMPILE"] = "sync"
+    fmt = get_format("e4m3")
+    key = (device, torch.bfloat16, fmt.name, False, False)
+    reset_dynamo()
+    through = torch.compile(stats_mod.FULL_STATS.eager(key), dynamic=True, options=stats_mod.FULL_STATS.options(key))
+    with torch.no_grad():
+        through(*stats_mod._full_examples(key))
+    through = torch._dynamo.run(stats_mod.FULL_STATS.eager(key))
+    for rows, cols in ((64, 64), (1024, 4096)):
+        x = torch.randn(rows, cols, device=device).to(torch.bfloat16)
+        s, si, e = (torch.tensor(v, device=device) for v in (100.0, 0.01, 4.48))
+        stats_mod.stats_call(x, s, si, e, fmt)
+        stats_mod.FULL_STATS.wait(key)
+        direct = stats_mod.FULL_STATS.get(key)
+        assert stats_mod.FULL_STATS.direct(key), stats_mod.FULL_STATS.failures
+        eager = stats_mod.FULL_STATS.fallback(key)
+        n = reps * 40
+        with torch.no_grad():
+            t_eager, t_through, t_direct = (timed(lambda f=f: f(x, s, si, e, None), n) for f in (eager, through, direct))
+        print(f"   {rows:>5d}x{cols:<6d} {t_eager * 1e6:>9.1f} {t_through * 1e6:>17.1f} {t_direct * 1e6:>10.1f}")
+    reset_dynamo()
+
+
 def per_recipe(device: str, reps: int) -> None:
     from fp8scope.compiled import reset_dynamo
     from fp8scope.emulate.recipe_table import RECIPES
@@ -246,7 +281,7 @@ def ratio_parts(device: str, rounds: int, block: int) -> None:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
-    ap.add_argument("--sections", default="tensor,recipes,ops,ratio")
+    ap.add_argument("--sections", default="tensor,calls,recipes,ops,ratio")
     ap.add_argument("--rounds", type=int, default=12)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--reps", type=int, default=5)
@@ -261,6 +296,8 @@ def main() -> int:
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
     if "tensor" in sections:
         per_tensor(args.device, args.reps)
+    if "calls" in sections:
+        call_cost(args.device, args.reps)
     if "recipes" in sections:
         per_recipe(args.device, args.reps)
     if "ops" in sections:

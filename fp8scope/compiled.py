@@ -8,11 +8,17 @@ Compiling takes seconds, so it must never happen on the training thread:
 - each variant (the caller's key: device type, dtype, format, ...) gets a function object of its
   own (a code object of its own, so dynamo's cache for it is separate and no variant can use up
   another's recompile budget);
-- the first call of a variant queues a compile on the helper thread (``torch.compile`` with
-  dynamic shapes, run once on large example tensors: inductor picks threads and block sizes from
-  their size) and runs the eager function;
-- once compiled, calls go through ``torch._dynamo.run``, which runs the compiled code and never
-  compiles: an input the compiled guards do not cover runs eagerly instead of stalling the step.
+- the first call of a variant queues a compile on the helper thread (dynamic shapes, traced once
+  on large example tensors: inductor picks threads and block sizes from their size) and runs the
+  eager function;
+- once compiled, a call runs the compiled code and never compiles: an input it does not fit runs
+  eagerly instead of stalling the step. A variant whose trace assumes nothing of its sizes but
+  their symbols (the stats pass, the amax pair) is traced here with ``make_fx``, compiled by
+  inductor and called directly, with its inputs checked here (:class:`_Direct`): through
+  ``torch.compile`` each call also paid dynamo's frame evaluation and runtime wrappers, about
+  half a small call's host time (``benchmarks/capture_cost.py --sections calls``). A variant
+  whose trace does assume a relation (a block size dividing a side) is compiled with
+  ``torch.compile`` and called through ``torch._dynamo.run``, whose guards check it.
 
 Where it compiles: by default (``FP8SCOPE_COMPILE`` unset, or ``auto``) on accelerators (CUDA and
 any device type but the CPU), where each eager op is a kernel launch and a few generated kernels
@@ -67,26 +73,154 @@ def _renamed(fn: Callable, name: str) -> Callable:
     return types.FunctionType(code, fn.__globals__, name, fn.__defaults__, fn.__closure__)
 
 
+_local = threading.local()
+
+
+def tracing() -> bool:
+    """Whether the calling code is being traced for compilation: by dynamo (a user's compiled model,
+    or ``torch.compile`` here) or by this module's own tracer (:class:`_Direct`, on the thread that
+    compiles). A family's function asks it to pick the form written for the compiler."""
+    import torch
+
+    return getattr(_local, "tracing", False) or torch.compiler.is_compiling()
+
+
 def _is_compiling() -> bool:
     import torch
 
     return torch.compiler.is_compiling()
 
 
+class _Direct:
+    """A variant inductor compiled from a graph traced here, called without dynamo.
+
+    Why: through ``torch.compile`` every call of a small compiled function pays dynamo's frame
+    evaluation and its runtime wrappers in Python, about as much host time as the kernel launches
+    themselves (``benchmarks/capture_cost.py --sections calls``); on a GPU a full-stats step is that
+    host time, tensor after tensor. Here the function is traced once with ``make_fx`` on fake
+    tensors whose sizes are symbols (each dimension above 1; equal example sizes share a symbol, as
+    dynamo's duck sizing does), inductor compiles that graph, and the call checks what dynamo's
+    guards would: each argument's presence, dtype, device, rank and contiguity, the static sizes,
+    every symbolic size at least 2, and the sizes that share a symbol equal. Only a variant whose
+    trace recorded no guard on the symbols is compiled this way (a shape relation such as a block
+    size dividing a side is dynamo's to check); a call that does not fit, or one made under a
+    dispatch mode (the op-count proxies), runs the eager function."""
+
+    def __init__(self, compiled: Callable, spec: list, eager: Callable, owner: "CompiledFn", key: Hashable):
+        self._compiled, self._spec, self._eager = compiled, spec, eager
+        self._owner, self._key = owner, key
+        self._present = [i for i, item in enumerate(spec) if item is not None]
+        self.rejected = 0  # calls that ran eagerly because they did not fit
+
+    @classmethod
+    def build(cls, owner: "CompiledFn", key: Hashable, fn: Callable, eager: Callable,
+              examples: tuple) -> "_Direct | None":
+        import torch
+        from torch._inductor import config
+        from torch._inductor.compile_fx import compile_fx
+        from torch._subclasses.fake_tensor import FakeTensorMode
+        from torch.fx.experimental.proxy_tensor import make_fx
+        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+        shape_env = ShapeEnv()
+        mode = FakeTensorMode(shape_env=shape_env)
+        present = [i for i, t in enumerate(examples) if t is not None]
+        if not all(examples[i].is_contiguous() for i in present):
+            return None
+        if len({examples[i].data_ptr() for i in present}) < len(present):
+            return None  # aliased examples would trace as one input, which calls need not be
+        fakes = []
+        for i in present:
+            t = examples[i]
+            ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK if n > 1 else DimDynamic.STATIC
+                                                          for n in t.shape])
+            fakes.append(mode.from_tensor(t, symbolic_context=ctx))
+
+        def call(*xs):
+            args = [None] * len(examples)
+            for i, x in zip(present, xs):
+                args[i] = x
+            return fn(*args)
+
+        _local.tracing = True
+        try:
+            with torch.no_grad():
+                graph = make_fx(call, tracing_mode="symbolic")(*fakes)
+        finally:
+            _local.tracing = False
+        if shape_env.guards:  # a relation between sizes: dynamo checks those
+            return None
+        spec: list = [None] * len(examples)
+        for i, f in zip(present, fakes):
+            dims = []
+            for n in f.shape:
+                if isinstance(n, int):
+                    dims.append(n)
+                elif isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                    dims.append(str(n.node.expr))
+                else:
+                    return None
+            spec[i] = (f.dtype, f.device.type, tuple(dims))
+        with config.patch(owner.options(key) or {}), torch.no_grad():
+            compiled = compile_fx(graph, fakes)
+        return cls(compiled, spec, eager, owner, key)
+
+    def accepts(self, args: tuple) -> bool:
+        """Whether ``args`` fit the compiled code (what dynamo's guards would say)."""
+        spec = self._spec
+        if len(args) > len(spec) or any(args[i] is not None for i in range(len(args)) if spec[i] is None):
+            return False
+        sizes: dict[str, int] = {}
+        for i in self._present:
+            a = args[i] if i < len(args) else None
+            if a is None:
+                return False
+            dtype, device, dims = spec[i]
+            if a.dtype != dtype or a.device.type != device or a.dim() != len(dims) or not a.is_contiguous():
+                return False
+            for want, n in zip(dims, a.shape):
+                if want.__class__ is int:
+                    if n != want:
+                        return False
+                elif n < 2 or sizes.setdefault(want, n) != n:
+                    return False
+        return True
+
+    def __call__(self, *args):
+        import torch
+
+        if not self.accepts(args) or torch._C._len_torch_dispatch_stack():
+            self.rejected += 1
+            return self._eager(*args)
+        tensors = [args[i] for i in self._present]
+        try:
+            with torch.no_grad():  # hooks run with grad on (forward) or off (backward): one mode for all
+                return self._compiled(*tensors)
+        except Exception as exc:  # never the step's problem: this variant runs eagerly from now on
+            self._owner._demote(self._key, exc)
+            return self._eager(*args)
+
+
 def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callable[[], tuple]) -> None:
     try:
         import torch
 
-        compiled = torch.compile(fn, dynamic=True, options=owner.options(key))
-        with torch.no_grad():  # grad mode is part of the guards: compile and run under the same one
-            compiled(*examples())  # traces and compiles now, on this thread
-        cached = torch._dynamo.run(fn)
-        global _own_frames
-        _own_frames += 1
+        runner = None
+        try:
+            runner = _Direct.build(owner, key, fn, owner.eager(key), examples())
+        except Exception:  # an inductor or torch without this path: dynamo's, below
+            runner = None
+        if runner is None:
+            compiled = torch.compile(fn, dynamic=True, options=owner.options(key))
+            with torch.no_grad():  # grad mode is part of the guards: compile and run under the same one
+                compiled(*examples())  # traces and compiles now, on this thread
+            cached = torch._dynamo.run(fn)
+            global _own_frames
+            _own_frames += 1
 
-        def runner(*args):
-            with torch.no_grad():  # hooks run with grad on (forward) or off (backward): one mode for all
-                return cached(*args)
+            def runner(*args):
+                with torch.no_grad():  # hooks run with grad on (forward) or off (backward): one mode for all
+                    return cached(*args)
     except Exception as exc:  # no working compiler here: this variant stays eager
         owner._settle(key, None, exc)
     else:
@@ -195,6 +329,15 @@ class CompiledFn:
         else:
             self.failures[key] = f"{type(exc).__name__}: {exc}"
 
+    def _demote(self, key: Hashable, exc: BaseException) -> None:
+        """A compiled variant that raised: eager from now on, and the reason kept (``failures``)."""
+        self._ready.pop(key, None)
+        self.failures[key] = f"{type(exc).__name__}: {exc}"
+
+    def direct(self, key: Hashable) -> bool:
+        """Whether ``key`` runs the directly called code (:class:`_Direct`), not dynamo's."""
+        return isinstance(self._ready.get(key), _Direct)
+
     def wait(self, key: Hashable, timeout: float = 600.0) -> bool:
         """Block until ``key``'s compile is settled (tests, benchmarks); True if it compiled."""
         import time
@@ -219,8 +362,8 @@ def user_frames_compiled() -> bool:
 
 
 def reset_dynamo() -> None:
-    """``torch._dynamo.reset()``, and these families compile again at their next use (their
-    compiled code went with the reset)."""
+    """``torch._dynamo.reset()``, and the variants compiled through dynamo compile again at their
+    next use (their compiled code went with the reset; the directly called ones stay)."""
     import torch._dynamo
 
     global _own_frames
@@ -228,8 +371,8 @@ def reset_dynamo() -> None:
         torch._dynamo.reset()
         torch._dynamo.utils.counters["frames"].clear()
         _own_frames = 0
-        for family in _ALL:
-            family._ready.clear()
-            family._queued.clear()
+        for family in _ALL:  # the directly called variants do not live in dynamo: they stay
+            family._ready = {k: v for k, v in family._ready.items() if isinstance(v, _Direct)}
+            family._queued = set(family._ready)
             family._not_compiled.clear()
             family.failures.clear()

@@ -69,6 +69,9 @@ def _guards_accept(family, key, args) -> bool:
     silently: the compile would be wasted on every step)."""
     from torch._dynamo.eval_frame import _debug_get_cache_entry_list
 
+    if family.direct(key):  # called without dynamo: its own check of what the trace assumed
+        return family._ready[key].accepts(args)
+
     code = next(c for c in _compiled_codes(family._ready[key]) if c.co_name.startswith(f"fp8scope_{family.name}"))
     fn_locals = dict(zip(code.co_varnames[:code.co_argcount], args))
     eager = family.eager(key)  # the renamed copy shares the eager function's closure

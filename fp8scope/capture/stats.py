@@ -51,7 +51,7 @@ from functools import lru_cache
 
 import torch
 
-from fp8scope.compiled import CompiledFn
+from fp8scope.compiled import CompiledFn, tracing
 from fp8scope.emulate.amax import recorded_amax, row_matrix
 from fp8scope.emulate.blocks import as_matrix, e2m1_round
 from fp8scope.emulate.recipe_table import E2M1, count, counts as recipe_counts
@@ -214,7 +214,7 @@ def _full_examples(key):
     scale, scale_inv, expected = (torch.ones((), dtype=torch.float32, device=device) for _ in range(3))
     if per_row:
         scale, scale_inv = scale.expand(sshape).clone(), scale_inv.expand(sshape).clone()
-    deq = x.to(torch.float32) if has_deq else None
+    deq = x.to(torch.float32, copy=True) if has_deq else None  # a tensor of its own, also for float32 x
     if whole_given:
         return x, scale, scale_inv, expected, deq, torch.randn(1152, 1536, device=device).to(dtype)
     return x, scale, scale_inv, expected, deq
@@ -252,17 +252,17 @@ def traced_form(key):
 
 
 def _make_compiled(key):
-    """The function ``FULL_STATS`` compiles: :func:`traced_form` while dynamo traces it, the eager
-    form when it runs as plain Python. ``torch._dynamo.run`` runs a call its guards reject (a
-    strided view, a dispatch mode) as plain Python, and the fused form run eagerly would hold each of
-    its per-element values in memory."""
+    """The function ``FULL_STATS`` compiles: :func:`traced_form` while it is traced
+    (``compiled.tracing``), the eager form when it runs as plain Python: a call the compiled code
+    does not fit (a strided view, a dispatch mode) runs it so, and the fused form run eagerly would
+    hold each of its per-element values in memory."""
     eager = _make_full(key)
     if not _fused(key):
         return eager
     fused = _make_full_fused(key)
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
-        if torch.compiler.is_compiling():
+        if tracing():
             return fused(x, scale, scale_inv, expected, deq, whole)
         return eager(x, scale, scale_inv, expected, deq, whole)
 

@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from fp8scope.compiled import CompiledFn
+from fp8scope.compiled import CompiledFn, tracing
 
 _INF = float("inf")
 
@@ -80,7 +80,7 @@ def _fused_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 def _make_pair(key):
     def amax_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if torch.compiler.is_compiling() and x.device.type != "cpu":  # traced for Triton
+        if tracing() and x.device.type != "cpu":  # traced for Triton
             return _fused_pair(x)  # (inductor's C++ makes the plain form one loop already)
         return amaxes_of_magnitudes(x.abs())  # plain Python: a call the compiled guards rejected
 

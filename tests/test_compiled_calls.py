@@ -1,0 +1,127 @@
+"""fp8scope's own small compiled functions (``fp8scope.compiled``), called without dynamo.
+
+A variant whose trace assumes nothing about its sizes but their symbols is compiled by inductor
+from a ``make_fx`` graph and called directly, with fp8scope's own check of what dynamo's guards
+would check; everything else it is not made for runs the eager function. Real compiles
+(inductor's C++ here: the same path that makes Triton on a GPU), real calls through
+``stats_call`` and ``amax_pair``."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from fp8scope.capture import stats as st
+from fp8scope.compiled import reset_dynamo
+from fp8scope.emulate import amax as amax_mod
+from fp8scope.formats import get_format
+
+FMT = get_format("e4m3")
+
+
+@pytest.fixture
+def sync_compile(monkeypatch):
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
+    reset_dynamo()
+    yield
+    reset_dynamo()
+
+
+def _adversarial(shape, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(shape, generator=g) * 10 ** (seed % 7 - 3)
+    flat = x.view(-1)
+    flat[seed % flat.numel()] = [math.nan, math.inf, 0.0, 1e-40, 3e5][seed % 5]
+    return x.to(dtype)
+
+
+def _same(got, want):
+    assert torch.equal(got.isnan(), want.isnan()), (got, want)
+    assert torch.allclose(got, want, rtol=1e-9, equal_nan=True), (got, want)
+
+
+def test_full_stats_compile_to_a_direct_call_that_gives_the_eager_numbers(sync_compile):
+    """Per-tensor (any rank, refolded by ``row_matrix``), with a dequantized copy, and with per-row
+    scales: each variant is called directly, no call is turned away, and the numbers are the eager
+    form's."""
+    one, three = torch.tensor(2.0), torch.tensor(3.0)
+    cases = [  # (x, scale, deq)
+        (_adversarial((96, 40), torch.bfloat16, 1), one, None),
+        (_adversarial((3, 50, 64), torch.bfloat16, 2), one, None),
+        (_adversarial((1 << 14,), torch.bfloat16, 3), one, None),
+        (_adversarial((70, 33), torch.float32, 4), one, "deq"),
+        (_adversarial((70, 33), torch.float32, 5), torch.rand(70) * 100 + 1, "deq"),
+    ]
+    for x, scale, deq in cases:
+        d = (x.float() * 0.999) if deq else None
+        per_row = scale.numel() > 1
+        key = ("cpu", x.dtype, FMT.name, per_row, d is not None)
+        row, _, _ = st.stats_call(x, scale, 1 / scale, three, FMT, deq=d)  # queues and compiles (sync)
+        assert st.FULL_STATS.direct(key), (key, st.FULL_STATS.failures)
+        runner = st.FULL_STATS._ready[key]
+        before = runner.rejected
+        row, recorded, _ = st.stats_call(x, scale, 1 / scale, three, FMT, deq=d)
+        assert runner.rejected == before, "a call capture makes was turned away"
+        xv = x.reshape(70, -1) if per_row else amax_mod.row_matrix(x)
+        want = st.FULL_STATS.fallback(key)(xv, (scale.reshape(70, 1) if per_row else scale),
+                                           (1 / scale).reshape(70, 1) if per_row else 1 / scale, three,
+                                           d.reshape(xv.shape) if d is not None else None)
+        _same(row, want)
+        assert recorded.item() == want[2].item()
+
+
+def test_calls_the_compiled_code_was_not_made_for_run_eagerly(sync_compile):
+    """A strided view, a size-1 side, another dtype, a missing argument and a call under a dispatch
+    mode run the eager function (counted as turned away), with the same numbers as ever."""
+    key = ("cpu", torch.bfloat16, FMT.name, False, False)
+    s, si, e = torch.tensor(4.0), torch.tensor(0.25), torch.tensor(1.0)
+    x = _adversarial((64, 48), torch.bfloat16, 6)
+    st.stats_call(x, s, si, e, FMT)
+    assert st.FULL_STATS.direct(key)
+    runner, eager = st.FULL_STATS._ready[key], st.FULL_STATS.fallback(key)
+    ok = runner.rejected
+    _same(runner(x, s, si, e, None), eager(x, s, si, e, None))
+    assert runner.rejected == ok
+    for args in ((x.t(), s, si, e, None),  # strided
+                 (x[:1], s, si, e, None),  # one row: dynamo would specialise on it too
+                 (x.float(), s, si, e, None),  # another dtype
+                 (x, s, si, e, x.float())):  # an argument the variant does not take
+        _same(runner(*args), eager(*args))
+    assert runner.rejected == ok + 4
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    with Count():
+        runner(x, s, si, e, None)
+    assert Count.ops >= 30  # the eager form's ops, which the op-count proxies measure
+
+
+def test_the_amax_pair_compiles_where_asked_and_keeps_te_semantics(sync_compile, monkeypatch):
+    """The emulated layer's amax pair, compiled for the CPU when asked: called directly, NaN ignored
+    by the recorded amax and kept by the logged one."""
+    monkeypatch.setattr(amax_mod.AMAX, "_devices", None)  # the family compiles for CUDA only by default
+    x = _adversarial((4, 32, 64), torch.bfloat16, 0)  # holds a NaN
+    logged, recorded = amax_mod.amax_pair(x)
+    key = ("cpu", torch.bfloat16)
+    assert amax_mod.AMAX.direct(key), amax_mod.AMAX.failures
+    logged, recorded = amax_mod.amax_pair(x)
+    assert math.isnan(logged)
+    assert recorded.item() == torch.nan_to_num(x.float().abs(), nan=0.0).max().item()
+
+
+def test_variants_whose_trace_assumes_a_shape_relation_go_through_dynamo(sync_compile):
+    """MXFP8 measured beside the stats reads 32-element blocks: the trace assumes sides that blocks
+    divide, which dynamo's guards check; that variant is compiled through ``torch.compile``."""
+    x = torch.randn(64, 96)
+    key = ("cpu", torch.float32, FMT.name, False, False, ("mxfp8",), "activation", False)
+    st.stats_call(x, torch.tensor(1.0), torch.tensor(1.0), torch.tensor(1.0), FMT, recipes=("mxfp8",))
+    assert key in st.FULL_STATS._ready, st.FULL_STATS.failures
+    assert not st.FULL_STATS.direct(key)
