@@ -16,5 +16,5 @@ timeout 270 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=5 
   | grep -v "^fp8scope step" | tail -40 | tee "$OUT/pytest.txt"
 timeout 120 python3 benchmarks/large_model.py --device cuda --models off 2>&1 | grep -v "Warning\|^fp8scope step\|warn(" \
   | tee "$OUT/large.txt"
-timeout 180 python3 benchmarks/capture_cost.py --device cuda --sections tensor,ratio --rounds 5 2>&1 \
+timeout 180 python3 benchmarks/capture_cost.py --device cuda --sections tensor,calls,ratio --rounds 5 2>&1 \
   | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/capture.txt"

@@ -130,9 +130,9 @@ def test_torchao_real_fp8_gemms(tmp_path):
 @pytest.mark.parametrize("layout", ["per_tensor", "per_row", "recipes"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype, layout):
-    """The stats pass compiled to Triton gives the eager numbers, and the CPU's, on CUDA tensors;
-    per-row scales compile another form (each row, then the rows; no split reductions), and other
-    recipes are measured in the same graph as the fused stats."""
+    """The stats pass compiled to Triton gives the eager numbers, and the CPU's, on CUDA tensors,
+    called without dynamo (but for block recipes, whose trace assumes the blocks divide the sides);
+    other recipes are measured in the same graph as the fused stats."""
     import os
 
     from fp8scope.capture.stats import FULL_STATS, stats_call
@@ -157,6 +157,8 @@ def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype, layout):
             key = (*key, recipes, "activation", False)
         assert FULL_STATS.wait(key), FULL_STATS.failures
         compiled, rec_c, mat_c = call(x, scale)
+        if not recipes:  # called without dynamo (fp8scope.compiled._Direct), and the call fit
+            assert FULL_STATS.direct(key) and FULL_STATS._ready[key].rejected == 0, FULL_STATS.failures
     finally:
         os.environ["FP8SCOPE_COMPILE"] = old if old is not None else "0"
     cpu, _, mat_cpu = call(x.cpu(), scale.cpu())
