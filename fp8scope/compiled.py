@@ -100,8 +100,9 @@ class _Direct:
     host time, tensor after tensor. Here the function is traced once with ``make_fx`` on fake
     tensors whose sizes are symbols (each dimension above 1; equal example sizes share a symbol, as
     dynamo's duck sizing does), inductor compiles that graph, and the call checks what dynamo's
-    guards would: each argument's presence, dtype, device, rank and contiguity, the static sizes,
-    every symbolic size at least 2, and the sizes that share a symbol equal. Only a variant whose
+    guards would: each argument's presence, dtype, device (with its index), rank and contiguity,
+    the static sizes, every symbolic size at least 2, and the sizes that share a symbol equal
+    (a fresh tensor per example: aliased ones would trace as one input). Only a variant whose
     trace recorded no guard on the symbols is compiled this way (a shape relation such as a block
     size dividing a side is dynamo's to check); a call that does not fit, or one made under a
     dispatch mode (the op-count proxies), runs the eager function."""
@@ -160,7 +161,7 @@ class _Direct:
                     dims.append(str(n.node.expr))
                 else:
                     return None
-            spec[i] = (f.dtype, f.device.type, tuple(dims))
+            spec[i] = (f.dtype, f.device, tuple(dims))  # the device with its index: the code launches there
         with config.patch(owner.options(key) or {}), torch.no_grad():
             compiled = compile_fx(graph, fakes)
         return cls(compiled, spec, eager, owner, key)
@@ -176,7 +177,7 @@ class _Direct:
             if a is None:
                 return False
             dtype, device, dims = spec[i]
-            if a.dtype != dtype or a.device.type != device or a.dim() != len(dims) or not a.is_contiguous():
+            if a.dtype != dtype or a.device != device or a.dim() != len(dims) or not a.is_contiguous():
                 return False
             for want, n in zip(dims, a.shape):
                 if want.__class__ is int:
