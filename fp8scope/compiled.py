@@ -111,6 +111,8 @@ class _Direct:
         self._compiled, self._spec, self._eager = compiled, spec, eager
         self._owner, self._key = owner, key
         self._present = [i for i, item in enumerate(spec) if item is not None]
+        self._checks = [(i, *spec[i], len(spec[i][2])) for i in self._present]  # (index, dtype, device, dims, rank)
+        self._absent = [i for i, item in enumerate(spec) if item is None]
         self.rejected = 0  # calls that ran eagerly because they did not fit
 
     @classmethod
@@ -168,16 +170,15 @@ class _Direct:
 
     def accepts(self, args: tuple) -> bool:
         """Whether ``args`` fit the compiled code (what dynamo's guards would say)."""
-        spec = self._spec
-        if len(args) > len(spec) or any(args[i] is not None for i in range(len(args)) if spec[i] is None):
+        n_args = len(args)
+        if n_args > len(self._spec) or any(args[i] is not None for i in self._absent if i < n_args):
             return False
         sizes: dict[str, int] = {}
-        for i in self._present:
-            a = args[i] if i < len(args) else None
+        for i, dtype, device, dims, rank in self._checks:
+            a = args[i] if i < n_args else None
             if a is None:
                 return False
-            dtype, device, dims = spec[i]
-            if a.dtype != dtype or a.device != device or a.dim() != len(dims) or not a.is_contiguous():
+            if a.dtype is not dtype or a.dim() != rank or a.device != device or not a.is_contiguous():
                 return False
             for want, n in zip(dims, a.shape):
                 if want.__class__ is int:
@@ -194,12 +195,15 @@ class _Direct:
             self.rejected += 1
             return self._eager(*args)
         tensors = [args[i] for i in self._present]
+        grad = torch.is_grad_enabled()  # hooks run with grad on (forward) or off (backward): one mode for
+        torch._C._set_grad_enabled(False)  # all, set by hand (a no_grad context costs more than the check)
         try:
-            with torch.no_grad():  # hooks run with grad on (forward) or off (backward): one mode for all
-                return self._compiled(*tensors)
+            return self._compiled(*tensors)
         except Exception as exc:  # never the step's problem: this variant runs eagerly from now on
             self._owner._demote(self._key, exc)
             return self._eager(*args)
+        finally:
+            torch._C._set_grad_enabled(grad)
 
 
 def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callable[[], tuple]) -> None:
