@@ -213,9 +213,11 @@ def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callabl
         runner = None
         try:
             runner = _Direct.build(owner, key, fn, owner.eager(key), examples())
-        except Exception:  # an inductor or torch without this path: dynamo's, below
+        except Exception as exc:  # an inductor or torch without this path: dynamo's, below
+            owner.not_direct[key] = f"{type(exc).__name__}: {exc}"
             runner = None
         if runner is None:
+            owner.not_direct.setdefault(key, "its trace assumes a relation between sizes (or examples alias)")
             compiled = torch.compile(fn, dynamic=True, options=owner.options(key))
             with torch.no_grad():  # grad mode is part of the guards: compile and run under the same one
                 compiled(*examples())  # traces and compiles now, on this thread
@@ -263,6 +265,7 @@ class CompiledFn:
         _ALL.append(self)
         self._ready: dict[Hashable, Callable] = {}
         self.failures: dict[Hashable, str] = {}
+        self.not_direct: dict[Hashable, str] = {}  # why a variant could not be called directly (it went through dynamo)
 
     def get(self, key: Hashable) -> Callable:
         """The function to call for ``key`` now: compiled when ready, else eager (queuing the compile).
@@ -381,3 +384,4 @@ def reset_dynamo() -> None:
             family._queued = set(family._ready)
             family._not_compiled.clear()
             family.failures.clear()
+            family.not_direct.clear()

@@ -158,7 +158,7 @@ def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype, layout):
         assert FULL_STATS.wait(key), FULL_STATS.failures
         compiled, rec_c, mat_c = call(x, scale)
         if not recipes:  # called without dynamo (fp8scope.compiled._Direct), and the call fit
-            assert FULL_STATS.direct(key) and FULL_STATS._ready[key].rejected == 0, FULL_STATS.failures
+            assert FULL_STATS.direct(key) and FULL_STATS._ready[key].rejected == 0, FULL_STATS.not_direct
     finally:
         os.environ["FP8SCOPE_COMPILE"] = old if old is not None else "0"
     cpu, _, mat_cpu = call(x.cpu(), scale.cpu())
