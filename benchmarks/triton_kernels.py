@@ -86,31 +86,16 @@ class _Stop(BaseException):
 
 
 def triton_code(fn, examples: tuple, options: dict | None = None) -> str:
-    """Inductor's output code for ``fn`` on fake CUDA copies of ``examples`` (every dimension above 1
-    dynamic, equal sizes sharing a symbol as dynamo's duck sizing does)."""
+    """Inductor's output code for ``fn`` on fake CUDA copies of ``examples``, traced as the product
+    traces what it compiles (``fp8scope.compiled.trace``: every dimension above 1 dynamic, equal
+    sizes sharing a symbol as dynamo's duck sizing does)."""
     from torch._inductor import config
     from torch._inductor.compile_fx import compile_fx
     from torch._inductor.graph import GraphLowering
-    from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.fx.experimental.proxy_tensor import make_fx
-    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-    mode = FakeTensorMode(shape_env=ShapeEnv())
-    present = [i for i, t in enumerate(examples) if t is not None]
-    fakes = []
-    for i in present:
-        t = examples[i]
-        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK if n > 1 else DimDynamic.STATIC for n in t.shape])
-        f = mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device="meta"), symbolic_context=ctx)
-        f.fake_device = torch.device("cuda", 0)
-        fakes.append(f)
+    from fp8scope.compiled import trace
 
-    def call(*xs):
-        args = [None] * len(examples)
-        for i, x in zip(present, xs):
-            args[i] = x
-        return fn(*args)
-
+    graph, fakes, _ = trace(fn, examples, fake_device="cuda:0")
     got: list[str] = []
     codegen = GraphLowering.codegen
 
@@ -123,7 +108,7 @@ def triton_code(fn, examples: tuple, options: dict | None = None) -> str:
     GraphLowering.codegen = capture
     try:
         with config.patch(options or {}):
-            compile_fx(make_fx(call, tracing_mode="symbolic")(*fakes), fakes)
+            compile_fx(graph, fakes)
     except _Stop:
         pass
     except Exception as exc:  # inductor wraps what the stand-in raised

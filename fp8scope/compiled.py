@@ -91,6 +91,47 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
+def trace(fn: Callable, examples: tuple, fake_device=None):
+    """``(graph, fakes, shape_env)``: ``fn`` traced by ``make_fx`` on fake copies of ``examples``
+    (None stays None and is not an input of the graph), every dimension above 1 a symbol and equal
+    sizes one symbol, as dynamo's duck sizing makes them; ``fake_device``: the fakes claim that
+    device (``benchmarks/triton_kernels.py`` traces for a GPU it does not have). The one tracer of
+    what :class:`_Direct` compiles and of what the benchmark counts."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
+
+    shape_env = ShapeEnv()
+    mode = FakeTensorMode(shape_env=shape_env)
+    present = [i for i, t in enumerate(examples) if t is not None]
+    fakes = []
+    for i in present:
+        t = examples[i]
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK if n > 1 else DimDynamic.STATIC
+                                                      for n in t.shape])
+        if fake_device is None:
+            fakes.append(mode.from_tensor(t, symbolic_context=ctx))
+        else:
+            f = mode.from_tensor(torch.empty(t.shape, dtype=t.dtype, device="meta"), symbolic_context=ctx)
+            f.fake_device = torch.device(fake_device)
+            fakes.append(f)
+
+    def call(*xs):
+        args = [None] * len(examples)
+        for i, x in zip(present, xs):
+            args[i] = x
+        return fn(*args)
+
+    _local.tracing = True
+    try:
+        with torch.no_grad():
+            graph = make_fx(call, tracing_mode="symbolic")(*fakes)
+    finally:
+        _local.tracing = False
+    return graph, fakes, shape_env
+
+
 class _Direct:
     """A variant inductor compiled from a graph traced here, called without dynamo.
 
@@ -121,36 +162,13 @@ class _Direct:
         import torch
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
-        from torch._subclasses.fake_tensor import FakeTensorMode
-        from torch.fx.experimental.proxy_tensor import make_fx
-        from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv, StatelessSymbolicContext
 
-        shape_env = ShapeEnv()
-        mode = FakeTensorMode(shape_env=shape_env)
         present = [i for i, t in enumerate(examples) if t is not None]
         if not all(examples[i].is_contiguous() for i in present):
             return None
         if len({examples[i].data_ptr() for i in present}) < len(present):
             return None  # aliased examples would trace as one input, which calls need not be
-        fakes = []
-        for i in present:
-            t = examples[i]
-            ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK if n > 1 else DimDynamic.STATIC
-                                                          for n in t.shape])
-            fakes.append(mode.from_tensor(t, symbolic_context=ctx))
-
-        def call(*xs):
-            args = [None] * len(examples)
-            for i, x in zip(present, xs):
-                args[i] = x
-            return fn(*args)
-
-        _local.tracing = True
-        try:
-            with torch.no_grad():
-                graph = make_fx(call, tracing_mode="symbolic")(*fakes)
-        finally:
-            _local.tracing = False
+        graph, fakes, shape_env = trace(fn, examples)
         if shape_env.guards:  # a relation between sizes: dynamo checks those
             return None
         spec: list = [None] * len(examples)
