@@ -312,7 +312,8 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, rec
     s, si, e = _f32(scale, dev), _f32(scale_inv, dev), _f32(expected_amax, dev)
     # one expected amax: a per-block one (block recipes) is summarised here, so the compiled
     # variants see the 0-d value they were made for (a rank the guards did not see runs eagerly)
-    e = e.reshape(()) if e.numel() == 1 else e.amax()
+    if e.dim() != 0:
+        e = e.reshape(()) if e.numel() == 1 else e.amax()
     if x.numel() == 0:
         row = torch.zeros(N_WIDE, dtype=torch.float64, device=dev)  # WIDE_FIELDS
         row[1] = _INF

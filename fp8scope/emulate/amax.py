@@ -52,6 +52,8 @@ def row_matrix(x: torch.Tensor) -> torch.Tensor:
     size allows). Why: compiled for a GPU, such a reduction runs each row and then the rows, with a
     program per block of rows (``capture.stats._make_full_fused``, :func:`_fused_pair`), so rows are
     its parallelism."""
+    if x.dim() == 2 and x.shape[0] >= _MIN_ROWS:
+        return x  # already one: no view to make
     v = x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)
     n = v.numel()
     for cols in (4096, 2048, 1024, 512, 256, 128):
