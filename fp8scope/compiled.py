@@ -12,13 +12,13 @@ Compiling takes seconds, so it must never happen on the training thread:
   on large example tensors: inductor picks threads and block sizes from their size) and runs the
   eager function;
 - once compiled, a call runs the compiled code and never compiles: an input it does not fit runs
-  eagerly instead of stalling the step. Each variant is traced here with ``make_fx``, compiled
-  by inductor and called directly, with its inputs checked here as dynamo's guards would check
-  them (:class:`_Direct`): through ``torch.compile`` each call also paid dynamo's frame
-  evaluation and runtime wrappers, about half a small call's host time
-  (``benchmarks/capture_cost.py --sections calls``). A variant that cannot be traced so (a torch
-  without this path) is compiled with ``torch.compile`` and called through
-  ``torch._dynamo.run``, as before.
+  eagerly instead of stalling the step. A variant whose trace assumes nothing of its sizes but
+  their symbols (the stats pass, the amax pair) is traced here with ``make_fx``, compiled by
+  inductor and called directly, with its inputs checked here (:class:`_Direct`): through
+  ``torch.compile`` each call also paid dynamo's frame evaluation and runtime wrappers, about
+  half a small call's host time (``benchmarks/capture_cost.py --sections calls``). A variant
+  whose trace does assume a relation (a block size dividing a side) is compiled with
+  ``torch.compile`` and called through ``torch._dynamo.run``, whose guards check it.
 
 Where it compiles: by default (``FP8SCOPE_COMPILE`` unset, or ``auto``) on accelerators (CUDA and
 any device type but the CPU), where each eager op is a kernel launch and a few generated kernels
@@ -143,17 +143,13 @@ class _Direct:
     dynamo's duck sizing does), inductor compiles that graph, and the call checks what dynamo's
     guards would: each argument's presence, dtype, device (with its index), rank and contiguity,
     the static sizes, every symbolic size at least 2, and the sizes that share a symbol equal
-    (a fresh tensor per example: aliased ones would trace as one input). Where the trace assumed
-    relations between the sizes (a block size dividing a side: the block recipes measured beside the
-    stats), their guards, as the shape environment writes them for dynamo, are evaluated once per
-    set of sizes and remembered. A call that does not fit, or one made under a dispatch mode (the
-    op-count proxies), runs the eager function."""
+    (a fresh tensor per example: aliased ones would trace as one input). Only a variant whose
+    trace recorded no guard on the symbols is compiled this way (a shape relation such as a block
+    size dividing a side is dynamo's to check); a call that does not fit, or one made under a
+    dispatch mode (the op-count proxies), runs the eager function."""
 
-    def __init__(self, compiled: Callable, spec: list, eager: Callable, owner: "CompiledFn", key: Hashable,
-                 relations: tuple | None = None):
+    def __init__(self, compiled: Callable, spec: list, eager: Callable, owner: "CompiledFn", key: Hashable):
         self._compiled, self._spec, self._eager = compiled, spec, eager
-        self._relations = relations  # (code, namespace) of the trace's shape guards, or None
-        self._shapes: dict[tuple, bool] = {}  # what the relations said of each set of sizes and strides seen
         self._owner, self._key = owner, key
         self._present = [i for i, item in enumerate(spec) if item is not None]
         self._checks = [(i, *spec[i], len(spec[i][2])) for i in self._present]  # (index, dtype, device, dims, rank)
@@ -173,13 +169,8 @@ class _Direct:
         if len({examples[i].data_ptr() for i in present}) < len(present):
             return None  # aliased examples would trace as one input, which calls need not be
         graph, fakes, shape_env = trace(fn, examples)
-        relations = None
-        if shape_env.guards:  # relations between sizes (a block size dividing a side): checked per shape
-            from torch.fx.experimental.symbolic_shapes import SYMPY_INTERP
-
-            code = shape_env.produce_guards_expression(fakes)
-            if code:
-                relations = (compile(code, f"<fp8scope {owner.name} shape guards>", "eval"), SYMPY_INTERP)
+        if shape_env.guards:  # a relation between sizes: dynamo checks those
+            return None
         spec: list = [None] * len(examples)
         for i, f in zip(present, fakes):
             dims = []
@@ -193,7 +184,7 @@ class _Direct:
             spec[i] = (f.dtype, f.device, tuple(dims))  # the device with its index: the code launches there
         with config.patch(owner.options(key) or {}), torch.no_grad():
             compiled = compile_fx(graph, fakes)
-        return cls(compiled, spec, eager, owner, key, relations)
+        return cls(compiled, spec, eager, owner, key)
 
     def accepts(self, args: tuple) -> bool:
         """Whether ``args`` fit the compiled code (what dynamo's guards would say)."""
@@ -213,20 +204,7 @@ class _Direct:
                         return False
                 elif n < 2 or sizes.setdefault(want, n) != n:
                     return False
-        return self._relations is None or self._relations_hold(args)
-
-    def _relations_hold(self, args: tuple) -> bool:
-        """The trace's shape guards on these arguments' sizes and strides: evaluated once per set of
-        them (a model's shapes repeat step after step; tens of microseconds each time otherwise)."""
-        tensors = [args[i] for i in self._present]
-        shapes = tuple((tuple(t.shape), t.stride()) for t in tensors)
-        held = self._shapes.get(shapes)
-        if held is None:
-            code, namespace = self._relations
-            held = bool(eval(code, namespace, {"L": {f"t{j}": t for j, t in enumerate(tensors)}}))
-            if len(self._shapes) < 1024:  # bounded: a run whose shapes never repeat evaluates each call
-                self._shapes[shapes] = held
-        return held
+        return True
 
     def __call__(self, *args):
         import torch
@@ -257,7 +235,7 @@ def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callabl
             owner.not_direct[key] = f"{type(exc).__name__}: {exc}"
             runner = None
         if runner is None:
-            owner.not_direct.setdefault(key, "its examples alias, or its sizes are not plain symbols")
+            owner.not_direct.setdefault(key, "its trace assumes a relation between sizes (or examples alias)")
             compiled = torch.compile(fn, dynamic=True, options=owner.options(key))
             with torch.no_grad():  # grad mode is part of the guards: compile and run under the same one
                 compiled(*examples())  # traces and compiles now, on this thread
