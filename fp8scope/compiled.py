@@ -158,19 +158,20 @@ class _Direct:
 
     @classmethod
     def build(cls, owner: "CompiledFn", key: Hashable, fn: Callable, eager: Callable,
-              examples: tuple) -> "_Direct | None":
+              examples: tuple) -> "_Direct":
+        """The compiled variant, or ValueError saying why it cannot be called directly."""
         import torch
         from torch._inductor import config
         from torch._inductor.compile_fx import compile_fx
 
         present = [i for i, t in enumerate(examples) if t is not None]
         if not all(examples[i].is_contiguous() for i in present):
-            return None
+            raise ValueError("a strided example")
         if len({examples[i].data_ptr() for i in present}) < len(present):
-            return None  # aliased examples would trace as one input, which calls need not be
+            raise ValueError("aliased examples (they would trace as one input, which calls need not be)")
         graph, fakes, shape_env = trace(fn, examples)
-        if shape_env.guards:  # a relation between sizes: dynamo checks those
-            return None
+        if shape_env.guards:
+            raise ValueError("its trace assumes relations between sizes, which dynamo's guards check")
         spec: list = [None] * len(examples)
         for i, f in zip(present, fakes):
             dims = []
@@ -180,7 +181,7 @@ class _Direct:
                 elif isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
                     dims.append(str(n.node.expr))
                 else:
-                    return None
+                    raise ValueError(f"a size that is not a plain symbol ({n})")
             spec[i] = (f.dtype, f.device, tuple(dims))  # the device with its index: the code launches there
         with config.patch(owner.options(key) or {}), torch.no_grad():
             compiled = compile_fx(graph, fakes)
@@ -224,28 +225,32 @@ class _Direct:
             torch._C._set_grad_enabled(grad)
 
 
+def _through_dynamo(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callable[[], tuple]) -> Callable:
+    """``fn`` compiled with ``torch.compile`` and called through ``torch._dynamo.run``, whose guards
+    check each call (the variants :class:`_Direct` cannot serve)."""
+    import torch
+
+    global _own_frames
+    compiled = torch.compile(fn, dynamic=True, options=owner.options(key))
+    with torch.no_grad():  # grad mode is part of the guards: compile and run under the same one
+        compiled(*examples())  # traces and compiles now, on this thread
+    cached = torch._dynamo.run(fn)
+    _own_frames += 1
+
+    def runner(*args):
+        with torch.no_grad():  # hooks run with grad on (forward) or off (backward): one mode for all
+            return cached(*args)
+
+    return runner
+
+
 def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callable[[], tuple]) -> None:
     try:
-        import torch
-
-        runner = None
         try:
             runner = _Direct.build(owner, key, fn, owner.eager(key), examples())
-        except Exception as exc:  # an inductor or torch without this path: dynamo's, below
+        except Exception as exc:  # a shape relation, or a torch without this path
             owner.not_direct[key] = f"{type(exc).__name__}: {exc}"
-            runner = None
-        if runner is None:
-            owner.not_direct.setdefault(key, "its trace assumes a relation between sizes (or examples alias)")
-            compiled = torch.compile(fn, dynamic=True, options=owner.options(key))
-            with torch.no_grad():  # grad mode is part of the guards: compile and run under the same one
-                compiled(*examples())  # traces and compiles now, on this thread
-            cached = torch._dynamo.run(fn)
-            global _own_frames
-            _own_frames += 1
-
-            def runner(*args):
-                with torch.no_grad():  # hooks run with grad on (forward) or off (backward): one mode for all
-                    return cached(*args)
+            runner = _through_dynamo(owner, key, fn, examples)
     except Exception as exc:  # no working compiler here: this variant stays eager
         owner._settle(key, None, exc)
     else:

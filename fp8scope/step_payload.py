@@ -33,8 +33,8 @@ N_RECIPE = len(RECIPE_FIELDS)
 # reduction, and each writes its half of this row in place; putting the values in STAT_FIELDS'
 # order on the device took one more kernel launch per tensor, where reordering on the host is free.
 # ``recorded_amax`` (TE's amax, NaN ignored: what a what-if scaling state records) is not logged;
-# the two unused slots give both halves eight columns (inductor fuses the two reductions' first
-# stages only when their shapes match).
+# the two unused slots (copies of the expected amax) give both halves eight columns, so that the
+# compiled pass's two reductions over the rows read per-row matrices of one shape.
 WIDE_FIELDS = ("amax", "min_nonzero", "recorded_amax", "scale", "scale_inv", "expected_amax", "unused6", "unused7",
                "numel", "zeros", "nonfinite", "overflow", "underflow", "saturated", "sq_err", "sq_signal")
 N_WIDE = len(WIDE_FIELDS)
