@@ -30,7 +30,7 @@
 
 Op and kernel counts are deterministic; timings are this machine's, printed as ratios measured in
 one run. Section 3 times the product's default: on a GPU the stats compiled (synchronously here,
-``FP8SCOPE_COMPILE=sync``, so that timed steps run the compiled code from the first one), on the
+``FP8SCOPE_COMPILE=1``, so that timed steps run the compiled code from the first one), on the
 CPU eager (``fp8scope.compiled``: the CPU does not compile by default); ``--compile-stats`` compiles
 them on the CPU too, ``--no-compile-stats`` keeps them eager on a GPU.
 """
@@ -127,8 +127,8 @@ def per_tensor(device: str, reps: int) -> None:
         full_ops, full_views = count_ops(lambda: stats_mod.stats_call(x, scale, inv, exp, fmt))
         eager = stats_mod.FULL_STATS.fallback(key)  # not stats_call: once compiled, that runs the compiled code
         t_eager = timed(lambda: eager(x.reshape(-1), scale, inv, exp, None), reps)
-        os.environ["FP8SCOPE_COMPILE"] = "sync"
-        stats_mod.FULL_STATS.wait(key)
+        os.environ["FP8SCOPE_COMPILE"] = "1"
+        stats_mod.FULL_STATS.ensure(key)
         t_comp = timed(lambda: stats_mod.stats_call(x, scale, inv, exp, fmt), reps)  # the product's path
         cheap_ops, cheap_views = count_ops(lambda: amax_mod.amax_parts(x))  # one eager op on every device
         print(f"   {rows:>5d}x{cols:<6d} {full_ops:>10d} (+{full_views} views) {full_kernels:>8d} ({full_launches:>2d})     {t_eager * 1e3:>9.2f}"
@@ -145,7 +145,7 @@ def call_cost(device: str, reps: int) -> None:
 
     print("\n1c. one compiled full-stats call, through torch.compile and called directly (bf16, per-tensor scale)")
     print(f"   {'size':>12s} {'eager us':>9s} {'torch.compile us':>17s} {'direct us':>10s}")
-    os.environ["FP8SCOPE_COMPILE"] = "sync"
+    os.environ["FP8SCOPE_COMPILE"] = "1"
     fmt = get_format("e4m3")
     key = (device, torch.bfloat16, fmt.name, False, False)
     reset_dynamo()
@@ -157,7 +157,7 @@ def call_cost(device: str, reps: int) -> None:
         x = torch.randn(rows, cols, device=device).to(torch.bfloat16)
         s, si, e = (torch.tensor(v, device=device) for v in (100.0, 0.01, 4.48))
         stats_mod.stats_call(x, s, si, e, fmt)
-        stats_mod.FULL_STATS.wait(key)
+        stats_mod.FULL_STATS.ensure(key)
         direct = stats_mod.FULL_STATS.get(key)
         assert stats_mod.FULL_STATS.direct(key), stats_mod.FULL_STATS.failures
         eager = stats_mod.FULL_STATS.fallback(key)
@@ -190,9 +190,9 @@ def per_recipe(device: str, reps: int) -> None:
         plain = lambda: stats_mod.stats_call(x, one, one, one, fmt)  # noqa: E731
         ops = count_ops(call)[0] - count_ops(plain)[0]
         t_eager = timed(call, reps) - timed(plain, reps)
-        os.environ["FP8SCOPE_COMPILE"] = "sync"
+        os.environ["FP8SCOPE_COMPILE"] = "1"
         call(), plain()
-        stats_mod.FULL_STATS.wait(key), stats_mod.FULL_STATS.wait(base)
+        stats_mod.FULL_STATS.ensure(key), stats_mod.FULL_STATS.ensure(base)
         t_comp = timed(call, reps) - timed(plain, reps)
         print(f"   {recipe:>9s} {ops:>10d} {kernels:>8d} {t_eager * 1e3:>9.2f} {t_comp * 1e3:>12.2f}")
 
@@ -247,7 +247,7 @@ def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: 
 def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("eager", "compiled"),
            models=("off", "delayed"), whatif_recipes=()) -> None:
     print("\n3. monitored / unmonitored step time, demo model (paired ratios, interleaved)")
-    os.environ["FP8SCOPE_COMPILE"] = "sync" if compile_stats else "0"
+    os.environ["FP8SCOPE_COMPILE"] = "1" if compile_stats else "0"
     for compiled in [m == "compiled" for m in modes]:
         for fp8, label in [(f, lab) for f, lab in (("off", "what-if"), ("delayed", "emulated")) if f in models]:
             cells, plain_ms = [], []
@@ -265,7 +265,7 @@ def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("ea
 
 def ratio_parts(device: str, rounds: int, block: int) -> None:
     print("\n3b. where a what-if monitor's time goes at every=50, demo model, eager (paired ratios, interleaved)")
-    os.environ["FP8SCOPE_COMPILE"] = "0" if device == "cpu" else "sync"
+    os.environ["FP8SCOPE_COMPILE"] = "0" if device == "cpu" else "1"
     configs = {
         "plain": None,
         "cheap captures only": dict(every=10**9, detect=False, full_on_anomaly=0),

@@ -6,7 +6,7 @@ Per model (what-if: plain bf16 linears; emulated: ``convert_to_fp8`` with delaye
 kept in bf16), the monitored / unmonitored step-time ratio of a cheap step and of a full-stats step
 (``every=1``), paired and interleaved as ``benchmarks/overhead.py`` times the demo, and from them
 the ratio at ``every=50`` (the product's default: one full-stats step in 50). On a GPU the stats compile to Triton
-(``FP8SCOPE_COMPILE=sync``, so the timed steps run the compiled code from the first one).
+(``FP8SCOPE_COMPILE=1``, so the timed steps run the compiled code from the first one).
 
     python benchmarks/large_model.py --device cuda             # 1.1 B parameters, on a GPU
     python benchmarks/large_model.py --size tiny --rounds 2    # the same code on a CPU, in seconds
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--models", default="off,delayed", help="off (what-if), delayed (emulated)")
     args = ap.parse_args()
     on_gpu = args.device.startswith("cuda")
-    os.environ["FP8SCOPE_COMPILE"] = "sync" if on_gpu else "0"
+    os.environ["FP8SCOPE_COMPILE"] = "1" if on_gpu else "0"
     name = torch.cuda.get_device_name() if on_gpu else "cpu"
     print(f"torch {torch.__version__}, {name}, Llama {args.size}, batch {args.batch} x {args.seq} tokens, bf16, eager")
     print("   cheap: every timed step a cheap one (every=50 after its first, full, step); full: every=1;")

@@ -1,42 +1,44 @@
-"""Small tensor functions compiled ahead on a helper thread, eager until they are ready.
+"""Small tensor functions compiled once per variant, at first use, on the thread that calls them.
 
 Why: fp8scope's per-tensor work (full stats, the amax pass) is a handful of reductions over one
 tensor. Eager, each op is a kernel launch on CUDA (and a memory pass everywhere); under
 ``torch.compile`` inductor fuses them into one or two kernels (Triton on CUDA, C++ on the CPU).
-Compiling takes seconds, so it must never happen on the training thread:
 
 - each variant (the caller's key: device type, dtype, format, ...) gets a function object of its
   own (a code object of its own, so dynamo's cache for it is separate and no variant can use up
   another's recompile budget);
-- the first call of a variant queues a compile on the helper thread (dynamic shapes, traced once
-  on large example tensors: inductor picks threads and block sizes from their size) and runs the
-  eager function;
-- once compiled, a call runs the compiled code and never compiles: an input it does not fit runs
-  eagerly instead of stalling the step. A variant whose trace assumes nothing of its sizes but
-  their symbols (the stats pass, the amax pair) is traced here with ``make_fx``, compiled by
-  inductor and called directly, with its inputs checked here (:class:`_Direct`): through
-  ``torch.compile`` each call also paid dynamo's frame evaluation and runtime wrappers, about
-  half a small call's host time (``benchmarks/capture_cost.py --sections calls``). A variant
-  whose trace does assume a relation (a block size dividing a side) is compiled with
-  ``torch.compile`` and called through ``torch._dynamo.run``, whose guards check it.
+- the first call of a variant compiles it (dynamic shapes, traced once on large example tensors:
+  inductor picks threads and block sizes from their size), on the calling thread, and later calls
+  never compile: an input the compiled code does not fit runs eagerly instead. A variant whose
+  trace assumes nothing of its sizes but their symbols (the stats pass, the amax pair) is traced
+  here with ``make_fx``, compiled by inductor and called directly, with its inputs checked here
+  (:class:`_Direct`): through ``torch.compile`` each call also paid dynamo's frame evaluation and
+  runtime wrappers, about half a small call's host time (``benchmarks/capture_cost.py --sections
+  calls``). A variant whose trace does assume a relation (a block size dividing a side) is compiled
+  with ``torch.compile`` and called through ``torch._dynamo.run``, whose guards check it.
+
+Why not ahead, on a helper thread (as this module did before): torch's tracing is process-wide.
+While ``make_fx`` traces (ours, and AOTAutograd's inside every inductor compile) it replaces
+``torch.nn.Module.__call__`` for every thread and sets FX's global tracing flag. A training thread
+calling its model meanwhile went through the tracer's module wrapper, and a ``torch.compile``d
+model raised "Detected that you are using FX to symbolically trace a dynamo-optimized function"
+and ended the user's training (``tests/test_compile_mode.py``). Compiling on the calling thread
+costs that thread the compile once per variant, at its first use (seconds, less from inductor's
+on-disk cache on later runs), which a ``torch.compile`` user pays for the model too.
 
 Where it compiles: by default (``FP8SCOPE_COMPILE`` unset, or ``auto``) on accelerators (CUDA and
 any device type but the CPU), where each eager op is a kernel launch and a few generated kernels
 replace tens of them (the full-stats pass: 3 Triton launches for 37 eager ops). On the CPU the
 default is eager: there an eager op is a loop over memory, not a launch, and each compile takes
-seconds to tens of seconds of the very cores that train, which a short CPU run (a test, the demo)
-never earns back (``benchmarks/capture_cost.py``, per-tensor timings).
-``FP8SCOPE_COMPILE=1`` compiles on the CPU too; ``FP8SCOPE_COMPILE=0`` (or a torch without a
-working inductor) keeps everything eager; ``FP8SCOPE_COMPILE=sync`` compiles each variant, on any
-device, on the calling thread at its first call (tests and benchmarks that must measure the
-compiled code from the first step). A compile that fails leaves that variant eager for the rest of
-the process.
+seconds of the very cores that train, which a short CPU run (a test, the demo) never earns back
+(``benchmarks/capture_cost.py``, per-tensor timings). ``FP8SCOPE_COMPILE=1`` (or ``on``, ``sync``)
+compiles on the CPU too; ``FP8SCOPE_COMPILE=0`` (or a torch without a working inductor) keeps
+everything eager. A compile that fails leaves that variant eager for the rest of the process.
 """
 
 from __future__ import annotations
 
 import os
-import queue
 import threading
 import types
 from typing import Callable, Hashable
@@ -46,19 +48,17 @@ _NO_SETTING = object()  # never equal to an environment value
 _lock = threading.RLock()
 _ALL: list["CompiledFn"] = []  # every family, so that a dynamo reset can make them compile again
 _own_frames = 0  # frames dynamo compiled for these families (others are the user's)
-_queue: "queue.Queue[tuple[CompiledFn, Hashable, Callable, Callable[[], tuple]]]" = queue.Queue()
-_thread: threading.Thread | None = None
 
 
 def compile_mode() -> str:
-    """``"off"``, ``"sync"``, ``"async"`` or ``"auto"`` (the default: async, accelerators only), from
+    """``"off"``, ``"on"`` (every device) or ``"auto"`` (the default: accelerators only), from
     ``FP8SCOPE_COMPILE``; read at each new variant, so a test may switch it."""
     value = (os.environ.get(_ENV) or "auto").strip().lower()
     if value in ("0", "false", "no", "off"):
         return "off"
     if value in ("", "auto"):
         return "auto"
-    return "sync" if value == "sync" else "async"
+    return "on"
 
 
 def compiles_on(device_type: str) -> bool:
@@ -257,11 +257,6 @@ def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callabl
         owner._settle(key, runner, None)
 
 
-def _worker() -> None:
-    while True:
-        _compile(*_queue.get())
-
-
 class CompiledFn:
     """A family of compiled variants of one eager function.
 
@@ -280,9 +275,9 @@ class CompiledFn:
         self._devices = devices  # device types worth compiling for (a key's first item); None: all
         self._make = make
         self._examples = examples
-        self._fallback = fallback  # a cheaper eager stand-in while the compile is pending (same outputs)
+        self._fallback = fallback  # the eager form where no compiled code runs, if not make's (same outputs)
         self._eager: dict[Hashable, Callable] = {}
-        self._queued: set[Hashable] = set()
+        self._tried: set[Hashable] = set()  # compiled, or its compile failed
         self._not_compiled: dict[Hashable, str | None] = {}  # key -> the FP8SCOPE_COMPILE it stays eager under
         self._fallbacks: dict[Hashable, Callable] = {}
         _ALL.append(self)
@@ -291,7 +286,8 @@ class CompiledFn:
         self.not_direct: dict[Hashable, str] = {}  # why a variant could not be called directly (it went through dynamo)
 
     def get(self, key: Hashable) -> Callable:
-        """The function to call for ``key`` now: compiled when ready, else eager (queuing the compile).
+        """The function to call for ``key``: compiled (at this first call, if this mode compiles it),
+        else eager.
 
         Inside a region dynamo is tracing (the user compiled the model), the plain function: dynamo
         inlines it into the user's graph, where inductor fuses it with the rest."""
@@ -301,22 +297,18 @@ class CompiledFn:
         if fn is not None:
             return fn
         setting = os.environ.get(_ENV)
-        if key not in self._queued and self._not_compiled.get(key, _NO_SETTING) != setting:
+        if key not in self._tried and self._not_compiled.get(key, _NO_SETTING) != setting:
             if not self._compiles(key):  # remembered under this setting: a test may switch it
                 self._not_compiled[key] = setting
                 return self.fallback(key)
-            with _lock:
-                if key not in self._queued:
-                    self._queued.add(key)  # only when compiling: a key met while off compiles once switched on
-                    mode = compile_mode()
-                    if mode != "off":  # _compiles checked the device against "auto"
-                        fn = _renamed(self.eager(key), f"fp8scope_{self.name}_{len(self._queued)}")
-                        if mode == "sync":
-                            _compile(self, key, fn, lambda: self._examples(key))
-                            if key in self._ready:
-                                return self._ready[key]
-                        else:
-                            self._submit(key, fn)
+            with _lock:  # one compile at a time: two threads tracing at once would trace each other
+                if key not in self._tried:
+                    self._tried.add(key)  # only when compiling: a key met while off compiles once switched on
+                    fn = _renamed(self.eager(key), f"fp8scope_{self.name}_{len(self._tried)}")
+                    _compile(self, key, fn, lambda: self._examples(key))
+            ready = self._ready.get(key)
+            if ready is not None:
+                return ready
         return self._fallbacks.get(key) or self._make_fallback(key)
 
     def options(self, key: Hashable) -> dict | None:
@@ -324,7 +316,7 @@ class CompiledFn:
         return self._options(key) if self._options is not None else None
 
     def eager(self, key: Hashable) -> Callable:
-        """The eager function of ``key`` (the op-count proxies use it; queues no compile)."""
+        """The eager function of ``key`` (the op-count proxies use it; compiles nothing)."""
         eager = self._eager.get(key)
         if eager is None:  # no lock: this may run inside a graph dynamo traces (setdefault is atomic)
             eager = self._eager.setdefault(key, self._make(key))
@@ -335,24 +327,13 @@ class CompiledFn:
         return compiles_on(key[0]) and (self._devices is None or key[0] in self._devices)
 
     def fallback(self, key: Hashable) -> Callable:
-        """The eager function that stands in while ``key`` compiles (never compiled itself)."""
+        """The eager function that runs where ``key`` is not compiled (never compiled itself)."""
         return self._fallbacks.get(key) or self._make_fallback(key)
 
     def _make_fallback(self, key: Hashable) -> Callable:
         fn = self._fallback(key) if self._fallback is not None else self.eager(key)
         self._fallbacks[key] = fn
         return fn
-
-    def settled(self, key: Hashable) -> bool:
-        """Compiled, failed, or never to be compiled."""
-        return key in self._ready or key in self.failures or not self._compiles(key)
-
-    def _submit(self, key: Hashable, fn: Callable) -> None:
-        global _thread
-        _queue.put((self, key, fn, lambda: self._examples(key)))
-        if _thread is None or not _thread.is_alive():
-            _thread = threading.Thread(target=_worker, name="fp8scope-compile", daemon=True)
-            _thread.start()
 
     def _settle(self, key: Hashable, runner: Callable | None, exc: BaseException | None) -> None:
         if runner is not None:
@@ -369,14 +350,10 @@ class CompiledFn:
         """Whether ``key`` runs the directly called code (:class:`_Direct`), not dynamo's."""
         return isinstance(self._ready.get(key), _Direct)
 
-    def wait(self, key: Hashable, timeout: float = 600.0) -> bool:
-        """Block until ``key``'s compile is settled (tests, benchmarks); True if it compiled."""
-        import time
-
+    def ensure(self, key: Hashable) -> bool:
+        """Compile ``key`` now if this mode compiles it (as its first call would); True if it is
+        compiled (tests and benchmarks that measure the compiled code)."""
         self.get(key)
-        end = time.monotonic() + timeout
-        while not self.settled(key) and time.monotonic() < end:
-            time.sleep(0.05)
         return key in self._ready
 
 
@@ -404,7 +381,7 @@ def reset_dynamo() -> None:
         _own_frames = 0
         for family in _ALL:  # the directly called variants do not live in dynamo: they stay
             family._ready = {k: v for k, v in family._ready.items() if isinstance(v, _Direct)}
-            family._queued = set(family._ready)
+            family._tried = set(family._ready)
             family._not_compiled.clear()
             family.failures.clear()
             family.not_direct.clear()

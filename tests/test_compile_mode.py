@@ -4,6 +4,7 @@ layers as the eager model does. Real training steps, real compiles (inductor's C
 
 from __future__ import annotations
 
+import threading
 import warnings
 
 import pytest
@@ -163,3 +164,31 @@ def test_an_unmonitored_instance_compiled_first_does_not_hide_the_hooks(tmp_path
             loss_of(monitored, batch(monitored)).backward()
             mon.step()
     assert len(fp8scope.load_run(tmp_path / "r").tensors()) == 2 * 6 * 3
+
+
+def test_compiling_the_stats_never_runs_beside_the_training_thread(tmp_path, monkeypatch):
+    """The stats pass compiles at its first use, on the thread that calls it, never on a helper
+    thread: torch's tracing replaces ``nn.Module.__call__`` for every thread and sets FX's global
+    tracing flag, so a helper thread's compile ran the training thread's module calls through its
+    tracer, and a compiled model raised "Detected that you are using FX to symbolically trace a
+    dynamo-optimized function" (a compiled what-if model with ``FP8SCOPE_COMPILE=1``, then the
+    default on GPUs, ended at its second step). Here the compiled code is ready when the first full
+    step returns, and nothing else compiles."""
+    from fp8scope.capture.stats import FULL_STATS
+
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "1")  # the default's behaviour on a GPU, here on the CPU
+    torch._dynamo.reset()
+    model = torch.compile(tiny("whatif"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    keys = [("cpu", torch.float32, fmt, False, False) for fmt in ("e4m3", "e5m2")]
+    with fp8scope.Monitor(model, tmp_path / "r", every=1, detect=False) as mon:
+        for step in range(3):
+            loss = loss_of(model, batch(model))
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss=loss.detach())
+            assert all(FULL_STATS.direct(k) for k in keys), (step, FULL_STATS.failures, FULL_STATS.not_direct)
+            assert [t.name for t in threading.enumerate() if "compile" in t.name] == []
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert len(df) == 3 * 6 * 3 and df.overflow.notna().all()

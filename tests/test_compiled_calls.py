@@ -23,8 +23,8 @@ FMT = get_format("e4m3")
 
 
 @pytest.fixture
-def sync_compile(monkeypatch):
-    monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
+def compiling(monkeypatch):
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "1")
     reset_dynamo()
     yield
     reset_dynamo()
@@ -43,7 +43,7 @@ def _same(got, want):
     assert torch.allclose(got, want, rtol=1e-9, equal_nan=True), (got, want)
 
 
-def test_full_stats_compile_to_a_direct_call_that_gives_the_eager_numbers(sync_compile):
+def test_full_stats_compile_to_a_direct_call_that_gives_the_eager_numbers(compiling):
     """Per-tensor (any rank, refolded by ``row_matrix``), with a dequantized copy, and with per-row
     scales: each variant is called directly, no call is turned away, and the numbers are the eager
     form's."""
@@ -59,7 +59,7 @@ def test_full_stats_compile_to_a_direct_call_that_gives_the_eager_numbers(sync_c
         d = (x.float() * 0.999) if deq else None
         per_row = scale.numel() > 1
         key = ("cpu", x.dtype, FMT.name, per_row, d is not None)
-        row, _, _ = st.stats_call(x, scale, 1 / scale, three, FMT, deq=d)  # queues and compiles (sync)
+        row, _, _ = st.stats_call(x, scale, 1 / scale, three, FMT, deq=d)  # compiles at this first call
         assert st.FULL_STATS.direct(key), (key, st.FULL_STATS.failures)
         runner = st.FULL_STATS._ready[key]
         before = runner.rejected
@@ -73,7 +73,7 @@ def test_full_stats_compile_to_a_direct_call_that_gives_the_eager_numbers(sync_c
         assert recorded.item() == want[2].item()
 
 
-def test_calls_the_compiled_code_was_not_made_for_run_eagerly(sync_compile):
+def test_calls_the_compiled_code_was_not_made_for_run_eagerly(compiling):
     """A strided view, a size-1 side, another dtype, a missing argument and a call under a dispatch
     mode run the eager function (counted as turned away), with the same numbers as ever."""
     key = ("cpu", torch.bfloat16, FMT.name, False, False)
@@ -104,7 +104,7 @@ def test_calls_the_compiled_code_was_not_made_for_run_eagerly(sync_compile):
     assert Count.ops >= 30  # the eager form's ops, which the op-count proxies measure
 
 
-def test_the_amax_pair_compiles_where_asked_and_keeps_te_semantics(sync_compile, monkeypatch):
+def test_the_amax_pair_compiles_where_asked_and_keeps_te_semantics(compiling, monkeypatch):
     """The emulated layer's amax pair, compiled for the CPU when asked: called directly, NaN ignored
     by the recorded amax and kept by the logged one."""
     monkeypatch.setattr(amax_mod.AMAX, "_devices", None)  # the family compiles for CUDA only by default
@@ -117,7 +117,7 @@ def test_the_amax_pair_compiles_where_asked_and_keeps_te_semantics(sync_compile,
     assert recorded.item() == torch.nan_to_num(x.float().abs(), nan=0.0).max().item()
 
 
-def test_variants_whose_trace_assumes_a_shape_relation_go_through_dynamo(sync_compile):
+def test_variants_whose_trace_assumes_a_shape_relation_go_through_dynamo(compiling):
     """MXFP8 measured beside the stats reads 32-element blocks: the trace assumes sides that blocks
     divide, which dynamo's guards check; that variant is compiled through ``torch.compile``."""
     x = torch.randn(64, 96)

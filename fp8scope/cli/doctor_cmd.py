@@ -66,9 +66,8 @@ def _compile_row() -> tuple[str, str, bool | None]:
         import torch._inductor  # noqa: F401
     except Exception as exc:
         return ("compiled stats pass", f"inductor unavailable ({type(exc).__name__}); stats run eagerly", None)
-    when = "at first use" if mode == "sync" else "on a helper thread at first use, eager until ready"
     where = "on GPUs, eager on the CPU (FP8SCOPE_COMPILE=1 compiles there too)" if mode == "auto" else "on every device"
-    return ("compiled stats pass", f"on ({when}), {where}", True)
+    return ("compiled stats pass", f"on (each variant at its first use, on the calling thread), {where}", True)
 
 
 def register(sub) -> None:
