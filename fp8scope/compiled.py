@@ -123,9 +123,11 @@ def trace(fn: Callable, examples: tuple, fake_device=None):
             args[i] = x
         return fn(*args)
 
+    device_type = torch.device(fake_device).type if fake_device is not None else examples[present[0]].device.type
     _local.tracing = True
-    try:
-        with torch.no_grad():
+    try:  # now on the thread that calls, maybe inside a hook under the user's autocast: the graph
+        # must not bake that region's casts into code every later call runs
+        with torch.no_grad(), torch.autocast(device_type, enabled=False):
             graph = make_fx(call, tracing_mode="symbolic")(*fakes)
     finally:
         _local.tracing = False
