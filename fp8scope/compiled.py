@@ -293,13 +293,16 @@ class CompiledFn:
 
         Inside a region dynamo is tracing (the user compiled the model), the plain function: dynamo
         inlines it into the user's graph, where inductor fuses it with the rest."""
+        import torch
+
         if _is_compiling():
             return self.eager(key)
         fn = self._ready.get(key)
         if fn is not None:
             return fn
         setting = os.environ.get(_ENV)
-        if key not in self._tried and self._not_compiled.get(key, _NO_SETTING) != setting:
+        if (key not in self._tried and self._not_compiled.get(key, _NO_SETTING) != setting
+                and not torch._C._len_torch_dispatch_stack()):  # a mode (an op counter) would see the trace
             if not self._compiles(key):  # remembered under this setting: a test may switch it
                 self._not_compiled[key] = setting
                 return self.fallback(key)

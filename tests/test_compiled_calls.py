@@ -75,10 +75,26 @@ def test_full_stats_compile_to_a_direct_call_that_gives_the_eager_numbers(compil
 
 def test_calls_the_compiled_code_was_not_made_for_run_eagerly(compiling):
     """A strided view, a size-1 side, another dtype, a missing argument and a call under a dispatch
-    mode run the eager function (counted as turned away), with the same numbers as ever."""
+    mode run the eager function (counted as turned away), with the same numbers as ever; a first
+    call under a dispatch mode runs eagerly and compiles nothing."""
     key = ("cpu", torch.bfloat16, FMT.name, False, False)
     s, si, e = torch.tensor(4.0), torch.tensor(0.25), torch.tensor(1.0)
     x = _adversarial((64, 48), torch.bfloat16, 6)
+
+    class Count(TorchDispatchMode):
+        ops = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.ops += 1
+            return func(*args, **(kwargs or {}))
+
+    first, e5m2 = ("cpu", torch.float16, "e5m2", False, False), get_format("e5m2")  # a variant no test compiles
+    assert not st.FULL_STATS.direct(first)
+    with Count():  # a first call under a mode does not compile: the mode would see the trace's ops
+        st.stats_call(x.half(), s, si, e, e5m2)
+    assert 30 <= Count.ops <= 60 and not st.FULL_STATS.direct(first), Count.ops
+    st.stats_call(x.half(), s, si, e, e5m2)
+    assert st.FULL_STATS.direct(first)
     st.stats_call(x, s, si, e, FMT)
     assert st.FULL_STATS.direct(key)
     runner, eager = st.FULL_STATS._ready[key], st.FULL_STATS.fallback(key)
@@ -92,13 +108,7 @@ def test_calls_the_compiled_code_was_not_made_for_run_eagerly(compiling):
         _same(runner(*args), eager(*args))
     assert runner.rejected == ok + 4
 
-    class Count(TorchDispatchMode):
-        ops = 0
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            Count.ops += 1
-            return func(*args, **(kwargs or {}))
-
+    Count.ops = 0
     with Count():
         runner(x, s, si, e, None)
     assert Count.ops >= 30  # the eager form's ops, which the op-count proxies measure
