@@ -302,7 +302,9 @@ class CompiledFn:
             return fn
         setting = os.environ.get(_ENV)
         if (key not in self._tried and self._not_compiled.get(key, _NO_SETTING) != setting
-                and not torch._C._len_torch_dispatch_stack()):  # a mode (an op counter) would see the trace
+                and not torch._C._len_torch_dispatch_stack()  # a mode (an op counter) would see the trace
+                and not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())):
+            # (a CUDA graph being captured could not hold a compile's launches: later, outside it)
             if not self._compiles(key):  # remembered under this setting: a test may switch it
                 self._not_compiled[key] = setting
                 return self.fallback(key)

@@ -171,6 +171,34 @@ def test_compiled_stats_on_cuda_match_eager_and_cpu(dtype, layout):
             assert torch.allclose(got, mat_e.cpu(), rtol=1e-6, equal_nan=True), (got, mat_e)
 
 
+def test_a_first_stats_call_inside_a_cuda_graph_capture_compiles_nothing():
+    """Variants compile at their first call, on the calling thread: a first call while the user
+    captures a CUDA graph (hooks fire during capture) must run the eager ops into the graph, not
+    compile there; the variant compiles at its next call outside the capture."""
+    import os
+
+    from fp8scope.capture.stats import FULL_STATS, stats_call
+    from fp8scope.formats import get_format
+
+    x = torch.randn(256, 96, device="cuda", dtype=torch.float16)
+    scale, fmt = torch.tensor(2.0, device="cuda"), get_format("e5m2")
+    key = ("cuda", torch.float16, "e5m2", False, False)
+    old = os.environ.get("FP8SCOPE_COMPILE")
+    os.environ["FP8SCOPE_COMPILE"] = "1"
+    try:
+        assert not FULL_STATS.direct(key)  # a variant no other test compiles
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            row, _, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)
+        assert not FULL_STATS.direct(key), "compiled inside a capture"
+        graph.replay()
+        want, _, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)  # compiles now, outside the capture
+        assert FULL_STATS.direct(key), FULL_STATS.failures
+    finally:
+        os.environ["FP8SCOPE_COMPILE"] = old if old is not None else "0"
+    assert torch.allclose(row, want, rtol=1e-6, equal_nan=True), (row, want)
+
+
 def test_emulated_layer_compiles_without_breaks_on_cuda():
     """Emulated FP8 layers under torch.compile on CUDA: one graph, no recompiles over steps."""
     import torch._dynamo as dynamo
