@@ -38,12 +38,14 @@ everything eager. A compile that fails leaves that variant eager for the rest of
 
 from __future__ import annotations
 
+import logging
 import os
 import threading
 import types
 from typing import Callable, Hashable
 
 _ENV = "FP8SCOPE_COMPILE"
+_log = logging.getLogger("fp8scope.compiled")
 _NO_SETTING = object()  # never equal to an environment value
 _lock = threading.RLock()
 _ALL: list["CompiledFn"] = []  # every family, so that a dynamo reset can make them compile again
@@ -247,6 +249,12 @@ def _through_dynamo(owner: "CompiledFn", key: Hashable, fn: Callable, examples: 
 
 
 def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callable[[], tuple]) -> None:
+    """Compile one variant on this thread; its time is logged (``fp8scope.compiled``, INFO: a
+    first full step that took seconds says why), and a failure warns once and leaves it eager."""
+    import time
+    import warnings
+
+    start = time.perf_counter()
     try:
         try:
             runner = _Direct.build(owner, key, fn, owner.eager(key), examples())
@@ -255,8 +263,12 @@ def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callabl
             runner = _through_dynamo(owner, key, fn, examples)
     except Exception as exc:  # no working compiler here: this variant stays eager
         owner._settle(key, None, exc)
+        warnings.warn(f"fp8scope: could not compile {owner.name} {key} ({type(exc).__name__}: {exc}); "
+                      "it runs as eager torch ops", RuntimeWarning, stacklevel=2)
     else:
         owner._settle(key, runner, None)
+        _log.info("compiled %s %s in %.1f s (%s)", owner.name, key, time.perf_counter() - start,
+                  "called directly" if isinstance(runner, _Direct) else "through torch.compile")
 
 
 class CompiledFn:

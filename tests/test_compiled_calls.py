@@ -8,7 +8,9 @@ would check; everything else it is not made for runs the eager function. Real co
 
 from __future__ import annotations
 
+import logging
 import math
+import warnings
 
 import pytest
 import torch
@@ -135,3 +137,22 @@ def test_variants_whose_trace_assumes_a_shape_relation_go_through_dynamo(compili
     st.stats_call(x, torch.tensor(1.0), torch.tensor(1.0), torch.tensor(1.0), FMT, recipes=("mxfp8",))
     assert key in st.FULL_STATS._ready, st.FULL_STATS.failures
     assert not st.FULL_STATS.direct(key)
+
+
+def test_a_variant_that_cannot_compile_warns_once_and_runs_eagerly(compiling, caplog):
+    """A compile failure is a monitor problem: one warning, the eager function from then on, and
+    the reason kept; a compile that works logs its time (a long first full step says why)."""
+    from fp8scope.compiled import CompiledFn
+
+    broken = CompiledFn("test_broken", lambda key: (lambda x: x * 2), lambda key: (torch.ones(8, 8),),
+                        options=lambda key: {"no_such_inductor_option": 1})
+    with pytest.warns(RuntimeWarning, match="could not compile test_broken"):
+        fn = broken.get(("cpu",))
+    assert torch.equal(fn(torch.ones(3)), torch.full((3,), 2.0)) and ("cpu",) in broken.failures
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(broken.get(("cpu",))(torch.ones(2)), torch.full((2,), 2.0))  # no second warning
+    working = CompiledFn("test_working", lambda key: (lambda x: x * 2), lambda key: (torch.ones(8, 8),))
+    with caplog.at_level(logging.INFO, logger="fp8scope.compiled"):
+        assert working.ensure(("cpu",))
+    assert "compiled test_working ('cpu',) in" in caplog.text and "called directly" in caplog.text
