@@ -182,6 +182,7 @@ def test_a_first_stats_call_inside_a_cuda_graph_capture_compiles_nothing():
 
     x = torch.randn(256, 96, device="cuda", dtype=torch.float16)
     scale, fmt = torch.tensor(2.0, device="cuda"), get_format("e5m2")
+    inv, expected = 1 / scale, torch.tensor(30.0, device="cuda")  # made before: a capture copies nothing in
     key = ("cuda", torch.float16, "e5m2", False, False)
     old = os.environ.get("FP8SCOPE_COMPILE")
     os.environ["FP8SCOPE_COMPILE"] = "1"
@@ -189,10 +190,10 @@ def test_a_first_stats_call_inside_a_cuda_graph_capture_compiles_nothing():
         assert not FULL_STATS.direct(key)  # a variant no other test compiles
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
-            row, _, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)
+            row, _, _ = stats_call(x, scale, inv, expected, fmt)
         assert not FULL_STATS.direct(key), "compiled inside a capture"
         graph.replay()
-        want, _, _ = stats_call(x, scale, 1 / scale, 30.0, fmt)  # compiles now, outside the capture
+        want, _, _ = stats_call(x, scale, inv, expected, fmt)  # compiles now, outside the capture
         assert FULL_STATS.direct(key), FULL_STATS.failures
     finally:
         os.environ["FP8SCOPE_COMPILE"] = old if old is not None else "0"
