@@ -92,7 +92,7 @@ def _compiled_codes(obj, seen=None):
 
 
 def test_compiled_stats_with_recipes_serve_the_calls_capture_makes(monkeypatch):
-    """The fused stats + recipes variants compiled ahead accept what ``stats_call`` hands them: a
+    """The fused stats + recipes variants compiled at first use accept what ``stats_call`` hands them: a
     per-tensor capture, and a block view with the matrix it was cut from and per-block expected
     amaxes (summarised to the 0-d value the variant was made for)."""
     from fp8scope.compiled import reset_dynamo

@@ -10,9 +10,9 @@ Two numbers come out of the same pass over ``x``:
   ``amax`` reduction; ../shared/te-internals.md). With x = [NaN, 3] it is 3, and the next
   delayed scale 448 / 3.
 
-Both come from :data:`AMAX`: on CUDA compiled ahead into one pass over the tensor's rows and one
-over the rows (2 launches, called without dynamo: see ``fp8scope.compiled``); elsewhere, and
-until the compile is ready, four eager ops.
+Both come from :data:`AMAX`: on CUDA compiled at its first use into one pass over the tensor's
+rows and one over the rows (2 launches, called without dynamo: see ``fp8scope.compiled``);
+elsewhere four eager ops.
 
 :func:`amax_parts` is the what-if monitor's per-capture pass on cheap steps, and it is one eager
 op on every device, ``aminmax``, whose ``(max, min)`` is ``(a, c)``: with ``b = -c`` the logged

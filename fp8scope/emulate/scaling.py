@@ -126,8 +126,8 @@ def current_scales(recorded: torch.Tensor, scaled_max: torch.Tensor) -> tuple[to
 
 def delayed_update(history: torch.Tensor, last: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor,
                    expected: torch.Tensor, most_recent: bool) -> tuple[torch.Tensor, ...]:
-    """:func:`delayed_update_eager`, compiled ahead into one fused kernel per (device type, algo,
-    one tensor or a batch): 17 small ops eagerly, which on a CPU cost more than the
+    """:func:`delayed_update_eager`, compiled at its first use into one fused kernel per (device
+    type, algo, one tensor or a batch): 17 small ops eagerly, which on a CPU cost more than the
     arithmetic and on a GPU are as many launches."""
     return UPDATE.get((history.device.type, bool(most_recent), history.dim()))(
         history, last, scaled_max, scale, expected)
