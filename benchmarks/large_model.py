@@ -78,6 +78,12 @@ def main() -> int:
     args = ap.parse_args()
     on_gpu = args.device.startswith("cuda")
     os.environ["FP8SCOPE_COMPILE"] = "1" if on_gpu else "0"
+    import logging  # each compile's time (once per variant, at its first use: the first full step)
+
+    handler = logging.StreamHandler(sys.stdout)
+    handler.setFormatter(logging.Formatter("   %(message)s"))
+    logging.getLogger("fp8scope.compiled").addHandler(handler)
+    logging.getLogger("fp8scope.compiled").setLevel(logging.INFO)
     name = torch.cuda.get_device_name() if on_gpu else "cpu"
     print(f"torch {torch.__version__}, {name}, Llama {args.size}, batch {args.batch} x {args.seq} tokens, bf16, eager")
     print("   cheap: every timed step a cheap one (every=50 after its first, full, step); full: every=1;")
