@@ -296,6 +296,7 @@ class CompiledFn:
         self._fallbacks: dict[Hashable, Callable] = {}
         _ALL.append(self)
         self._ready: dict[Hashable, Callable] = {}
+        self._ready_under: dict[Hashable, str | None] = {}  # key -> the FP8SCOPE_COMPILE its code was last wanted under
         self.failures: dict[Hashable, str] = {}
         self.not_direct: dict[Hashable, str] = {}  # why a variant could not be called directly (it went through dynamo)
 
@@ -309,10 +310,15 @@ class CompiledFn:
 
         if _is_compiling():
             return self.eager(key)
-        fn = self._ready.get(key)
-        if fn is not None:
-            return fn
         setting = os.environ.get(_ENV)
+        fn = self._ready.get(key)
+        if fn is not None:  # compiled: still wanted under the setting now (FP8SCOPE_COMPILE=0 is eager)?
+            if self._ready_under.get(key, _NO_SETTING) == setting:
+                return fn
+            if self._compiles(key):
+                self._ready_under[key] = setting
+                return fn
+            return self.fallback(key)
         if (key not in self._tried and self._not_compiled.get(key, _NO_SETTING) != setting
                 and not torch._C._len_torch_dispatch_stack()  # a mode (an op counter) would see the trace
                 and not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())):

@@ -153,3 +153,15 @@ def test_a_variant_that_cannot_compile_warns_once_and_runs_eagerly(compiling, ca
     with caplog.at_level(logging.INFO, logger="fp8scope.compiled"):
         assert working.ensure(("cpu",))
     assert "compiled test_working ('cpu',) in" in caplog.text and "called directly" in caplog.text
+
+
+def test_fp8scope_compile_0_runs_eagerly_even_after_a_compile(compiling, monkeypatch):
+    """``FP8SCOPE_COMPILE=0`` keeps everything eager, also a variant compiled earlier in the process
+    (a test's eager half after its compiled half used to run the compiled code)."""
+    family = CompiledFn("test_switch", lambda key: (lambda t: t.abs().amax(1)), lambda key: (torch.ones(8, 8),))
+    assert family.ensure(("cpu",))
+    compiled = family.get(("cpu",))
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "0")
+    assert family.get(("cpu",)) is family.fallback(("cpu",)) is not compiled
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "1")
+    assert family.get(("cpu",)) is compiled

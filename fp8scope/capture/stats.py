@@ -228,10 +228,16 @@ def _compile_options(key) -> dict | None:
     off: the rows are the split, and inductor would finish each stage in two launches. A variant
     that also measures other recipes keeps them: a recipe's whole-tensor amax (current scaling's,
     NVFP4's tensor scale) would otherwise run in one program. The variants that compile the eager
-    form keep inductor's defaults."""
+    form keep inductor's other defaults.
+
+    Every variant keeps eager's rounding through bf16 and fp16 (``emulate_precision_casts``): by
+    default inductor drops a downcast that an upcast follows inside one kernel, which turned the
+    ``bf16`` recipe's round trip into the identity, its squared error into 0 and its SQNR into
+    infinity (``tests/test_recipe_advisor.py`` compiled)."""
     if not _fused(key):
-        return None
-    options = {"realize_opcount_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20}
+        return {"emulate_precision_casts": True}
+    options = {"realize_opcount_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20,
+               "emulate_precision_casts": True}
     if len(key) <= 5:  # no other recipes: every reduction is a stage of rows
         options["split_reductions"] = False
     return options
