@@ -250,7 +250,8 @@ def _through_dynamo(owner: "CompiledFn", key: Hashable, fn: Callable, examples: 
 
 def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callable[[], tuple]) -> None:
     """Compile one variant on this thread; its time is logged (``fp8scope.compiled``, INFO: a
-    first full step that took seconds says why), and a failure warns once and leaves it eager."""
+    first full step that took seconds says why), and a failure leaves it eager, with one warning
+    per family."""
     import time
     import warnings
 
@@ -263,8 +264,11 @@ def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callabl
             runner = _through_dynamo(owner, key, fn, examples)
     except Exception as exc:  # no working compiler here: this variant stays eager
         owner._settle(key, None, exc)
-        warnings.warn(f"fp8scope: could not compile {owner.name} {key} ({type(exc).__name__}: {exc}); "
-                      "it runs as eager torch ops", RuntimeWarning, stacklevel=2)
+        if not owner.warned:  # once per family: a machine that cannot compile one variant cannot compile the next
+            owner.warned = True
+            warnings.warn(f"fp8scope: could not compile {owner.name} {key} ({type(exc).__name__}: {exc}); it runs "
+                          "as eager torch ops, as does any other variant that fails (.failures)",
+                          RuntimeWarning, stacklevel=2)
     else:
         owner._settle(key, runner, None)
         _log.info("compiled %s %s in %.1f s (%s)", owner.name, key, time.perf_counter() - start,
@@ -298,6 +302,7 @@ class CompiledFn:
         self._ready: dict[Hashable, Callable] = {}
         self._ready_under: dict[Hashable, str | None] = {}  # key -> the FP8SCOPE_COMPILE its code was last wanted under
         self.failures: dict[Hashable, str] = {}
+        self.warned = False  # a failed compile has been warned about
         self.not_direct: dict[Hashable, str] = {}  # why a variant could not be called directly (it went through dynamo)
 
     def get(self, key: Hashable) -> Callable:

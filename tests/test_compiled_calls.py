@@ -139,8 +139,8 @@ def test_variants_whose_trace_assumes_a_shape_relation_go_through_dynamo(compili
 
 
 def test_a_variant_that_cannot_compile_warns_once_and_runs_eagerly(compiling, caplog):
-    """A compile failure is a monitor problem: one warning, the eager function from then on, and
-    the reason kept; a compile that works logs its time (a long first full step says why)."""
+    """A compile failure is a monitor problem: one warning per family, the eager function from then
+    on, and each reason kept; a compile that works logs its time (a long first full step says why)."""
     broken = CompiledFn("test_broken", lambda key: (lambda x: x * 2), lambda key: (torch.ones(8, 8),),
                         options=lambda key: {"no_such_inductor_option": 1})
     with pytest.warns(RuntimeWarning, match="could not compile test_broken"):
@@ -149,6 +149,8 @@ def test_a_variant_that_cannot_compile_warns_once_and_runs_eagerly(compiling, ca
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert torch.equal(broken.get(("cpu",))(torch.ones(2)), torch.full((2,), 2.0))  # no second warning
+        assert torch.equal(broken.get(("cpu", 2))(torch.ones(2)), torch.full((2,), 2.0))  # nor for the next variant
+    assert ("cpu", 2) in broken.failures
     working = CompiledFn("test_working", lambda key: (lambda x: x * 2), lambda key: (torch.ones(8, 8),))
     with caplog.at_level(logging.INFO, logger="fp8scope.compiled"):
         assert working.ensure(("cpu",))
