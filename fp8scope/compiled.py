@@ -46,7 +46,6 @@ from typing import Callable, Hashable
 
 _ENV = "FP8SCOPE_COMPILE"
 _log = logging.getLogger("fp8scope.compiled")
-_NO_SETTING = object()  # never equal to an environment value
 _lock = threading.RLock()
 _ALL: list["CompiledFn"] = []  # every family, so that a dynamo reset can make them compile again
 _own_frames = 0  # frames dynamo compiled for these families (others are the user's)
@@ -296,11 +295,10 @@ class CompiledFn:
         self._fallback = fallback  # the eager form where no compiled code runs, if not make's (same outputs)
         self._eager: dict[Hashable, Callable] = {}
         self._tried: set[Hashable] = set()  # compiled, or its compile failed
-        self._not_compiled: dict[Hashable, str | None] = {}  # key -> the FP8SCOPE_COMPILE it stays eager under
+        self._wanted: dict[Hashable, tuple[str | None, bool]] = {}  # key -> (FP8SCOPE_COMPILE, compiled under it?)
         self._fallbacks: dict[Hashable, Callable] = {}
         _ALL.append(self)
         self._ready: dict[Hashable, Callable] = {}
-        self._ready_under: dict[Hashable, str | None] = {}  # key -> the FP8SCOPE_COMPILE its code was last wanted under
         self.failures: dict[Hashable, str] = {}
         self.warned = False  # a failed compile has been warned about
         self.not_direct: dict[Hashable, str] = {}  # why a variant could not be called directly (it went through dynamo)
@@ -316,30 +314,27 @@ class CompiledFn:
         if _is_compiling():
             return self.eager(key)
         setting = os.environ.get(_ENV)
-        fn = self._ready.get(key)
-        if fn is not None:  # compiled: still wanted under the setting now (FP8SCOPE_COMPILE=0 is eager)?
-            if self._ready_under.get(key, _NO_SETTING) == setting:
-                return fn
-            if self._compiles(key):
-                self._ready_under[key] = setting
-                return fn
+        wanted = self._wanted.get(key)
+        if wanted is None or wanted[0] != setting:  # read under each setting: a test may switch it
+            wanted = self._wanted[key] = (setting, self._compiles(key))
+        if not wanted[1]:  # FP8SCOPE_COMPILE=0 is eager, also for code compiled earlier
             return self.fallback(key)
-        if (key not in self._tried and self._not_compiled.get(key, _NO_SETTING) != setting
+        fn = self._ready.get(key)
+        if fn is not None:
+            return fn
+        if (key not in self._tried
                 and not torch._C._len_torch_dispatch_stack()  # a mode (an op counter) would see the trace
                 and not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())):
             # (a CUDA graph being captured could not hold a compile's launches: later, outside it)
-            if not self._compiles(key):  # remembered under this setting: a test may switch it
-                self._not_compiled[key] = setting
-                return self.fallback(key)
             with _lock:  # one compile at a time: two threads tracing at once would trace each other
                 if key not in self._tried:
-                    self._tried.add(key)  # only when compiling: a key met while off compiles once switched on
+                    self._tried.add(key)
                     fn = _renamed(self.eager(key), f"fp8scope_{self.name}_{len(self._tried)}")
                     _compile(self, key, fn, lambda: self._examples(key))
-            ready = self._ready.get(key)
-            if ready is not None:
-                return ready
-        return self._fallbacks.get(key) or self._make_fallback(key)
+            fn = self._ready.get(key)
+            if fn is not None:
+                return fn
+        return self.fallback(key)
 
     def options(self, key: Hashable) -> dict | None:
         """The inductor settings ``key`` compiles with (benchmarks count its kernels with them)."""
@@ -412,6 +407,5 @@ def reset_dynamo() -> None:
         for family in _ALL:  # the directly called variants do not live in dynamo: they stay
             family._ready = {k: v for k, v in family._ready.items() if isinstance(v, _Direct)}
             family._tried = set(family._ready)
-            family._not_compiled.clear()
             family.failures.clear()
             family.not_direct.clear()

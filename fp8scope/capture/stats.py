@@ -220,7 +220,7 @@ def _full_examples(key):
     return x, scale, scale_inv, expected, deq
 
 
-def _compile_options(key) -> dict | None:
+def _compile_options(key) -> dict:
     """Inductor settings for the fused form. Its per-element expressions must stay inside the
     reductions that read them: by default inductor writes a pointwise node out to memory when it
     reads more than 8 buffers or holds more than 30 ops, which a variant with a dequantized copy or
@@ -234,10 +234,10 @@ def _compile_options(key) -> dict | None:
     default inductor drops a downcast that an upcast follows inside one kernel, which turned the
     ``bf16`` recipe's round trip into the identity, its squared error into 0 and its SQNR into
     infinity (``tests/test_recipe_advisor.py`` compiled)."""
+    options = {"emulate_precision_casts": True}
     if not _fused(key):
-        return {"emulate_precision_casts": True}
-    options = {"realize_opcount_threshold": 1 << 20, "realize_acc_reads_threshold": 1 << 20,
-               "emulate_precision_casts": True}
+        return options
+    options.update(realize_opcount_threshold=1 << 20, realize_acc_reads_threshold=1 << 20)
     if len(key) <= 5:  # no other recipes: every reduction is a stage of rows
         options["split_reductions"] = False
     return options
