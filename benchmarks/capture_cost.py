@@ -21,16 +21,21 @@
    configurations timed interleaved in one run: unmonitored; cheap captures only (no online
    detection, no extra full steps after a suspicious one); those plus online detection; ``every=50``
    without detection or extra full steps; the default monitor.
+4. The first steps of a fresh process (``--sections first``), with the stats eager
+   (``FP8SCOPE_COMPILE=0``), compiled at first use on the training thread (``sync``) and compiled
+   ahead in a child process (``1``; the default on a GPU): step 0's time, the slowest step, and the
+   step from which the stats run compiled. Each mode runs in a process of its own.
 
     python benchmarks/capture_cost.py                 # all sections, ~6 minutes on a 2-core CPU
     python benchmarks/capture_cost.py --sections ops  # section 2 only (deterministic)
     python benchmarks/capture_cost.py --sections recipes,ratio --whatif-recipes all  # other recipes' cost
     python benchmarks/capture_cost.py --device cuda   # on a GPU
     python benchmarks/capture_cost.py --sections parts --rounds 10  # section 3b only
+    python benchmarks/capture_cost.py --sections first   # section 4: does a compile stall a step?
 
 Op and kernel counts are deterministic; timings are this machine's, printed as ratios measured in
-one run. Section 3 times the product's default: on a GPU the stats compiled (synchronously here,
-``FP8SCOPE_COMPILE=1``, so that timed steps run the compiled code from the first one), on the
+one run. Section 3 times the product's default: on a GPU the stats compiled (at their first use here,
+``FP8SCOPE_COMPILE=sync``, so that timed steps run the compiled code from the first one), on the
 CPU eager (``fp8scope.compiled``: the CPU does not compile by default); ``--compile-stats`` compiles
 them on the CPU too, ``--no-compile-stats`` keeps them eager on a GPU.
 """
@@ -138,14 +143,15 @@ def per_tensor(device: str, reps: int) -> None:
 def call_cost(device: str, reps: int) -> None:
     """The host time of one compiled full-stats call: through ``torch.compile`` (dynamo's frame
     evaluation and runtime wrappers on every call) and called directly (``fp8scope.compiled``'s
-    ``_Direct``: the graph traced once, its inputs checked here), beside the eager form."""
+    ``_Direct``: the graph traced once, its inputs checked here; compiled in a child and loaded, as
+    the default does on a GPU), beside the eager form."""
     import torch._dynamo
 
     from fp8scope.compiled import reset_dynamo
 
     print("\n1c. one compiled full-stats call, through torch.compile and called directly (bf16, per-tensor scale)")
     print(f"   {'size':>12s} {'eager us':>9s} {'torch.compile us':>17s} {'direct us':>10s}")
-    os.environ["FP8SCOPE_COMPILE"] = "1"
+    os.environ["FP8SCOPE_COMPILE"] = "ahead"
     fmt = get_format("e4m3")
     key = (device, torch.bfloat16, fmt.name, False, False)
     reset_dynamo()
@@ -246,7 +252,7 @@ def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: 
 def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("eager", "compiled"),
            models=("off", "delayed"), whatif_recipes=()) -> None:
     print("\n3. monitored / unmonitored step time, demo model (paired ratios, interleaved)")
-    os.environ["FP8SCOPE_COMPILE"] = "1" if compile_stats else "0"
+    os.environ["FP8SCOPE_COMPILE"] = "sync" if compile_stats else "0"
     for compiled in [m == "compiled" for m in modes]:
         for fp8, label in [(f, lab) for f, lab in (("off", "what-if"), ("delayed", "emulated")) if f in models]:
             cells, plain_ms = [], []
@@ -264,7 +270,7 @@ def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("ea
 
 def ratio_parts(device: str, rounds: int, block: int) -> None:
     print("\n3b. where a what-if monitor's time goes at every=50, demo model, eager (paired ratios, interleaved)")
-    os.environ["FP8SCOPE_COMPILE"] = "0" if device == "cpu" else "1"
+    os.environ["FP8SCOPE_COMPILE"] = "0" if device == "cpu" else "sync"
     configs = {
         "plain": None,
         "cheap captures only": dict(every=10**9, detect=False, full_on_anomaly=0),
@@ -275,6 +281,54 @@ def ratio_parts(device: str, rounds: int, block: int) -> None:
     medians, paired = time_monitors(device, "off", False, configs, rounds, block)
     for name in configs:
         print(f"   {name:45s} {medians[name] * 1e3:7.1f} ms/step   {paired[name]:.3f}x")
+
+
+def first_steps(device: str, steps: int, modes: tuple[str, ...]) -> None:
+    """Section 4: the first steps of a fresh process under each ``FP8SCOPE_COMPILE`` mode, each
+    in a process of its own (a variant compiles once per process)."""
+    import json
+    import subprocess
+
+    print(f"\n4. the first steps of a fresh process (at least {steps}, and on until the stats run compiled, "
+          "at most 120 s), demo model, what-if, full stats every 10th, each mode in a process of its own")
+    print("   mode     step 0 ms   slowest ms   median ms   steps   all steps s   stats compiled from step (s)")
+    for mode in modes:
+        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", device, "--first-run", mode,
+                              "--first-steps", str(steps)], capture_output=True, text=True, check=True).stdout
+        r = json.loads(out.strip().splitlines()[-1])
+        ms = [t * 1e3 for t in r["times"]]
+        ready = f"{r['compiled_from']} ({r['compiled_at_s']:.1f} s)" if r["compiled_from"] is not None else "-"
+        print(f"   {mode:6s} {ms[0]:11.0f} {max(ms):12.0f} {sorted(ms)[len(ms) // 2]:11.1f} {len(ms):7d}"
+              f" {sum(ms) / 1e3:13.2f}   {ready}")
+
+
+def first_run(device: str, mode: str, steps: int, cap_s: float = 120.0) -> None:
+    """One process of section 4: timed training steps, then JSON on the last line."""
+    import json
+
+    os.environ["FP8SCOPE_COMPILE"] = mode
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    setup = train.build(fp8="off", quiet=True, device=device)
+    family = stats_mod.FULL_STATS
+    times, compiled_from, compiled_at = [], None, None
+
+    def compiled() -> bool:
+        asked = set(family._ahead) | family._tried
+        return bool(asked) and all(k in family._ready or k in family.failures for k in asked)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with fp8scope.Monitor(setup.model, tmp, every=10, detect=False) as mon:
+            start = time.perf_counter()
+            step = 0
+            while step < steps or (mode != "0" and compiled_from is None and time.perf_counter() - start < cap_s):
+                t0 = time.perf_counter()
+                train.train_step(setup, step, mon)
+                sync()
+                times.append(time.perf_counter() - t0)
+                step += 1
+                if compiled_from is None and mode != "0" and compiled():
+                    compiled_from, compiled_at = step, time.perf_counter() - start
+    print(json.dumps({"times": times, "compiled_from": compiled_from, "compiled_at_s": compiled_at}))
 
 
 def main() -> int:
@@ -290,7 +344,13 @@ def main() -> int:
     ap.add_argument("--models", default="off,delayed", help="section 3: off (what-if), delayed (emulated)")
     ap.add_argument("--whatif-recipes", default="", help="section 3: also time a monitor measuring these recipes "
                                                          "(comma-separated; 'all': every one)")
+    ap.add_argument("--first-steps", type=int, default=60, help="section 4: steps per mode")
+    ap.add_argument("--first-modes", default="0,sync,1", help="section 4: FP8SCOPE_COMPILE modes")
+    ap.add_argument("--first-run", help=argparse.SUPPRESS)  # one process of section 4
     args = ap.parse_args()
+    if args.first_run is not None:
+        first_run(args.device, args.first_run, args.first_steps)
+        return 0
     sections = args.sections.split(",")
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
     if "tensor" in sections:
@@ -310,6 +370,8 @@ def main() -> int:
         recipes = RECIPES if args.whatif_recipes == "all" else tuple(r for r in args.whatif_recipes.split(",") if r)
         ratios(args.device, args.rounds, args.block, compile_stats, args.modes.split(","),
                args.models.split(","), recipes)
+    if "first" in sections:
+        first_steps(args.device, args.first_steps, tuple(args.first_modes.split(",")))
     return 0
 
 

@@ -1,6 +1,7 @@
 #!/bin/bash
 # The GPU checks, in one call of at most 10 minutes (a lent GPU is short): the GPU tests, the 1.1B Llama's
-# capture ratios, the demo model's ratios and the full-stats pass's Triton kernels. Run from the
+# capture ratios, the first steps with the stats compiled ahead and at first use, the demo model's
+# ratios and the full-stats pass's Triton kernels. Run from the
 # repository root; logs go to $OUT (default ./gpu-out). WHEELS=DIR installs extra wheels first
 # (torchao, duckdb: what the machine lacks) into /tmp/site.
 set -u
@@ -14,13 +15,19 @@ export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD PYTHONUNBUFFERED=1
   python3 -c "import torch; print('torch', torch.__version__)"; } 2>&1 | tee "$OUT/env.txt"
 # at most 590 s in all (a command's limit on a lent machine is 600 s); each step's output survives
 # its timeout. On an H200: pytest about 200 s (the two compiled-model tests about a minute each).
-timeout 240 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=5 tests/test_gpu.py 2>&1 \
+# PART=2 runs what does not fit beside them: the compiled model's ratios.
+if [ "${PART:-1}" = 2 ]; then
+  timeout 400 python3 benchmarks/capture_cost.py --device cuda --sections ratio --modes compiled --models off \
+    --rounds 5 2>&1 | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/ratio_compiled.txt"
+  exit 0
+fi
+timeout 230 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=5 tests/test_gpu.py 2>&1 \
   | grep -v "^fp8scope step" | tail -40 | tee "$OUT/pytest.txt"
+timeout 80 python3 benchmarks/capture_cost.py --device cuda --sections first --first-steps 40 --first-modes sync,ahead \
+  2>&1 | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/first.txt"
 timeout 100 python3 benchmarks/large_model.py --device cuda --models off --rounds 3 2>&1 \
   | grep -v "Warning\|^fp8scope step\|warn(\|Configuration class" | tee "$OUT/large.txt"
 timeout 60 python3 benchmarks/capture_cost.py --device cuda --sections tensor,calls --rounds 3 2>&1 \
   | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/capture.txt"
-timeout 80 python3 benchmarks/capture_cost.py --device cuda --sections ratio --modes eager --rounds 5 2>&1 \
+timeout 70 python3 benchmarks/capture_cost.py --device cuda --sections ratio --modes eager --rounds 5 2>&1 \
   | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/ratio_eager.txt"
-timeout 110 python3 benchmarks/capture_cost.py --device cuda --sections ratio --modes compiled --models off \
-  --rounds 5 2>&1 | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/ratio_compiled.txt"

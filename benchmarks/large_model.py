@@ -6,7 +6,7 @@ Per model (what-if: plain bf16 linears; emulated: ``convert_to_fp8`` with delaye
 kept in bf16), the monitored / unmonitored step-time ratio of a cheap step and of a full-stats step
 (``every=1``), paired and interleaved as ``benchmarks/overhead.py`` times the demo, and from them
 the ratio at ``every=50`` (the product's default: one full-stats step in 50). On a GPU the stats compile to Triton
-(``FP8SCOPE_COMPILE=1``, so the timed steps run the compiled code from the first one).
+(``FP8SCOPE_COMPILE=sync``: compiled at first use, so the timed steps run the compiled code from the first one).
 
     python benchmarks/large_model.py --device cuda             # 1.1 B parameters, on a GPU
     python benchmarks/large_model.py --size tiny --rounds 2    # the same code on a CPU, in seconds
@@ -77,7 +77,7 @@ def main() -> int:
     ap.add_argument("--models", default="off,delayed", help="off (what-if), delayed (emulated)")
     args = ap.parse_args()
     on_gpu = args.device.startswith("cuda")
-    os.environ["FP8SCOPE_COMPILE"] = "1" if on_gpu else "0"
+    os.environ["FP8SCOPE_COMPILE"] = "sync" if on_gpu else "0"
     import logging  # each compile's time (once per variant, at its first use: the first full step)
 
     handler = logging.StreamHandler(sys.stdout)

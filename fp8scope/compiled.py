@@ -1,4 +1,5 @@
-"""Small tensor functions compiled once per variant, at first use, on the thread that calls them.
+"""Small tensor functions compiled once per variant: ahead in a child process on accelerators, at
+first use on the calling thread on the CPU.
 
 Why: fp8scope's per-tensor work (full stats, the amax pass) is a handful of reductions over one
 tensor. Eager, each op is a kernel launch on CUDA (and a memory pass everywhere); under
@@ -7,33 +8,45 @@ tensor. Eager, each op is a kernel launch on CUDA (and a memory pass everywhere)
 - each variant (the caller's key: device type, dtype, format, ...) gets a function object of its
   own (a code object of its own, so dynamo's cache for it is separate and no variant can use up
   another's recompile budget);
-- the first call of a variant compiles it (dynamic shapes, traced once on large example tensors:
-  inductor picks threads and block sizes from their size), on the calling thread, and later calls
-  never compile: an input the compiled code does not fit runs eagerly instead. A variant whose
-  trace assumes nothing of its sizes but their symbols (the stats pass, the amax pair) is traced
-  here with ``make_fx``, compiled by inductor and called directly, with its inputs checked here
-  (:class:`_Direct`): through ``torch.compile`` each call also paid dynamo's frame evaluation and
-  runtime wrappers, about half a small call's host time (``benchmarks/capture_cost.py --sections
-  calls``). A variant whose trace does assume a relation (a block size dividing a side) is compiled
-  with ``torch.compile`` and called through ``torch._dynamo.run``, whose guards check it.
+- on an accelerator a variant compiles ahead, in a child process (``fp8scope.compile_ahead``), and
+  runs eagerly until its code is ready: no training step waits for a compile. The first call after
+  that loads the code (milliseconds, on the calling thread) and later calls never compile: an input
+  the compiled code does not fit runs eagerly instead;
+- a variant whose trace assumes nothing of its sizes but their symbols (the stats pass, the amax
+  pair, the delayed update) is traced with ``make_fx`` (dynamic shapes, on large example tensors:
+  inductor picks threads and block sizes from their size), compiled by inductor
+  (``torch._inductor.standalone_compile``, whose artifact a child saves and this process loads) and
+  called directly, with its inputs checked here (:class:`_Direct`): through ``torch.compile`` each
+  call also paid dynamo's frame evaluation and runtime wrappers, about half a small call's host
+  time (``benchmarks/capture_cost.py --sections calls``). A variant whose trace does assume a
+  relation (a block size dividing a side) is compiled in this process with ``torch.compile`` at
+  its next use and called through ``torch._dynamo.run``, whose guards check it.
 
-Why not ahead, on a helper thread (as this module did before): torch's tracing is process-wide.
-While ``make_fx`` traces (ours, and AOTAutograd's inside every inductor compile) it replaces
-``torch.nn.Module.__call__`` for every thread and sets FX's global tracing flag. A training thread
-calling its model meanwhile went through the tracer's module wrapper, and a ``torch.compile``d
-model raised "Detected that you are using FX to symbolically trace a dynamo-optimized function"
-and ended the user's training (``tests/test_compile_mode.py``). Compiling on the calling thread
-costs that thread the compile once per variant, at its first use (seconds, less from inductor's
-on-disk cache on later runs), which a ``torch.compile`` user pays for the model too.
+Why a child process. Not a helper thread (as this module once did): torch's tracing is
+process-wide. While ``make_fx`` traces (ours, and AOTAutograd's inside every inductor compile) it
+replaces ``torch.nn.Module.__call__`` for every thread and sets FX's global tracing flag. A
+training thread calling its model meanwhile went through the tracer's module wrapper, and a
+``torch.compile``d model raised "Detected that you are using FX to symbolically trace a
+dynamo-optimized function" and ended the user's training (``tests/test_compile_mode.py``). Not the
+training thread (as it did next): the step that first needs a variant stalled for its compile,
+seconds per variant. A child compiles beside training with neither problem, on a core the training
+thread, which on a GPU mostly launches kernels, does not use. On the CPU training already runs on
+every core, and a child took them from it (on 2 cores, steps ran 3-4x slower while children
+compiled: ``benchmarks/capture_cost.py --sections first``), so there a variant compiles at its
+first use, on the calling thread. So does a family that a child cannot rebuild (one not defined at
+the top level of a module), and every family whose compile child failed (a GPU in
+exclusive-process mode, say): one warning, then compiles at first use.
 
-Where it compiles: by default (``FP8SCOPE_COMPILE`` unset, or ``auto``) on accelerators (CUDA and
-any device type but the CPU), where each eager op is a kernel launch and a few generated kernels
-replace tens of them (the full-stats pass: 3 Triton launches for 37 eager ops). On the CPU the
-default is eager: there an eager op is a loop over memory, not a launch, and each compile takes
-seconds of the very cores that train, which a short CPU run (a test, the demo) never earns back
-(``benchmarks/capture_cost.py``, per-tensor timings). ``FP8SCOPE_COMPILE=1`` (or ``on``, ``sync``)
-compiles on the CPU too; ``FP8SCOPE_COMPILE=0`` (or a torch without a working inductor) keeps
-everything eager. A compile that fails leaves that variant eager for the rest of the process.
+``FP8SCOPE_COMPILE``: unset or ``auto``, compile on accelerators (CUDA and any device type but the
+CPU), where each eager op is a kernel launch and a few generated kernels replace tens of them (the
+full-stats pass: 3 Triton launches for 37 eager ops), and run eagerly on the CPU, where an eager op
+is a loop over memory, not a launch, and each compile takes seconds of the very cores that train,
+which a short CPU run (a test, the demo) never earns back (``benchmarks/capture_cost.py``,
+per-tensor timings). ``1`` (or ``on``) compiles on the CPU too; ``sync`` compiles every variant at
+first use on the calling thread (benchmarks that time compiled steps from the first one; a
+machine where a second process cannot open the GPU), ``ahead`` every variant in a child;
+``0`` (or a torch without a working inductor) keeps everything eager. A compile that fails leaves
+that variant eager for the rest of the process, with one warning per family.
 """
 
 from __future__ import annotations
@@ -48,17 +61,23 @@ _ENV = "FP8SCOPE_COMPILE"
 _log = logging.getLogger("fp8scope.compiled")
 _lock = threading.RLock()
 _ALL: list["CompiledFn"] = []  # every family, so that a dynamo reset can make them compile again
+_BY_NAME: dict[str, "CompiledFn"] = {}  # how a compile child finds a family
 _own_frames = 0  # frames dynamo compiled for these families (others are the user's)
+traces = 0  # graphs :func:`trace` traced in this process (a compile child's are its own)
 
 
 def compile_mode() -> str:
-    """``"off"``, ``"on"`` (every device) or ``"auto"`` (the default: accelerators only), from
-    ``FP8SCOPE_COMPILE``; read at each new variant, so a test may switch it."""
+    """``"off"``, ``"auto"`` (the default: accelerators only), ``"on"`` (every device), ``"sync"``
+    (every device, always at first use on the calling thread) or ``"ahead"`` (every device, always
+    in a compile child), from ``FP8SCOPE_COMPILE``; read at each call of a variant that is not
+    ready, so a test may switch it."""
     value = (os.environ.get(_ENV) or "auto").strip().lower()
     if value in ("0", "false", "no", "off"):
         return "off"
     if value in ("", "auto"):
         return "auto"
+    if value in ("sync", "ahead"):
+        return value
     return "on"
 
 
@@ -66,6 +85,15 @@ def compiles_on(device_type: str) -> bool:
     """Whether the current mode compiles for ``device_type`` ("cuda", "cpu", ...)."""
     mode = compile_mode()
     return mode != "off" and (mode != "auto" or device_type != "cpu")
+
+
+def ahead_on(device_type: str) -> bool:
+    """Whether the current mode compiles ``device_type``'s variants in a compile child: on
+    accelerators, where the training thread mostly launches kernels and the host's other cores are
+    free for a compile; not on the CPU (unless ``ahead``), where training already runs on every
+    core and a child took them from it (``benchmarks/capture_cost.py --sections first``)."""
+    mode = compile_mode()
+    return mode == "ahead" or (mode in ("auto", "on") and device_type != "cpu")
 
 
 def _renamed(fn: Callable, name: str) -> Callable:
@@ -124,6 +152,8 @@ def trace(fn: Callable, examples: tuple, fake_device=None):
             args[i] = x
         return fn(*args)
 
+    global traces
+    traces += 1
     device_type = torch.device(fake_device).type if fake_device is not None else examples[present[0]].device.type
     _local.tracing = True
     try:  # now on the thread that calls, maybe inside a hook under the user's autocast: the graph
@@ -135,8 +165,46 @@ def trace(fn: Callable, examples: tuple, fake_device=None):
     return graph, fakes, shape_env
 
 
+def build(owner: "CompiledFn", key: Hashable) -> tuple:
+    """``(artifact, spec, single)``: variant ``key`` of ``owner`` traced (:func:`trace`) and
+    compiled by inductor into an artifact that can be saved and loaded in another process
+    (``torch._inductor.standalone_compile``); ``spec``, what :class:`_Direct` checks of each call;
+    ``single``, whether the function returns one tensor (the artifact returns a list). The one
+    compile of a directly called variant, in a compile child or on the calling thread. ValueError
+    says why a variant cannot be called directly (dynamo's guards must check it)."""
+    import torch
+    from torch._inductor import config, standalone_compile
+
+    fn = _renamed(owner.eager(key), f"fp8scope_{owner.name}")
+    examples = owner._examples(key)
+    present = [i for i, t in enumerate(examples) if t is not None]
+    if not all(examples[i].is_contiguous() for i in present):
+        raise ValueError("a strided example")
+    if len({examples[i].data_ptr() for i in present}) < len(present):
+        raise ValueError("aliased examples (they would trace as one input, which calls need not be)")
+    graph, fakes, shape_env = trace(fn, examples)
+    if shape_env.guards:
+        raise ValueError("its trace assumes relations between sizes, which dynamo's guards check")
+    spec: list = [None] * len(examples)
+    for i, f in zip(present, fakes):
+        dims = []
+        for n in f.shape:
+            if isinstance(n, int):
+                dims.append(n)
+            elif isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
+                dims.append(str(n.node.expr))
+            else:
+                raise ValueError(f"a size that is not a plain symbol ({n})")
+        spec[i] = (f.dtype, f.device, tuple(dims))  # the device with its index: the code launches there
+    out = graph.graph.output_node().args[0]
+    single = not isinstance(out, (tuple, list))
+    with config.patch(owner.options(key) or {}), torch.no_grad():
+        artifact = standalone_compile(graph, fakes, dynamic_shapes="from_graph")
+    return artifact, spec, single
+
+
 class _Direct:
-    """A variant inductor compiled from a graph traced here, called without dynamo.
+    """A variant inductor compiled from a graph traced by :func:`trace`, called without dynamo.
 
     Why: through ``torch.compile`` every call of a small compiled function pays dynamo's frame
     evaluation and its runtime wrappers in Python, about as much host time as the kernel launches
@@ -151,44 +219,14 @@ class _Direct:
     size dividing a side is dynamo's to check); a call that does not fit, or one made under a
     dispatch mode (the op-count proxies), runs the eager function."""
 
-    def __init__(self, compiled: Callable, spec: list, eager: Callable, owner: "CompiledFn", key: Hashable):
-        self._compiled, self._spec, self._eager = compiled, spec, eager
+    def __init__(self, compiled: Callable, spec: list, single: bool, eager: Callable, owner: "CompiledFn",
+                 key: Hashable):
+        self._compiled, self._spec, self._single, self._eager = compiled, spec, single, eager
         self._owner, self._key = owner, key
         self._present = [i for i, item in enumerate(spec) if item is not None]
         self._checks = [(i, *spec[i], len(spec[i][2])) for i in self._present]  # (index, dtype, device, dims, rank)
         self._absent = [i for i, item in enumerate(spec) if item is None]
         self.rejected = 0  # calls that ran eagerly because they did not fit
-
-    @classmethod
-    def build(cls, owner: "CompiledFn", key: Hashable, fn: Callable, eager: Callable,
-              examples: tuple) -> "_Direct":
-        """The compiled variant, or ValueError saying why it cannot be called directly."""
-        import torch
-        from torch._inductor import config
-        from torch._inductor.compile_fx import compile_fx
-
-        present = [i for i, t in enumerate(examples) if t is not None]
-        if not all(examples[i].is_contiguous() for i in present):
-            raise ValueError("a strided example")
-        if len({examples[i].data_ptr() for i in present}) < len(present):
-            raise ValueError("aliased examples (they would trace as one input, which calls need not be)")
-        graph, fakes, shape_env = trace(fn, examples)
-        if shape_env.guards:
-            raise ValueError("its trace assumes relations between sizes, which dynamo's guards check")
-        spec: list = [None] * len(examples)
-        for i, f in zip(present, fakes):
-            dims = []
-            for n in f.shape:
-                if isinstance(n, int):
-                    dims.append(n)
-                elif isinstance(n, torch.SymInt) and n.node.expr.is_Symbol:
-                    dims.append(str(n.node.expr))
-                else:
-                    raise ValueError(f"a size that is not a plain symbol ({n})")
-            spec[i] = (f.dtype, f.device, tuple(dims))  # the device with its index: the code launches there
-        with config.patch(owner.options(key) or {}), torch.no_grad():
-            compiled = compile_fx(graph, fakes)
-        return cls(compiled, spec, eager, owner, key)
 
     def accepts(self, args: tuple) -> bool:
         """Whether ``args`` fit the compiled code (what dynamo's guards would say)."""
@@ -220,7 +258,10 @@ class _Direct:
         grad = torch.is_grad_enabled()  # hooks run with grad on (forward) or off (backward): one mode for
         torch._C._set_grad_enabled(False)  # all, set by hand (a no_grad context costs more than the check)
         try:
-            return self._compiled(*tensors)
+            out = self._compiled(*tensors)
+            if out.__class__ is list:  # a loaded artifact returns its outputs boxed
+                return out[0] if self._single else tuple(out)
+            return out
         except Exception as exc:  # never the step's problem: this variant runs eagerly from now on
             self._owner._demote(self._key, exc)
             return self._eager(*args)
@@ -247,31 +288,76 @@ def _through_dynamo(owner: "CompiledFn", key: Hashable, fn: Callable, examples: 
     return runner
 
 
-def _compile(owner: "CompiledFn", key: Hashable, fn: Callable, examples: Callable[[], tuple]) -> None:
-    """Compile one variant on this thread; its time is logged (``fp8scope.compiled``, INFO: a
-    first full step that took seconds says why), and a failure leaves it eager, with one warning
-    per family."""
-    import time
+def _fail(owner: "CompiledFn", key: Hashable, reason: str) -> None:
+    """A variant that could not compile: eager for the rest of the process, the reason kept, and one
+    warning per family (a machine that cannot compile one variant cannot compile the next)."""
     import warnings
+
+    owner.failures[key] = reason
+    if not owner.warned:
+        owner.warned = True
+        warnings.warn(f"fp8scope: could not compile {owner.name} {key} ({reason}); it runs as eager torch "
+                      "ops, as does any other variant that fails (.failures)", RuntimeWarning, stacklevel=4)
+
+
+def _compile_here(owner: "CompiledFn", key: Hashable, not_direct: str | None = None) -> None:
+    """Compile one variant on this thread: called directly if it can be (:func:`build`), else
+    through dynamo (``not_direct``: a compile child already found that it cannot). Its time is
+    logged (``fp8scope.compiled``, INFO: a first full step that took seconds says why)."""
+    import time
 
     start = time.perf_counter()
     try:
         try:
-            runner = _Direct.build(owner, key, fn, owner.eager(key), examples())
+            if not_direct is not None:
+                raise ValueError(not_direct)
+            artifact, spec, single = build(owner, key)
+            runner = _Direct(artifact, spec, single, owner.eager(key), owner, key)
         except Exception as exc:  # a shape relation, or a torch without this path
-            owner.not_direct[key] = f"{type(exc).__name__}: {exc}"
-            runner = _through_dynamo(owner, key, fn, examples)
+            owner.not_direct[key] = not_direct or f"{type(exc).__name__}: {exc}"
+            fn = _renamed(owner.eager(key), f"fp8scope_{owner.name}_{len(owner._tried)}")
+            runner = _through_dynamo(owner, key, fn, lambda: owner._examples(key))
     except Exception as exc:  # no working compiler here: this variant stays eager
-        owner._settle(key, None, exc)
-        if not owner.warned:  # once per family: a machine that cannot compile one variant cannot compile the next
-            owner.warned = True
-            warnings.warn(f"fp8scope: could not compile {owner.name} {key} ({type(exc).__name__}: {exc}); it runs "
-                          "as eager torch ops, as does any other variant that fails (.failures)",
-                          RuntimeWarning, stacklevel=2)
+        _fail(owner, key, f"{type(exc).__name__}: {exc}")
     else:
-        owner._settle(key, runner, None)
+        owner._ready[key] = runner
         _log.info("compiled %s %s in %.1f s (%s)", owner.name, key, time.perf_counter() - start,
                   "called directly" if isinstance(runner, _Direct) else "through torch.compile")
+
+
+def _load(owner: "CompiledFn", key: Hashable, built) -> None:
+    """Take a compile child's result for ``key`` (``compile_ahead.Build``) on this thread: load the
+    artifact (milliseconds), or compile through dynamo here (a shape relation), or compile here as
+    ``sync`` would (the child failed: this family's later variants too)."""
+    import time
+
+    kind, *rest = built.result
+    if kind == "not_direct":
+        _compile_here(owner, key, not_direct=rest[0])
+        return
+    if kind != "direct":  # the child could not run here (a GPU in exclusive-process mode, no interpreter, ...)
+        import warnings
+
+        if owner.child_failed is None:
+            warnings.warn(f"fp8scope: a compile child for {owner.name} failed ({rest[0]}); its variants compile "
+                          "in this process at their first use instead", RuntimeWarning, stacklevel=4)
+        owner.child_failed = rest[0]
+        _compile_here(owner, key)
+        return
+    path, spec, single, seconds = rest
+    start = time.perf_counter()
+    try:
+        from torch._inductor import config
+        from torch._inductor.standalone_compile import CompiledArtifact
+
+        with config.patch(compile_threads=1):  # its kernels come compiled: no pool of compile workers for them
+            artifact = CompiledArtifact.load(path=path, format="binary")
+    except Exception as exc:
+        _fail(owner, key, f"loading the compiled code failed: {type(exc).__name__}: {exc}")
+        return
+    owner._ready[key] = _Direct(artifact, spec, single, owner.eager(key), owner, key)
+    _log.info("compiled %s %s in %.1f s (called directly; in a child process, loaded in %.0f ms)",
+              owner.name, key, seconds, (time.perf_counter() - start) * 1e3)
 
 
 class CompiledFn:
@@ -281,7 +367,9 @@ class CompiledFn:
     in); ``examples(key)`` returns example arguments for its compile (small tensors on the variant's
     device, every dimension at least 2 so dynamic shapes do not specialise on 0 or 1);
     ``options(key)``, inductor settings for that variant's compile (``torch.compile(options=)``:
-    they apply to this compile only), or None.
+    they apply to this compile only), or None. A family defined at the top level of a module, under
+    a name no other family has, compiles in a child process (the child imports that module and asks
+    :func:`family`); any other compiles on the thread that first calls it.
     """
 
     def __init__(self, name: str, make: Callable[[Hashable], Callable],
@@ -297,15 +385,19 @@ class CompiledFn:
         self._tried: set[Hashable] = set()  # compiled, or its compile failed
         self._wanted: dict[Hashable, tuple[str | None, bool]] = {}  # key -> (FP8SCOPE_COMPILE, compiled under it?)
         self._fallbacks: dict[Hashable, Callable] = {}
+        self._ahead: dict[Hashable, object] = {}  # key -> its compile child's record (compile_ahead.Build)
+        self._child_ok: bool | None = None  # whether a compile child can rebuild this family
+        self.child_failed: str | None = None  # why a compile child failed: the family compiles here since
         _ALL.append(self)
+        _BY_NAME.setdefault(name, self)
         self._ready: dict[Hashable, Callable] = {}
         self.failures: dict[Hashable, str] = {}
         self.warned = False  # a failed compile has been warned about
         self.not_direct: dict[Hashable, str] = {}  # why a variant could not be called directly (it went through dynamo)
 
     def get(self, key: Hashable) -> Callable:
-        """The function to call for ``key``: compiled (at this first call, if this mode compiles it),
-        else eager.
+        """The function to call for ``key``: compiled if its code is ready, else eager (and its
+        compile started: in a child, or here and now under ``FP8SCOPE_COMPILE=sync``).
 
         Inside a region dynamo is tracing (the user compiled the model), the plain function: dynamo
         inlines it into the user's graph, where inductor fuses it with the rest."""
@@ -322,19 +414,61 @@ class CompiledFn:
         fn = self._ready.get(key)
         if fn is not None:
             return fn
-        if (key not in self._tried
-                and not torch._C._len_torch_dispatch_stack()  # a mode (an op counter) would see the trace
-                and not (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())):
-            # (a CUDA graph being captured could not hold a compile's launches: later, outside it)
-            with _lock:  # one compile at a time: two threads tracing at once would trace each other
-                if key not in self._tried:
-                    self._tried.add(key)
-                    fn = _renamed(self.eager(key), f"fp8scope_{self.name}_{len(self._tried)}")
-                    _compile(self, key, fn, lambda: self._examples(key))
-            fn = self._ready.get(key)
-            if fn is not None:
-                return fn
-        return self.fallback(key)
+        if (key in self._tried
+                or torch._C._len_torch_dispatch_stack()  # a mode (an op counter) would see a trace or a load
+                or (torch.cuda.is_initialized() and torch.cuda.is_current_stream_capturing())):
+            # (a CUDA graph being captured holds no compile's or load's work: later, outside it)
+            return self.fallback(key)
+        built = self._ahead.get(key)
+        if built is not None:
+            if built.done.is_set():
+                with _lock:
+                    if key not in self._tried:
+                        self._tried.add(key)
+                        _load(self, key, built)
+                return self._ready.get(key) or self.fallback(key)
+            return self.fallback(key)
+        if ahead_on(key[0]) and self.child_failed is None and self._child_can_build():
+            return self._requesting(key)
+        with _lock:  # one compile at a time: two threads tracing at once would trace each other
+            if key not in self._tried:
+                self._tried.add(key)
+                _compile_here(self, key)
+        return self._ready.get(key) or self.fallback(key)
+
+    def _requesting(self, key: Hashable) -> Callable:
+        """The fallback, which first asks a compile child for ``key`` on the device of its call."""
+        fallback = self.fallback(key)
+
+        def first_call(*args):
+            self._request(key, args)
+            return fallback(*args)
+
+        return first_call
+
+    def _request(self, key: Hashable, args: tuple) -> None:
+        from . import compile_ahead
+
+        with _lock:
+            if key in self._ahead:
+                return
+            index = None
+            if key[0] == "cuda":
+                import torch
+
+                devices = [a.device for a in args if isinstance(a, torch.Tensor)]
+                index = devices[0].index if devices and devices[0].index is not None else torch.cuda.current_device()
+            self._ahead[key] = compile_ahead.request(self.name, self._make.__module__, key, index)
+
+    def _child_can_build(self) -> bool:
+        """Whether a child that imports this family's module finds it there, under its name."""
+        import sys
+
+        if self._child_ok is None:
+            module = sys.modules.get(self._make.__module__)
+            self._child_ok = (_BY_NAME.get(self.name) is self and module is not None
+                              and any(v is self for v in vars(module).values()))
+        return self._child_ok
 
     def options(self, key: Hashable) -> dict | None:
         """The inductor settings ``key`` compiles with (benchmarks count its kernels with them)."""
@@ -360,12 +494,6 @@ class CompiledFn:
         self._fallbacks[key] = fn
         return fn
 
-    def _settle(self, key: Hashable, runner: Callable | None, exc: BaseException | None) -> None:
-        if runner is not None:
-            self._ready[key] = runner
-        else:
-            self.failures[key] = f"{type(exc).__name__}: {exc}"
-
     def _demote(self, key: Hashable, exc: BaseException) -> None:
         """A compiled variant that raised: eager from now on, and the reason kept (``failures``)."""
         self._ready.pop(key, None)
@@ -375,11 +503,33 @@ class CompiledFn:
         """Whether ``key`` runs the directly called code (:class:`_Direct`), not dynamo's."""
         return isinstance(self._ready.get(key), _Direct)
 
-    def ensure(self, key: Hashable) -> bool:
-        """Compile ``key`` now if this mode compiles it (as its first call would); True if it is
-        compiled (tests and benchmarks that measure the compiled code)."""
+    def forget(self, key: Hashable) -> None:
+        """Drop ``key``'s compiled code and its compile's record: its next call starts over (tests
+        that watch a first compile in a process where another test compiled that variant)."""
+        with _lock:
+            for held in (self._ready, self._ahead, self.failures, self.not_direct):
+                held.pop(key, None)
+            self._tried.discard(key)
+
+    def ensure(self, key: Hashable, timeout: float | None = None) -> bool:
+        """Compile ``key`` now if this mode compiles it, or wait for its compile child and load its
+        code; True if it is compiled (tests and benchmarks that measure the compiled code)."""
         self.get(key)
+        if key in self._ready or key in self._tried or not self._wanted[key][1]:
+            return key in self._ready
+        if key not in self._ahead:
+            self._request(key, ())
+        if self._ahead[key].done.wait(timeout):
+            self.get(key)
         return key in self._ready
+
+
+def family(name: str) -> CompiledFn:
+    """The family registered under ``name`` (a compile child's way to it)."""
+    try:
+        return _BY_NAME[name]
+    except KeyError:
+        raise LookupError(f"no compiled family named {name!r}") from None
 
 
 def user_frames_compiled() -> bool:

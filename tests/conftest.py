@@ -39,7 +39,7 @@ def has_cuda() -> bool:
 
 # The suite runs the stats eagerly (and so do the subprocesses it starts): compiling the stats
 # pass costs seconds per variant on a 2-core machine. The compiled path has tests of its own
-# (tests/test_compiled.py, and the ``stats_path`` fixture below), which compile synchronously.
+# (tests/test_compiled_calls.py, tests/test_compile_ahead.py and the ``stats_path`` fixture below).
 os.environ.setdefault("FP8SCOPE_COMPILE", "0")
 
 
@@ -47,7 +47,7 @@ os.environ.setdefault("FP8SCOPE_COMPILE", "0")
 def stats_path(request, monkeypatch):
     """Run a test once with the stats pass compiled (inductor's C++ here, Triton on CUDA) and once
     eager: both must give the same numbers."""
-    monkeypatch.setenv("FP8SCOPE_COMPILE", "1" if request.param == "compiled" else "0")
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "sync" if request.param == "compiled" else "0")
     yield request.param
     from fp8scope.capture.stats import FULL_STATS
     from fp8scope.emulate.amax import AMAX

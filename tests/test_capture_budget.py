@@ -98,7 +98,7 @@ def test_compiled_stats_with_recipes_serve_the_calls_capture_makes(monkeypatch):
     from fp8scope.compiled import reset_dynamo
     from fp8scope.emulate.blocks import mxfp8_blocks
 
-    monkeypatch.setenv("FP8SCOPE_COMPILE", "1")
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
     reset_dynamo()
     fmt = get_format("e4m3")
     calls = {}

@@ -26,7 +26,7 @@ FMT = get_format("e4m3")
 
 @pytest.fixture
 def compiling(monkeypatch):
-    monkeypatch.setenv("FP8SCOPE_COMPILE", "1")
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
     reset_dynamo()
     yield
     reset_dynamo()
@@ -165,5 +165,5 @@ def test_fp8scope_compile_0_runs_eagerly_even_after_a_compile(compiling, monkeyp
     compiled = family.get(("cpu",))
     monkeypatch.setenv("FP8SCOPE_COMPILE", "0")
     assert family.get(("cpu",)) is family.fallback(("cpu",)) is not compiled
-    monkeypatch.setenv("FP8SCOPE_COMPILE", "1")
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
     assert family.get(("cpu",)) is compiled

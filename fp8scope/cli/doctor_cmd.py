@@ -66,8 +66,11 @@ def _compile_row() -> tuple[str, str, bool | None]:
         import torch._inductor  # noqa: F401
     except Exception as exc:
         return ("compiled stats pass", f"inductor unavailable ({type(exc).__name__}); stats run eagerly", None)
-    where = "on GPUs, eager on the CPU (FP8SCOPE_COMPILE=1 compiles there too)" if mode == "auto" else "on every device"
-    return ("compiled stats pass", f"on (each variant at its first use, on the calling thread), {where}", True)
+    how = {"auto": "on GPUs, ahead in a compile child; eager on the CPU (FP8SCOPE_COMPILE=1 compiles there too)",
+           "on": "on every device: ahead in a compile child on GPUs, at first use on the CPU",
+           "sync": "on every device, each variant at its first use on the calling thread (FP8SCOPE_COMPILE=sync)",
+           "ahead": "on every device, ahead in a compile child (FP8SCOPE_COMPILE=ahead)"}[mode]
+    return ("compiled stats pass", f"on: {how}", True)
 
 
 def register(sub) -> None:

@@ -1,0 +1,107 @@
+"""Compiling ahead, in a child process (``fp8scope.compile_ahead``): the calling process runs the
+eager function until the child's code is ready, traces nothing itself, loads the code on the next
+call and calls it directly; a child that cannot call a variant directly hands it back to be
+compiled through dynamo here, and a child that dies leaves its variant eager with one warning.
+Real children (``python -m fp8scope.compile_child``), real inductor compiles (C++ here)."""
+
+from __future__ import annotations
+
+import os
+import sys
+import warnings
+
+import pytest
+import torch
+
+from fp8scope import compile_ahead, compiled
+from fp8scope.capture import stats as st
+from fp8scope.compiled import CompiledFn
+from fp8scope.formats import get_format
+
+
+def _scaled_max(key):
+    def scaled_max(x, s):
+        return (x.abs() * s).amax(1)
+
+    return scaled_max
+
+
+def _examples(key):
+    return torch.randn(96, 40).to(key[1]), torch.tensor(2.0)
+
+
+def _dies(key):
+    main = sys.modules["__main__"]
+    if getattr(getattr(main, "__spec__", None), "name", "") == "fp8scope.compile_child":
+        os._exit(3)  # what a child that cannot run looks like to the parent
+    return _examples(key)
+
+
+# top level: a compile child imports this module and finds them by name
+SCALED_MAX = CompiledFn("test_ahead_scaled_max", _scaled_max, _examples)
+DIES = CompiledFn("test_ahead_dies", _scaled_max, _dies)
+
+
+@pytest.fixture
+def ahead(monkeypatch):
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "ahead")  # the default on a GPU; the CPU's compiles at first use
+    yield
+
+
+def test_a_variant_compiles_in_a_child_and_is_called_directly_once_loaded(ahead):
+    key = ("cpu", torch.bfloat16)
+    SCALED_MAX.forget(key)
+    x, s = torch.randn(64, 33).bfloat16(), torch.tensor(3.0)
+    want = (x.abs() * s).amax(1)
+    traced = compiled.traces
+    first = SCALED_MAX.get(key)
+    assert torch.equal(first(x, s), want)  # eagerly, while the child compiles
+    assert key in SCALED_MAX._ahead and not SCALED_MAX.direct(key)
+    assert SCALED_MAX.ensure(key, timeout=300), SCALED_MAX.failures
+    assert SCALED_MAX.direct(key) and compiled.traces == traced  # traced and compiled in the child only
+    runner = SCALED_MAX.get(key)
+    assert torch.equal(runner(x, s), want) and runner.rejected == 0
+    assert torch.equal(runner(x.float(), s), (x.float().abs() * s).amax(1)) and runner.rejected == 1  # another dtype
+
+
+def test_a_family_whose_child_dies_compiles_here_with_one_warning(ahead):
+    """A child that cannot run (a GPU in exclusive-process mode, say) costs one warning; the variant
+    then compiles in this process at its next call, as ``sync`` would, and so do the family's later
+    variants, without a child."""
+    key, later = ("cpu", torch.float32), ("cpu", torch.float64)
+    for k in (key, later):
+        DIES.forget(k)
+    DIES.child_failed = None
+    x, s = torch.randn(8, 5), torch.tensor(2.0)
+    DIES.get(key)(x, s)
+    with pytest.warns(RuntimeWarning, match="compile child for test_ahead_dies failed .*exit status 3"):
+        assert DIES.ensure(key, timeout=300), DIES.failures
+    assert "exit status 3" in DIES.child_failed and DIES.direct(key)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert torch.equal(DIES.get(key)(x, s), (x.abs() * s).amax(1))
+        assert DIES.ensure(later) and later not in DIES._ahead  # no child for it
+
+
+def test_a_variant_the_child_cannot_call_directly_compiles_through_dynamo_here(ahead):
+    """MXFP8 beside the stats reads 32-element blocks: its trace assumes sides that blocks divide,
+    which dynamo's guards must check, so the child says so and this process compiles it with
+    ``torch.compile`` at the next call."""
+    key = ("cpu", torch.float32, "e4m3", False, False, ("mxfp8",), "activation", False)
+    st.FULL_STATS.forget(key)
+    x, one = torch.randn(64, 96), torch.tensor(1.0)
+    args = (x, one, one, one, get_format("e4m3"))
+    eager = st.stats_call(*args, recipes=("mxfp8",))
+    assert st.FULL_STATS.ensure(key, timeout=300), st.FULL_STATS.failures
+    assert not st.FULL_STATS.direct(key) and "relations between sizes" in st.FULL_STATS.not_direct[key]
+    again = st.stats_call(*args, recipes=("mxfp8",))
+    assert torch.allclose(again[0], eager[0], equal_nan=True) and torch.allclose(again[2], eager[2])
+
+
+def test_requests_and_replies_are_json_that_round_trip():
+    key = ("cuda", torch.bfloat16, "e4m3", True, False, ("mxfp8", "bf16"), "gradient", False)
+    spec = [(torch.float32, torch.device("cuda", 1), ("s0", 7)), None]
+    for value in (key, spec):
+        assert compile_ahead.decode(compile_ahead.encode(value)) == value
+    with pytest.raises(ValueError):
+        compile_ahead.decode({"dtype": "Tensor"})
