@@ -120,10 +120,11 @@ def _is_compiling() -> bool:
     return torch.compiler.is_compiling()
 
 
-def trace(fn: Callable, examples: tuple, fake_device=None):
+def trace(fn: Callable, examples: tuple, fake_device=None, static=()):
     """``(graph, fakes, shape_env)``: ``fn`` traced by ``make_fx`` on fake copies of ``examples``
     (None stays None and is not an input of the graph), every dimension above 1 a symbol and equal
-    sizes one symbol, as dynamo's duck sizing makes them; ``fake_device``: the fakes claim that
+    sizes one symbol, as dynamo's duck sizing makes them, except the ``(argument, dimension)``
+    pairs in ``static``, which keep their example's size; ``fake_device``: the fakes claim that
     device (``benchmarks/triton_kernels.py`` traces for a GPU it does not have). The one tracer of
     what :class:`_Direct` compiles and of what the benchmark counts."""
     import torch
@@ -137,8 +138,9 @@ def trace(fn: Callable, examples: tuple, fake_device=None):
     fakes = []
     for i in present:
         t = examples[i]
-        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK if n > 1 else DimDynamic.STATIC
-                                                      for n in t.shape])
+        fixed = {d % t.dim() for a, d in static if a == i}
+        ctx = StatelessSymbolicContext(dynamic_sizes=[DimDynamic.DUCK if n > 1 and d not in fixed else DimDynamic.STATIC
+                                                      for d, n in enumerate(t.shape)])
         if fake_device is None:
             fakes.append(mode.from_tensor(t, symbolic_context=ctx))
         else:
@@ -182,7 +184,7 @@ def build(owner: "CompiledFn", key: Hashable) -> tuple:
         raise ValueError("a strided example")
     if len({examples[i].data_ptr() for i in present}) < len(present):
         raise ValueError("aliased examples (they would trace as one input, which calls need not be)")
-    graph, fakes, shape_env = trace(fn, examples)
+    graph, fakes, shape_env = trace(fn, examples, static=owner.static(key))
     if shape_env.guards:
         raise ValueError("its trace assumes relations between sizes, which dynamo's guards check")
     spec: list = [None] * len(examples)
@@ -367,16 +369,19 @@ class CompiledFn:
     in); ``examples(key)`` returns example arguments for its compile (small tensors on the variant's
     device, every dimension at least 2 so dynamic shapes do not specialise on 0 or 1);
     ``options(key)``, inductor settings for that variant's compile (``torch.compile(options=)``:
-    they apply to this compile only), or None. A family defined at the top level of a module, under
+    they apply to this compile only), or None; ``static(key)``, the ``(argument, dimension)`` pairs
+    whose size the key fixes (traced as constants, not symbols). A family defined at the top level of a module, under
     a name no other family has, compiles in a child process (the child imports that module and asks
     :func:`family`); any other compiles on the thread that first calls it.
     """
 
     def __init__(self, name: str, make: Callable[[Hashable], Callable],
                  examples: Callable[[Hashable], tuple], fallback: Callable[[Hashable], Callable] | None = None,
-                 devices: tuple[str, ...] | None = None, options: Callable[[Hashable], dict | None] | None = None):
+                 devices: tuple[str, ...] | None = None, options: Callable[[Hashable], dict | None] | None = None,
+                 static: Callable[[Hashable], tuple] | None = None):
         self.name = name
         self._options = options
+        self._static = static  # (argument, dimension) pairs whose size is part of the variant, not a symbol
         self._devices = devices  # device types worth compiling for (a key's first item); None: all
         self._make = make
         self._examples = examples
@@ -469,6 +474,11 @@ class CompiledFn:
             self._child_ok = (_BY_NAME.get(self.name) is self and module is not None
                               and any(v is self for v in vars(module).values()))
         return self._child_ok
+
+    def static(self, key: Hashable) -> tuple:
+        """The ``(argument, dimension)`` pairs of ``key`` traced at their example's size (the key
+        holds that size), not as symbols."""
+        return self._static(key) if self._static is not None else ()
 
     def options(self, key: Hashable) -> dict | None:
         """The inductor settings ``key`` compiles with (benchmarks count its kernels with them)."""

@@ -167,3 +167,24 @@ def test_fp8scope_compile_0_runs_eagerly_even_after_a_compile(compiling, monkeyp
     assert family.get(("cpu",)) is family.fallback(("cpu",)) is not compiled
     monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
     assert family.get(("cpu",)) is compiled
+
+
+@pytest.mark.parametrize("length", [1, 16])
+def test_the_delayed_update_is_called_directly_with_its_history_length_fixed(compiling, length):
+    """TE's delayed update with the history's length part of the variant: its trace then assumes
+    nothing of the batch's size, so the code is called directly (and on a GPU compiles ahead), for
+    one state and a batch, with the eager numbers on adversarial amaxes (0, NaN, Inf, a spike)."""
+    from fp8scope.emulate.scaling import UPDATE, delayed_update, delayed_update_eager
+
+    last = torch.tensor([0.0, math.nan, math.inf, 3e4, 1e-30, 2.0, 0.5])
+    k = last.numel()
+    history = torch.rand(k, length) * 10
+    scaled_max, scale, expected = torch.full((k,), 448.0), torch.rand(k) + 0.5, torch.full((k,), 400.0)
+    for most_recent in (False, True):
+        for args in ((history, last, scaled_max, scale, expected),
+                     (history[3], last[3], scaled_max[3], scale[3], expected[3])):
+            got = delayed_update(*args, most_recent)
+            key = ("cpu", most_recent, args[0].dim(), length)
+            assert UPDATE.direct(key), (UPDATE.failures, UPDATE.not_direct)
+            for a, b in zip(got, delayed_update_eager(*args, most_recent)):
+                assert torch.equal(a.isnan(), b.isnan()) and torch.allclose(a, b, equal_nan=True), (a, b)

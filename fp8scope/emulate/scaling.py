@@ -126,10 +126,12 @@ def current_scales(recorded: torch.Tensor, scaled_max: torch.Tensor) -> tuple[to
 
 def delayed_update(history: torch.Tensor, last: torch.Tensor, scaled_max: torch.Tensor, scale: torch.Tensor,
                    expected: torch.Tensor, most_recent: bool) -> tuple[torch.Tensor, ...]:
-    """:func:`delayed_update_eager`, compiled at its first use into one fused kernel per (device
-    type, algo, one tensor or a batch): 17 small ops eagerly, which on a CPU cost more than the
-    arithmetic and on a GPU are as many launches."""
-    return UPDATE.get((history.device.type, bool(most_recent), history.dim()))(
+    """:func:`delayed_update_eager`, compiled (``fp8scope.compiled``) into one fused kernel per
+    (device type, algo, one tensor or a batch, history length): 17 small ops eagerly, which on a
+    CPU cost more than the arithmetic and on a GPU are as many launches. The history length is part
+    of the variant (a recipe's constant): with it fixed the trace assumes nothing of the sizes, so
+    the code is called directly and compiles ahead like the stats pass."""
+    return UPDATE.get((history.device.type, bool(most_recent), history.dim(), history.shape[-1]))(
         history, last, scaled_max, scale, expected)
 
 
@@ -474,8 +476,8 @@ def _make_update(key):
 
 
 def _update_examples(key):
-    device, _, ndim = key
-    shape = (37,) if ndim == 1 else (5, 37)  # distinct sizes (dynamo guards on equal ones)
+    device, _, ndim, length = key
+    shape = (length,) if ndim == 1 else (5, length)  # the batch: 5 states (a symbol; the length is fixed)
     f32 = dict(dtype=torch.float32, device=device)
     history = torch.rand(shape, **f32)
     history[..., 0] = 0.0
@@ -484,4 +486,9 @@ def _update_examples(key):
     return history, last, torch.full(rest, 448.0, **f32), torch.ones(rest, **f32), torch.full(rest, 448.0, **f32)
 
 
-UPDATE = CompiledFn("delayed_update", _make_update, _update_examples)
+def _update_static(key):
+    """The history's length stays a constant of the trace (``key[3]``)."""
+    return ((0, -1),)
+
+
+UPDATE = CompiledFn("delayed_update", _make_update, _update_examples, static=_update_static)
