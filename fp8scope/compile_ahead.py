@@ -119,18 +119,21 @@ def _serve() -> None:
         build = _queue.get()
         try:
             build.result = _run_child(build)
-            if build.result[0] == "direct":
-                _warm(build.key[0] if isinstance(build.key, tuple) else "", warmed)
-        except Exception as exc:  # never the training's problem: the variant stays eager
+        except Exception as exc:  # never the training's problem: the variant compiles in the parent
             build.result = ("error", f"{type(exc).__name__}: {exc}", 0.0)
-        finally:
-            build.done.set()
+        if build.result[0] == "direct":
+            try:
+                _warm(build.key[0], warmed)
+            except Exception:  # only a head start: the load does the same, on the training thread
+                pass
+        build.done.set()
 
 
 def _warm(device_type: str, warmed: set[str]) -> None:
-    """What a first load would otherwise do on the training thread: inductor's imports, torch's
-    source hash (the artifact's key) and, for the CPU, the probe of the vector instruction set
-    (compiler subprocesses). Imports and hashing only: nothing here traces or patches torch."""
+    """What a first load would otherwise do on the training thread: inductor's imports (Triton's
+    on a GPU), torch's source hash (the artifact's key) and, for the CPU, the probe of the vector
+    instruction set (compiler subprocesses). Imports and hashing only: nothing here traces or
+    patches torch."""
     if device_type in warmed:
         return
     warmed.add(device_type)
@@ -144,6 +147,8 @@ def _warm(device_type: str, warmed: set[str]) -> None:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         pick_vec_isa()
+    else:  # Triton and inductor's launcher, which the loaded code imports
+        import torch._inductor.runtime.triton_heuristics  # noqa: F401
 
 
 def _child_env() -> dict:
