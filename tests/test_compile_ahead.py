@@ -105,3 +105,48 @@ def test_requests_and_replies_are_json_that_round_trip():
         assert compile_ahead.decode(compile_ahead.encode(value)) == value
     with pytest.raises(ValueError):
         compile_ahead.decode({"dtype": "Tensor"})
+
+
+def test_an_emulated_model_logs_the_eager_rows_while_and_after_its_variants_compile_ahead(tmp_path, monkeypatch):
+    """The default on a GPU, here on the CPU: an emulated FP8 model's delayed updates and stats
+    compile in children while it trains; the rows logged before and after the compiled code takes
+    over are the rows an eager run logs, and the training process traces nothing."""
+    import fp8scope
+    from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
+    from fp8scope.emulate import DelayedScaling, convert_to_fp8
+    from fp8scope.emulate.scaling import UPDATE
+
+    def run(mode: str, name: str):
+        monkeypatch.setenv("FP8SCOPE_COMPILE", mode)
+        torch.manual_seed(0)
+        model = convert_to_fp8(TinyGPT(GPTConfig(n_layers=1, d_model=32, n_heads=2, seq_len=16)),
+                               recipe=DelayedScaling(amax_history_len=8))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        gen = torch.Generator().manual_seed(1)
+        with fp8scope.Monitor(model, tmp_path / name, every=2, detect=False) as mon:
+            for step in range(6):
+                if step == 3 and mode == "ahead":  # the children's code from here on
+                    for family in (UPDATE, st.FULL_STATS):
+                        assert family._ahead and all(family.ensure(k, timeout=300) for k in list(family._ahead))
+                idx = torch.randint(0, 64, (2, 16), generator=gen)
+                loss = model(idx).float().logsumexp(-1).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step(loss=loss.detach())
+        cols = ["step", "layer", "tensor", "amax", "scale", "scale_inv", "expected_amax", "overflow", "underflow",
+                "saturated", "qerr_mse"]
+        return fp8scope.load_run(tmp_path / name).tensors().sort_values(["step", "order"])[cols].reset_index(drop=True)
+
+    for family in (UPDATE, st.FULL_STATS):
+        for k in list(family._ready) + list(family._ahead):
+            family.forget(k)
+    traced = compiled.traces
+    ahead = run("ahead", "ahead")
+    assert compiled.traces == traced, "the training process traced"
+    assert UPDATE._ready and all(UPDATE.direct(k) for k in UPDATE._ready), UPDATE.not_direct
+    assert st.FULL_STATS._ready and all(st.FULL_STATS.direct(k) for k in st.FULL_STATS._ready)
+    eager = run("0", "eager")
+    import pandas as pd
+
+    pd.testing.assert_frame_equal(ahead, eager, check_exact=False, rtol=1e-6)
