@@ -4,8 +4,8 @@
 own device, with no host sync. The capture path calls :func:`stats_call`, whose row holds the same
 numbers in the order a compiled pass writes them (``step_payload.WIDE_FIELDS``); the collector stacks
 a step's rows and moves them to the host in a single transfer, and the host reorders them. The
-arithmetic is one function, compiled at its first use per (device type, dtype, format, scale
-layout) by ``fp8scope.compiled``: inductor's C++ makes it one kernel on the CPU; on an accelerator inductor
+arithmetic is one function, compiled once per (device type, dtype, format, scale layout) by
+``fp8scope.compiled`` (on an accelerator ahead, in a compile child; eager meanwhile): inductor's C++ makes it one kernel on the CPU; on an accelerator inductor
 compiles a form written for Triton (:func:`_make_full_fused`: 3 kernels and 3 launches per tensor,
 where the eager form compiles to 19 launches; ``benchmarks/triton_kernels.py`` counts them). Where
 a variant is not compiled (the CPU's default, ``FP8SCOPE_COMPILE=0``), the eager form runs, about 37 aten ops

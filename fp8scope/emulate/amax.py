@@ -10,7 +10,7 @@ Two numbers come out of the same pass over ``x``:
   ``amax`` reduction; ../shared/te-internals.md). With x = [NaN, 3] it is 3, and the next
   delayed scale 448 / 3.
 
-Both come from :data:`AMAX`: on CUDA compiled at its first use into one pass over the tensor's
+Both come from :data:`AMAX`: on CUDA compiled (ahead, in a compile child) into one pass over the tensor's
 rows and one over the rows (2 launches, called without dynamo: see ``fp8scope.compiled``);
 elsewhere four eager ops.
 
