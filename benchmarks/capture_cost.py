@@ -283,18 +283,19 @@ def ratio_parts(device: str, rounds: int, block: int) -> None:
         print(f"   {name:45s} {medians[name] * 1e3:7.1f} ms/step   {paired[name]:.3f}x")
 
 
-def first_steps(device: str, steps: int, modes: tuple[str, ...]) -> None:
+def first_steps(device: str, steps: int, modes: tuple[str, ...], cap_s: float = 120.0) -> None:
     """Section 4: the first steps of a fresh process under each ``FP8SCOPE_COMPILE`` mode, each
     in a process of its own (a variant compiles once per process)."""
     import json
     import subprocess
 
     print(f"\n4. the first steps of a fresh process (at least {steps}, and on until the stats run compiled, "
-          "at most 120 s), demo model, what-if, full stats every 10th, each mode in a process of its own")
+          f"at most {cap_s:.0f} s), demo model, what-if, full stats every 10th, each mode in a process of its own")
     print("   mode     step 0 ms   slowest ms   median ms   steps   all steps s   stats compiled from step (s)")
     for mode in modes:
         out = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", device, "--first-run", mode,
-                              "--first-steps", str(steps)], capture_output=True, text=True, check=True).stdout
+                              "--first-steps", str(steps), "--first-cap", str(cap_s)],
+                             capture_output=True, text=True, check=True).stdout
         r = json.loads(out.strip().splitlines()[-1])
         ms = [t * 1e3 for t in r["times"]]
         ready = f"{r['compiled_from']} ({r['compiled_at_s']:.1f} s)" if r["compiled_from"] is not None else "-"
@@ -346,10 +347,11 @@ def main() -> int:
                                                          "(comma-separated; 'all': every one)")
     ap.add_argument("--first-steps", type=int, default=60, help="section 4: steps per mode")
     ap.add_argument("--first-modes", default="0,sync,1", help="section 4: FP8SCOPE_COMPILE modes")
+    ap.add_argument("--first-cap", type=float, default=120.0, help="section 4: at most this many seconds per mode")
     ap.add_argument("--first-run", help=argparse.SUPPRESS)  # one process of section 4
     args = ap.parse_args()
     if args.first_run is not None:
-        first_run(args.device, args.first_run, args.first_steps)
+        first_run(args.device, args.first_run, args.first_steps, args.first_cap)
         return 0
     sections = args.sections.split(",")
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
@@ -371,7 +373,7 @@ def main() -> int:
         ratios(args.device, args.rounds, args.block, compile_stats, args.modes.split(","),
                args.models.split(","), recipes)
     if "first" in sections:
-        first_steps(args.device, args.first_steps, tuple(args.first_modes.split(",")))
+        first_steps(args.device, args.first_steps, tuple(args.first_modes.split(",")), args.first_cap)
     return 0
 
 
