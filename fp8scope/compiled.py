@@ -31,9 +31,9 @@ dynamo-optimized function" and ended the user's training (``tests/test_compile_m
 training thread (as it did next): the step that first needs a variant stalled for its compile,
 seconds per variant. A child compiles beside training with neither problem, on a core the training
 thread, which on a GPU mostly launches kernels, does not use. On the CPU training already runs on
-every core, and a child took them from it (on 2 cores, steps ran 3-4x slower while children
-compiled: ``benchmarks/capture_cost.py --sections first``), so there a variant compiles at its
-first use, on the calling thread. So does a family that a child cannot rebuild (one not defined at
+every core, and a child takes them from it for as long as it compiles (``benchmarks/capture_cost.py
+--sections first`` measures both ways), so there a variant compiles at its first use, on the
+calling thread. So does a family that a child cannot rebuild (one not defined at
 the top level of a module), and every family whose compile child failed (a GPU in
 exclusive-process mode, say): one warning, then compiles at first use.
 
