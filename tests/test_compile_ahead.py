@@ -150,3 +150,13 @@ def test_an_emulated_model_logs_the_eager_rows_while_and_after_its_variants_comp
     import pandas as pd
 
     pd.testing.assert_frame_equal(ahead, eager, check_exact=False, rtol=1e-6)
+
+
+def test_a_family_no_child_can_import_compiles_at_first_use(ahead):
+    """A family made inside a function is nowhere a child could import it from: under ``ahead`` it
+    compiles on the calling thread at its first call, and no child is asked."""
+    local = CompiledFn("test_ahead_local", _scaled_max, _examples)
+    key = ("cpu", torch.float32)
+    x, s = torch.randn(16, 9), torch.tensor(2.0)
+    assert torch.equal(local.get(key)(x, s), (x.abs() * s).amax(1))
+    assert local.direct(key) and key not in local._ahead
