@@ -78,8 +78,9 @@ def decode(value):
 
 class Build:
     """One variant's compile in a child: ``result`` once ``done`` is set: ``("direct", artifact
-    path, spec, single output?, seconds)``, ``("not_direct", reason, seconds)`` (its trace assumes
-    a shape relation: dynamo's to check, in the parent) or ``("error", reason, seconds)``."""
+    path, spec, single output?, seconds)``, ``("not_direct", reason, seconds)`` (it could not
+    build the directly called code: a shape relation, dynamo's to check, in the parent) or
+    ``("error", reason, seconds)`` (the child itself failed: no reply)."""
 
     def __init__(self, family: str, module: str, key: Hashable, device_index: int | None):
         self.family, self.module, self.key, self.device_index = family, module, key, device_index
@@ -191,7 +192,7 @@ def _run_child(build: Build) -> tuple:
         return ("error", f"the compile child failed: {tail[0][:300]}", seconds)
     if reply["kind"] == "direct":
         return ("direct", build.path, decode(reply["spec"]), reply["single"], seconds)
-    return (reply["kind"], reply["reason"], seconds)
+    return ("not_direct", reply["reason"], seconds)
 
 
 def _cleanup() -> None:

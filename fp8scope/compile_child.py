@@ -12,7 +12,6 @@ import importlib
 import json
 import os
 import sys
-import time
 
 
 def _reply(path: str, **reply) -> None:
@@ -35,19 +34,14 @@ def main() -> int:
     importlib.import_module(request["module"])
     family = compiled.family(request["family"])
     key = compile_ahead.decode(request["key"])
-    start = time.perf_counter()
     path = request["path"]
     try:
         artifact, spec, single = compiled.build(family, key)
-    except ValueError as exc:  # a shape relation: the parent compiles it through dynamo
-        _reply(path, kind="not_direct", reason=str(exc))
-        return 0
-    except Exception as exc:
-        _reply(path, kind="error", reason=f"{type(exc).__name__}: {exc}")
+    except Exception as exc:  # what the parent does then is compiled._compile_here's to decide, as in-process
+        _reply(path, kind="not_direct", reason=f"{type(exc).__name__}: {exc}")
         return 0
     artifact.save(path=path, format="binary")
-    _reply(path, kind="direct", spec=compile_ahead.encode(spec), single=single,
-           seconds=time.perf_counter() - start)
+    _reply(path, kind="direct", spec=compile_ahead.encode(spec), single=single)
     return 0
 
 

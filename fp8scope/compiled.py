@@ -309,14 +309,16 @@ def _compile_here(owner: "CompiledFn", key: Hashable, not_direct: str | None = N
     import time
 
     start = time.perf_counter()
+    runner = None
     try:
-        try:
-            if not_direct is not None:
-                raise ValueError(not_direct)
-            artifact, spec, single = build(owner, key)
-            runner = _Direct(artifact, spec, single, owner.eager(key), owner, key)
-        except Exception as exc:  # a shape relation, or a torch without this path
-            owner.not_direct[key] = not_direct or f"{type(exc).__name__}: {exc}"
+        if not_direct is None:
+            try:
+                artifact, spec, single = build(owner, key)
+                runner = _Direct(artifact, spec, single, owner.eager(key), owner, key)
+            except Exception as exc:  # a shape relation, or a torch without this path
+                not_direct = f"{type(exc).__name__}: {exc}"
+        if runner is None:
+            owner.not_direct[key] = not_direct
             fn = _renamed(owner.eager(key), f"fp8scope_{owner.name}_{len(owner._tried)}")
             runner = _through_dynamo(owner, key, fn, lambda: owner._examples(key))
     except Exception as exc:  # no working compiler here: this variant stays eager
