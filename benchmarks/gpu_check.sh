@@ -21,13 +21,13 @@ if [ "${PART:-1}" = 2 ]; then
     --rounds 5 2>&1 | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/ratio_compiled.txt"
   exit 0
 fi
-timeout 220 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=5 tests/test_gpu.py 2>&1 \
+timeout 250 python3 -m pytest -m gpu -q -p no:cacheprovider -rfEs --durations=5 tests/test_gpu.py 2>&1 \
   | grep -v "^fp8scope step" | tail -40 | tee "$OUT/pytest.txt"
 timeout 110 python3 benchmarks/capture_cost.py --device cuda --sections first --first-steps 40 --first-modes sync,ahead --first-cap 45 \
   2>&1 | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/first.txt"
 timeout 100 python3 benchmarks/large_model.py --device cuda --models off --rounds 3 2>&1 \
   | grep -v "Warning\|^fp8scope step\|warn(\|Configuration class" | tee "$OUT/large.txt"
-timeout 60 python3 benchmarks/capture_cost.py --device cuda --sections tensor,calls --rounds 3 2>&1 \
+timeout 55 python3 benchmarks/capture_cost.py --device cuda --sections tensor,calls --rounds 3 2>&1 \
   | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/capture.txt"
-timeout 70 python3 benchmarks/capture_cost.py --device cuda --sections ratio --modes eager --rounds 5 2>&1 \
+timeout 60 python3 benchmarks/capture_cost.py --device cuda --sections ratio --modes eager --rounds 3 2>&1 \
   | grep -v "Warning\|^fp8scope step\|warn(" | tee "$OUT/ratio_eager.txt"

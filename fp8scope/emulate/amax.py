@@ -70,12 +70,13 @@ def amaxes_of_magnitudes(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 def _fused_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`amaxes_of_magnitudes` of ``|x|`` (a matrix, :func:`row_matrix`) as inductor should
-    see it: both maxima per row, in one kernel that reads each element once, then over the rows,
-    one more (2 launches; the two reductions apart were 4 kernels and 5 launches:
-    ``benchmarks/triton_kernels.py``). Only ever traced: eagerly it would hold a copy of the
-    tensor."""
-    m = x.abs()
+    """:func:`amaxes_of_magnitudes` of ``|x|`` as inductor should see it: both maxima per row, in
+    one kernel that reads each element once, then over the rows, one more (2 launches; the two
+    reductions apart were 4 kernels and 5 launches: ``benchmarks/triton_kernels.py``). Only ever
+    traced: eagerly it would hold a copy of the tensor. ``x`` has any shape: the compiled variant
+    gets a :func:`row_matrix`, and a user's compiled model traces it on the layer's own tensor
+    (an activation of shape (batch, tokens, features)), whose leading dims become rows here."""
+    m = (x.reshape(-1, x.shape[-1]) if x.dim() >= 2 else x.reshape(1, -1)).abs()
     per_row = torch.stack([m.amax(1), torch.nan_to_num(m, nan=0.0, posinf=_INF).amax(1)], -1)
     logged, recorded = per_row.amax(0).to(torch.float32).unbind(0)
     return logged, recorded
