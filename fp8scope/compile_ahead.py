@@ -11,11 +11,13 @@ A child process traces and compiles with nothing of the parent's to disturb, sav
 artifact (``torch._inductor.standalone_compile``), and the parent loads it (milliseconds, on the
 thread that next calls the variant) and runs eagerly until then.
 
-One child at a time, one variant per child, from one daemon thread here: the thread only waits on
-the child and pre-imports what the load needs; it never traces or runs a kernel. The child sees the
-parent's ``sys.path`` and environment, the parent's torch thread count (inductor's C++ is generated
-for it) and, on CUDA, the parent's device (its code launches there). The child is killed when the
-parent exits; a child that fails or runs past :data:`TIMEOUT_S` leaves its variant eager.
+One child, serving one variant after another (``compile_child``: it leaves when idle, and a later
+request starts another), driven by one daemon thread here: the thread only starts the child, hands
+it a request and waits for its answer; it never traces, imports or runs a kernel
+(``compiled.prepare`` says why). The child sees the parent's ``sys.path`` and environment, the
+parent's torch thread count (inductor's C++ is generated for it) and, on CUDA, the parent's device
+(its code launches there). The child is killed when the parent exits; a child that fails or runs
+past :data:`TIMEOUT_S` on a variant leaves that variant to the parent (``compiled._load``).
 
 The request and reply are JSON (keys hold strings, bools, ints, tuples and torch dtypes): the
 package does not unpickle.
@@ -93,8 +95,9 @@ _queue: "queue.Queue[Build]" = queue.Queue()
 _lock = threading.Lock()
 _thread: threading.Thread | None = None
 _dir: str | None = None
-_running: subprocess.Popen | None = None
-_count = 0
+_running: subprocess.Popen | None = None  # the child serving requests, if one is
+_count = 0  # requests made
+_children = 0  # children started
 
 
 def request(family: str, module: str, key: Hashable, device_index: int | None) -> Build:
@@ -115,41 +118,16 @@ def request(family: str, module: str, key: Hashable, device_index: int | None) -
 
 
 def _serve() -> None:
-    warmed: set[str] = set()
+    """The daemon thread: hands the child one request after another and waits on each, the GIL
+    released. It runs no other Python work (see ``compiled.prepare``: Python work on a thread beside training
+    slows every training op)."""
     while True:
         build = _queue.get()
         try:
             build.result = _run_child(build)
         except Exception as exc:  # never the training's problem: the variant compiles in the parent
             build.result = ("error", f"{type(exc).__name__}: {exc}", 0.0)
-        if build.result[0] == "direct":
-            try:
-                _warm(build.key[0], warmed)
-            except Exception:  # only a head start: the load does the same, on the training thread
-                pass
         build.done.set()
-
-
-def _warm(device_type: str, warmed: set[str]) -> None:
-    """What a first load would otherwise do on the training thread: inductor's imports (Triton's
-    on a GPU), torch's source hash (the artifact's key) and, for the CPU, the probe of the vector
-    instruction set (compiler subprocesses). Imports and hashing only: nothing here traces or
-    patches torch."""
-    if device_type in warmed:
-        return
-    warmed.add(device_type)
-    import torch._functorch._aot_autograd.autograd_cache  # noqa: F401
-    import torch._inductor.compile_fx  # noqa: F401  (the load imports it: a second and more)
-    import torch._inductor.standalone_compile  # noqa: F401
-    from torch._inductor.codecache import torch_key
-
-    torch_key()
-    if device_type == "cpu":
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        pick_vec_isa()
-    else:  # Triton and inductor's launcher, which the loaded code imports
-        import torch._inductor.runtime.triton_heuristics  # noqa: F401
 
 
 def _child_env() -> dict:
@@ -162,8 +140,51 @@ def _child_env() -> dict:
     return env
 
 
+def _start_child() -> subprocess.Popen:
+    """A child that serves requests until none comes for ``compile_child.IDLE_S`` (its CUDA context
+    then goes); its stderr goes to a file (a pipe nobody reads would fill and block it)."""
+    global _children
+    with _lock:
+        _children += 1
+        path = os.path.join(_dir, f"child-{_children}.err")
+    with open(path, "wb") as err:
+        proc = subprocess.Popen([sys.executable, "-m", CHILD_MODULE], stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE, stderr=err, env=_child_env())
+    proc.err_path = path
+    return proc
+
+
+def _err_tail(proc: subprocess.Popen) -> str:
+    try:
+        with open(proc.err_path, "rb") as f:
+            lines = f.read().decode(errors="replace").strip().splitlines()
+    except OSError:
+        lines = []
+    return (lines[-1:] or [f"exit status {proc.returncode}"])[0][:300]
+
+
+def _ask(proc: subprocess.Popen, request: dict) -> str:
+    """Send ``request``; ``"done"``, ``"gone"`` (the child had exited, idle, before reading it),
+    ``"timeout"`` or ``"failed"``."""
+    import select
+
+    try:
+        proc.stdin.write((json.dumps(request) + "\n").encode())
+        proc.stdin.flush()
+    except OSError:  # it exited: idle (status 0) or dead
+        proc.wait()
+        return "gone" if proc.returncode == 0 else "failed"
+    ready, _, _ = select.select([proc.stdout], [], [], TIMEOUT_S)
+    if not ready:
+        return "timeout"
+    if proc.stdout.readline().strip() == b"done":
+        return "done"
+    proc.wait()
+    return "gone" if proc.returncode == 0 else "failed"  # 0: it left, idle, with the request unread
+
+
 def _run_child(build: Build) -> tuple:
-    """Run one child for ``build`` and read its reply."""
+    """Have the child (started if none is running) build ``build`` and read its reply."""
     import torch
 
     global _running
@@ -171,34 +192,53 @@ def _run_child(build: Build) -> tuple:
     request = {"family": build.family, "module": build.module, "key": encode(build.key),
                "device_index": build.device_index, "threads": torch.get_num_threads(),
                "path": build.path, "sys_path": [p for p in sys.path if isinstance(p, str)]}
-    with _lock:
-        proc = _running = subprocess.Popen([sys.executable, "-m", CHILD_MODULE], stdin=subprocess.PIPE,
-                                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=_child_env())
-    try:
-        _, err = proc.communicate(json.dumps(request).encode(), timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
-        return ("error", f"the compile child ran past {TIMEOUT_S:.0f} s", time.perf_counter() - start)
-    finally:
+    for _ in range(2):  # a second child only if the first had just left, idle
         with _lock:
-            _running = None
+            proc = _running
+        if proc is None or proc.poll() is not None:
+            if proc is not None:
+                _close(proc)
+            proc = _start_child()
+            with _lock:
+                _running = proc
+        answer = _ask(proc, request)
+        if answer != "gone":
+            break
+    if answer == "timeout":
+        _close(proc)
+        return ("error", f"the compile child ran past {TIMEOUT_S:.0f} s", time.perf_counter() - start)
     seconds = time.perf_counter() - start
     try:
         with open(build.path + ".json") as f:
             reply = json.load(f)
     except (OSError, ValueError):
-        tail = err.decode(errors="replace").strip().splitlines()[-1:] or [f"exit status {proc.returncode}"]
-        return ("error", f"the compile child failed: {tail[0][:300]}", seconds)
+        return ("error", f"the compile child failed: {_err_tail(proc)}", seconds)
     if reply["kind"] == "direct":
         return ("direct", build.path, decode(reply["spec"]), reply["single"], seconds)
     return ("not_direct", reply["reason"], seconds)
 
 
-def _cleanup() -> None:
+def _close(proc: subprocess.Popen) -> None:
+    """A child ended: kill it if it is not, and close its pipes."""
+    if proc.poll() is None:
+        proc.kill()
+        proc.wait()
+    for pipe in (proc.stdin, proc.stdout):
+        try:
+            pipe.close()
+        except OSError:  # a write end whose reader left: nothing is lost
+            pass
+
+
+def stop_child() -> None:
+    """End the serving child, if one runs (the next request starts another)."""
     with _lock:
         proc = _running
-    if proc is not None and proc.poll() is None:
-        proc.kill()
+    if proc is not None:
+        _close(proc)
+
+
+def _cleanup() -> None:
+    stop_child()
     if _dir is not None:
         shutil.rmtree(_dir, ignore_errors=True)

@@ -1,17 +1,24 @@
-"""The child process that compiles one variant for a training process (``fp8scope.compile_ahead``).
+"""The child process that compiles variants for a training process (``fp8scope.compile_ahead``).
 
-It reads a JSON request on stdin, imports the module that defines the variant's family (the
-parent's ``sys.path`` first, so that what the parent imported is found), takes the parent's torch
-thread count and CUDA device, traces and compiles the variant as the parent would
-(``fp8scope.compiled.build``), saves inductor's artifact to the requested path and writes its
-reply, JSON, beside it. Its exit status is 0 when a reply was written."""
+It reads JSON requests on stdin, one a line. For each it imports the module that defines the
+variant's family (the parent's ``sys.path`` first, so that what the parent imported is found), takes
+the parent's torch thread count and CUDA device, traces and compiles the variant as the parent would
+(``fp8scope.compiled.build``), saves inductor's artifact to the requested path, writes its reply,
+JSON, beside it and says ``done``. One child serves a run's variants one after another: a child
+per variant paid a Python start, torch's import and a CUDA context each time (most of the 32 s an
+H100 took for the demo model's three variants)."""
 
 from __future__ import annotations
 
 import importlib
 import json
 import os
+import select
 import sys
+
+IDLE_S = float(os.environ.get("FP8SCOPE_COMPILE_IDLE_S", "30"))
+"""A child with no request for this long (seconds) exits, and its CUDA context with it (most
+variants are asked for in a run's first steps; a later one starts a new child)."""
 
 
 def _reply(path: str, **reply) -> None:
@@ -21,8 +28,8 @@ def _reply(path: str, **reply) -> None:
     os.replace(tmp, path + ".json")  # whole, or not at all
 
 
-def main() -> int:
-    request = json.loads(sys.stdin.buffer.read())
+def _build(request: dict) -> None:
+    """One request: the variant built, its artifact saved and the reply written."""
     sys.path[:0] = [p for p in request["sys_path"] if p not in sys.path]
     import torch
 
@@ -39,10 +46,27 @@ def main() -> int:
         artifact, spec, single = compiled.build(family, key)
     except Exception as exc:  # what the parent does then is compiled._compile_here's to decide, as in-process
         _reply(path, kind="not_direct", reason=f"{type(exc).__name__}: {exc}")
-        return 0
+        return
     artifact.save(path=path, format="binary")
     _reply(path, kind="direct", spec=compile_ahead.encode(spec), single=single)
-    return 0
+
+
+def main() -> int:
+    """Serve requests, one JSON line each, answering ``done`` on a line of its own, until stdin
+    closes or no request comes for :data:`IDLE_S` (exit status 0 both ways). Anything else that
+    would go to stdout goes to stderr."""
+    out = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+    while True:
+        ready, _, _ = select.select([sys.stdin], [], [], IDLE_S)
+        if not ready:
+            return 0
+        line = sys.stdin.readline()
+        if not line:
+            return 0
+        _build(json.loads(line))
+        out.write("done\n")
+        out.flush()
 
 
 if __name__ == "__main__":

@@ -10,8 +10,9 @@ tensor. Eager, each op is a kernel launch on CUDA (and a memory pass everywhere)
   another's recompile budget);
 - on an accelerator a variant compiles ahead, in a child process (``fp8scope.compile_ahead``), and
   runs eagerly until its code is ready: no training step waits for a compile. The first call after
-  that loads the code (milliseconds, on the calling thread) and later calls never compile: an input
-  the compiled code does not fit runs eagerly instead;
+  that loads the code (milliseconds, on the calling thread, once :func:`prepare` has imported what
+  a load needs) and later calls never compile: an input the compiled code does not fit runs
+  eagerly instead;
 - a variant whose trace assumes nothing of its sizes but their symbols (the stats pass, the amax
   pair, the delayed update) is traced with ``make_fx`` (dynamic shapes, on large example tensors:
   inductor picks threads and block sizes from their size), compiled by inductor
@@ -94,6 +95,54 @@ def ahead_on(device_type: str) -> bool:
     core and a child took them from it (``benchmarks/capture_cost.py --sections first``)."""
     mode = compile_mode()
     return mode == "ahead" or (mode in ("auto", "on") and device_type != "cpu")
+
+
+_prepared: set[str] = set()
+
+
+def prepare(device_types) -> None:
+    """Import now, on the calling thread, what loading a compile child's code takes in this
+    process (inductor's loader, torch's source hash; Triton's runtime on a GPU, the vector
+    instruction probe on the CPU), for the device types whose variants compile ahead. A
+    :class:`~fp8scope.Monitor` and ``convert_to_fp8`` call it for the model's devices, at setup,
+    so that no training step pays it (seconds, once per process); a model moved to a GPU later
+    pays it at its first load instead.
+
+    Why not on the thread that waits for the child, beside training: torch releases the GIL in
+    every op, and a thread running Python meanwhile makes each op wait up to the interpreter's
+    switch interval to take it back. A 1.8 s warm-up there made the demo model's full step 1.4 s
+    instead of 0.2 s on a 2-core CPU, and the slowest of an H100's first steps 3.6 s, where its
+    median step was 20 ms. Failures are ignored: the load does the same, later."""
+    for device_type in sorted(set(device_types)):
+        if device_type in _prepared or device_type == "meta" or not ahead_on(device_type):
+            continue
+        _prepared.add(device_type)
+        try:
+            _prepare(device_type)
+        except Exception:  # only a head start
+            pass
+
+
+def _prepare(device_type: str) -> None:
+    import torch._functorch._aot_autograd.autograd_cache  # noqa: F401
+    import torch._inductor.compile_fx  # noqa: F401  (the load imports it: a second and more)
+    import torch._inductor.standalone_compile  # noqa: F401
+    from torch._inductor.codecache import torch_key
+
+    torch_key()  # the artifact's cache key: torch's source files hashed
+    if device_type == "cpu":
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        pick_vec_isa()  # compiles probes in a subprocess
+        return
+    import torch._inductor.runtime.triton_heuristics  # noqa: F401  (Triton, and inductor's launcher)
+
+    if device_type == "cuda":
+        from torch._inductor.runtime.triton_compat import triton_key
+        from triton.runtime.driver import driver
+
+        triton_key()  # Triton's cache key: its source files hashed
+        driver.active.utils  # noqa: B018  (loads, or builds, Triton's CUDA helper module)
 
 
 def _renamed(fn: Callable, name: str) -> Callable:

@@ -229,6 +229,9 @@ class Monitor:
             self._warn("skipped", "no linear layer found in the model: nothing is monitored (see "
                        "fp8scope.register_linear_like for layer classes of your own)")
         self._retrace_compiled()
+        from fp8scope.compiled import prepare
+
+        prepare({p.device.type for p in self.model.parameters()})  # now, not in a training step
 
     def _retrace_compiled(self) -> None:
         """By default dynamo does not guard on module hooks (``skip_nnmodule_hook_guards``): a graph

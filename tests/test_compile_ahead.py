@@ -160,3 +160,87 @@ def test_a_family_no_child_can_import_compiles_at_first_use(ahead):
     x, s = torch.randn(16, 9), torch.tensor(2.0)
     assert torch.equal(local.get(key)(x, s), (x.abs() * s).amax(1))
     assert local.direct(key) and key not in local._ahead
+
+
+_QUIET_THREAD = r'''
+import json, os, sys, tempfile, threading
+os.environ["FP8SCOPE_COMPILE"] = "ahead"
+calls = {}
+
+
+def count(frame, event, arg):
+    if event == "call":
+        name = threading.current_thread().name
+        calls[name] = calls.get(name, 0) + 1
+
+
+import torch
+from torch import nn
+
+import fp8scope
+from fp8scope.capture.stats import FULL_STATS
+
+model = nn.Sequential(nn.Linear(96, 64), nn.Linear(64, 32))
+with tempfile.TemporaryDirectory() as tmp, fp8scope.Monitor(model, tmp, every=1, detect=False) as mon:
+    prepared = "torch._inductor.compile_fx" in sys.modules  # at setup, before any training step
+    threading.setprofile(count)
+    sys.setprofile(count)
+    model(torch.randn(8, 96)).sum().backward()  # its stats eager, their variants asked of children
+    mon.step()
+    key = ("cpu", torch.float32, "e4m3", False, False)
+    assert FULL_STATS.ensure(key, timeout=600), FULL_STATS.failures
+    threading.setprofile(None)
+    sys.setprofile(None)
+print(json.dumps({"prepared": prepared, "calls": calls}))
+'''
+
+
+def test_the_thread_beside_training_runs_almost_no_python_and_the_monitor_prepares_the_load(tmp_path):
+    """The daemon thread that runs compile children only starts them and waits, the GIL released:
+    Python work on a thread beside training makes every training op wait for the GIL (an H100's
+    slowest early step was 3.6 s against a 20 ms median while the thread imported inductor), so the
+    imports a load needs happen when the Monitor attaches (``compiled.prepare``). A fresh
+    interpreter, so that no earlier test's imports hide them; the thread's Python function calls are
+    counted (hundreds for starting and reading children; an inductor import is about a million)."""
+    import json
+    import subprocess
+
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), *filter(None, [os.environ.get("PYTHONPATH")])]))
+    out = subprocess.run([sys.executable, "-c", _QUIET_THREAD], capture_output=True, text=True, env=env,
+                         timeout=900, cwd=tmp_path)
+    assert out.returncode == 0, out.stderr[-2000:]
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got["prepared"], "the Monitor did not import inductor's loader at setup"
+    thread = got["calls"].get("fp8scope-compile-ahead")
+    assert thread is not None, got["calls"]  # children ran (the thread was counted)
+    assert thread < 20_000, got["calls"]
+
+
+def test_one_child_serves_variants_in_turn_and_a_later_one_starts_after_it_left_idle(ahead, monkeypatch):
+    """The child serves one request after another; idle past ``FP8SCOPE_COMPILE_IDLE_S`` it exits
+    (its CUDA context with it, on a GPU), and the next request starts a new child without a
+    warning: a request written to a child that just left is asked again, not taken for a failure."""
+    import time
+
+    monkeypatch.setenv("FP8SCOPE_COMPILE_IDLE_S", "1")
+    compile_ahead.stop_child()  # the next child reads the setting
+    started = compile_ahead._children
+    first, second, third = ("cpu", torch.float32), ("cpu", torch.float16), ("cpu", torch.float64)
+    for key in (first, second, third):
+        SCALED_MAX.forget(key)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", RuntimeWarning)  # a child taken for failed would warn
+        SCALED_MAX.get(first)(torch.randn(8, 4), torch.tensor(1.0))
+        SCALED_MAX.get(second)(torch.randn(8, 4).half(), torch.tensor(1.0))  # queued behind the first
+        assert SCALED_MAX.ensure(first, timeout=300) and SCALED_MAX.ensure(second, timeout=300)
+        child = compile_ahead._running
+        assert child is not None and compile_ahead._children == started + 1  # one child for both
+        deadline = time.monotonic() + 60
+        while child.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert child.returncode == 0, "the child did not leave when idle"
+        SCALED_MAX.get(third)(torch.randn(8, 4).double(), torch.tensor(1.0))
+        assert SCALED_MAX.ensure(third, timeout=300), SCALED_MAX.failures
+    assert compile_ahead._running is not child and compile_ahead._children == started + 2
+    x = torch.randn(64, 33).double()
+    assert SCALED_MAX.direct(third) and torch.equal(SCALED_MAX.get(third)(x, torch.tensor(2.0)), (x.abs() * 2).amax(1))

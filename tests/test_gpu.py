@@ -55,6 +55,32 @@ def test_emulated_fp8_on_cuda_matches_cpu_semantics(tmp_path):
     assert up.loc[1, "scale"] == pytest.approx(448 / up.loc[0, "amax"], rel=1e-5)
 
 
+@pytest.mark.parametrize("fp8", ["off", "delayed"])
+def test_monitored_steps_make_no_host_sync(tmp_path, monkeypatch, fp8):
+    """The demo model monitored (what-if, then emulated), its stats compiled and called directly
+    (``sync``: compiled before the checked steps): 8 steps, 2 of them full, with no synchronizing
+    CUDA call. A sync a step lets the host no longer run ahead of the GPU: the next step's launches
+    are then exposed, the whole of a launch-bound step's host time."""
+    from fp8scope.demo import train
+
+    monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
+    setup = train.build(fp8=fp8, quiet=True, device="cuda")
+    with fp8scope.Monitor(setup.model, tmp_path / "r", every=4, recipe=setup.recipe or None) as mon:
+        for step in range(6):  # compiles, allocator, cuBLAS: before the checked steps
+            train.train_step(setup, step, mon)
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                for step in range(6, 14):
+                    train.train_step(setup, step, mon)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+    syncs = [f"{w.filename}:{w.lineno}: {w.message}" for w in caught if "synchroniz" in str(w.message)]
+    assert not syncs, syncs[:10]
+
+
 def test_whatif_scaling_follows_the_model_from_cpu_to_cuda(tmp_path):
     """Plain layers trained on the CPU (a CPU bank), then moved to CUDA: each tensor's
     delayed scaling goes on from the same history on the device, so replaying every logged amax

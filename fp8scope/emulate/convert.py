@@ -15,6 +15,7 @@ from typing import Iterable, Iterator
 
 from torch import nn
 
+from ..compiled import prepare
 from ..linear_like import describe_skipped, linear_kind
 from .autocast import globally_disabled
 from .linear import Fp8Linear
@@ -86,6 +87,7 @@ def convert_to_fp8(
     if left:
         warnings.warn(f"fp8scope: convert_to_fp8 left {len(left)} linear-like layer(s) in high precision, whose "
                       f"forward is more than a GEMM: {describe_skipped(left)}", RuntimeWarning, stacklevel=2)
+    prepare({p.device.type for p in model.parameters()})  # what loading compiled code takes: now, not in a step
     group = UpdateGroup(amax_reduction_group)  # the model's states update together (one batch a step)
     for m in model.modules():  # layers converted by an earlier call join too
         if isinstance(m, Fp8Linear):
