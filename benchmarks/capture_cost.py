@@ -25,7 +25,8 @@
    (``FP8SCOPE_COMPILE=0``), compiled at first use on the training thread (``sync``) and compiled
    ahead in a child process (``ahead``; the default on a GPU): step 0's time, the slowest later
    step and its index, and the step from which the stats run compiled. Each mode runs in a process
-   of its own; the Monitor's setup (``compiled.prepare``) is not timed.
+   of its own, with inductor's cache empty (``--first-warm``: as earlier runs left it); the
+   Monitor's setup (``compiled.prepare``) is not timed.
 
     python benchmarks/capture_cost.py                 # all sections, ~6 minutes on a 2-core CPU
     python benchmarks/capture_cost.py --sections ops  # section 2 only (deterministic)
@@ -284,19 +285,23 @@ def ratio_parts(device: str, rounds: int, block: int) -> None:
         print(f"   {name:45s} {medians[name] * 1e3:7.1f} ms/step   {paired[name]:.3f}x")
 
 
-def first_steps(device: str, steps: int, modes: tuple[str, ...], cap_s: float = 120.0) -> None:
+def first_steps(device: str, steps: int, modes: tuple[str, ...], cap_s: float = 120.0, cold: bool = True) -> None:
     """Section 4: the first steps of a fresh process under each ``FP8SCOPE_COMPILE`` mode, each
-    in a process of its own (a variant compiles once per process)."""
+    in a process of its own (a variant compiles once per process), with inductor's cache empty
+    (``cold``) or as earlier runs left it."""
     import json
     import subprocess
 
     print(f"\n4. the first steps of a fresh process (at least {steps}, and on until the stats run compiled, "
-          f"at most {cap_s:.0f} s), demo model, what-if, full stats every 10th, each mode in a process of its own")
+          f"at most {cap_s:.0f} s), demo model, what-if, full stats every 10th, each mode in a process of its own, "
+          f"inductor's cache {'empty' if cold else 'as earlier runs left it'}")
     print("   mode     step 0 ms   slowest later ms (step)   median ms   steps   all steps s   stats compiled from step (s)")
     for mode in modes:
-        out = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", device, "--first-run", mode,
-                              "--first-steps", str(steps), "--first-cap", str(cap_s)],
-                             capture_output=True, text=True, check=True).stdout
+        with tempfile.TemporaryDirectory() as cache:  # inductor's cache empty, as on a run's first day
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache) if cold else None
+            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", device, "--first-run", mode,
+                                  "--first-steps", str(steps), "--first-cap", str(cap_s)],
+                                 capture_output=True, text=True, check=True, env=env).stdout
         r = json.loads(out.strip().splitlines()[-1])
         ms = [t * 1e3 for t in r["times"]]
         ready = f"{r['compiled_from']} ({r['compiled_at_s']:.1f} s)" if r["compiled_from"] is not None else "-"
@@ -350,6 +355,7 @@ def main() -> int:
     ap.add_argument("--first-steps", type=int, default=60, help="section 4: steps per mode")
     ap.add_argument("--first-modes", default="0,sync,ahead", help="section 4: FP8SCOPE_COMPILE modes")
     ap.add_argument("--first-cap", type=float, default=120.0, help="section 4: at most this many seconds per mode")
+    ap.add_argument("--first-warm", action="store_true", help="section 4: inductor's cache as earlier runs left it")
     ap.add_argument("--first-run", help=argparse.SUPPRESS)  # one process of section 4
     args = ap.parse_args()
     if args.first_run is not None:
@@ -375,7 +381,8 @@ def main() -> int:
         ratios(args.device, args.rounds, args.block, compile_stats, args.modes.split(","),
                args.models.split(","), recipes)
     if "first" in sections:
-        first_steps(args.device, args.first_steps, tuple(args.first_modes.split(",")), args.first_cap)
+        first_steps(args.device, args.first_steps, tuple(args.first_modes.split(",")), args.first_cap,
+                    cold=not args.first_warm)
     return 0
 
 
