@@ -80,9 +80,9 @@ def decode(value):
 
 class Build:
     """One variant's compile in a child: ``result`` once ``done`` is set: ``("direct", artifact
-    path, spec, single output?, seconds)``, ``("not_direct", reason, seconds)`` (it could not
-    build the directly called code: a shape relation, dynamo's to check, in the parent) or
-    ``("error", reason, seconds)`` (the child itself failed: no reply)."""
+    path, spec, single output?, seconds)``, ``("not_direct", reason)`` (it could not build the
+    directly called code: a shape relation, dynamo's to check, in the parent) or ``("error",
+    reason)`` (the child itself failed: no reply)."""
 
     def __init__(self, family: str, module: str, key: Hashable, device_index: int | None):
         self.family, self.module, self.key, self.device_index = family, module, key, device_index
@@ -126,7 +126,7 @@ def _serve() -> None:
         try:
             build.result = _run_child(build)
         except Exception as exc:  # never the training's problem: the variant compiles in the parent
-            build.result = ("error", f"{type(exc).__name__}: {exc}", 0.0)
+            build.result = ("error", f"{type(exc).__name__}: {exc}")
         build.done.set()
 
 
@@ -206,16 +206,15 @@ def _run_child(build: Build) -> tuple:
             break
     if answer == "timeout":
         _close(proc)
-        return ("error", f"the compile child ran past {TIMEOUT_S:.0f} s", time.perf_counter() - start)
-    seconds = time.perf_counter() - start
+        return ("error", f"the compile child ran past {TIMEOUT_S:.0f} s")
     try:
         with open(build.path + ".json") as f:
             reply = json.load(f)
     except (OSError, ValueError):
-        return ("error", f"the compile child failed: {_err_tail(proc)}", seconds)
+        return ("error", f"the compile child failed: {_err_tail(proc)}")
     if reply["kind"] == "direct":
-        return ("direct", build.path, decode(reply["spec"]), reply["single"], seconds)
-    return ("not_direct", reply["reason"], seconds)
+        return ("direct", build.path, decode(reply["spec"]), reply["single"], time.perf_counter() - start)
+    return ("not_direct", reply["reason"])
 
 
 def _close(proc: subprocess.Popen) -> None:

@@ -83,9 +83,10 @@ def compile_mode() -> str:
 
 
 def compiles_on(device_type: str) -> bool:
-    """Whether the current mode compiles for ``device_type`` ("cuda", "cpu", ...)."""
+    """Whether the current mode compiles for ``device_type`` ("cuda", "cpu", ...); never for
+    "meta", whose tensors hold no values to run code on."""
     mode = compile_mode()
-    return mode != "off" and (mode != "auto" or device_type != "cpu")
+    return mode != "off" and device_type != "meta" and (mode != "auto" or device_type != "cpu")
 
 
 def ahead_on(device_type: str) -> bool:
@@ -94,7 +95,7 @@ def ahead_on(device_type: str) -> bool:
     free for a compile; not on the CPU (unless ``ahead``), where training already runs on every
     core and a child took them from it (``benchmarks/capture_cost.py --sections first``)."""
     mode = compile_mode()
-    return mode == "ahead" or (mode in ("auto", "on") and device_type != "cpu")
+    return compiles_on(device_type) and (mode == "ahead" or (mode in ("auto", "on") and device_type != "cpu"))
 
 
 _prepared: set[str] = set()
@@ -114,7 +115,7 @@ def prepare(device_types) -> None:
     instead of 0.2 s on a 2-core CPU, and the slowest of an H100's first steps 3.6 s, where its
     median step was 20 ms. Failures are ignored: the load does the same, later."""
     for device_type in sorted(set(device_types)):
-        if device_type in _prepared or device_type == "meta" or not ahead_on(device_type):
+        if device_type in _prepared or not ahead_on(device_type):
             continue
         _prepared.add(device_type)
         try:
