@@ -297,4 +297,4 @@ def _scalar32(value: Any, device: torch.device, reduce: str) -> torch.Tensor:
         if v.numel() > 1:
             v = v.amin() if reduce == "min" else v.amax()
         return v.reshape(()).to(device=device, dtype=torch.float32)
-    return torch.tensor(float(value), dtype=torch.float32, device=device)
+    return torch.full((), float(value), dtype=torch.float32, device=device)  # a fill: no copy from the host

@@ -286,7 +286,7 @@ def _f32(v: torch.Tensor | float, device: torch.device) -> torch.Tensor:
         if v.dtype != torch.float32 or v.device != device:
             v = v.to(device=device, dtype=torch.float32)
         return v
-    return torch.tensor(float(v), dtype=torch.float32, device=device)
+    return torch.full((), float(v), dtype=torch.float32, device=device)  # a fill: no copy from the host
 
 
 def _rows_of(t: torch.Tensor, x: torch.Tensor) -> int | None:

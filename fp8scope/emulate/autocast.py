@@ -80,3 +80,13 @@ def fp8_autocast(enabled: bool = True) -> Iterator[None]:
                 for state in states.values():
                     if state._pending:
                         state._due = True
+
+
+def autocast_off(device_type: str):
+    """``torch.autocast(device_type, enabled=False)``: the emulated GEMMs run in the dtypes they
+    chose, whatever autocast the user runs. Nothing on a device type without autocast (the "meta"
+    device, on which ``tests/test_host_sync.py`` runs the emulated layers), where there is nothing
+    to switch off."""
+    if torch.amp.is_autocast_available(device_type):
+        return torch.autocast(device_type, enabled=False)
+    return nullcontext()

@@ -24,6 +24,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from .autocast import autocast_off
 from .amax import amax_pair
 from .blocks import NVFP4_BLOCK, nvfp4_blocks
 from .recipe_table import E2M1, quantize, scaled
@@ -120,7 +121,7 @@ class _BlockLinearFn(torch.autograd.Function):
         g2 = grad_out.reshape(-1, grad_out.shape[-1])
         x2 = x.reshape(-1, x.shape[-1])
         grad_x = grad_w = grad_b = None
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with autocast_off(grad_out.device.type):
             gb, g_blocks, g_row = operand(g2, kind, "gradient", recipe=recipe)
             layer._emit_blocks("gradient", g2, gb, g_blocks, True)
             if ctx.needs_input_grad[0]:
@@ -141,7 +142,7 @@ def block_forward(layer, input: torch.Tensor, out_dtype: torch.dtype) -> torch.T
     recipe = layer.recipe
     kind = recipe.kind
     grad = torch.is_grad_enabled()
-    with torch.autocast(input.device.type, enabled=False):
+    with autocast_off(input.device.type):
         x = input.detach()
         x2 = x.reshape(-1, x.shape[-1])
         xb, x_blocks, x_row = operand(x2, kind, "activation", recipe=recipe)

@@ -132,7 +132,7 @@ def mxfp8_blocks(x: torch.Tensor, fmt: Fp8Format, columnwise: bool = False,
                  code0_multiplies_by_one: bool = False) -> BlockScales:
     """MXFP8 scales of ``x``: rowwise 1x32 blocks along the last dim, or columnwise 32x1 blocks."""
     x2d = as_matrix(x)
-    rcp = torch.tensor(1.0 / fmt.max, dtype=torch.float32, device=x2d.device)  # TE's max_norm_rcp, a float
+    rcp = torch.full((), 1.0 / fmt.max, dtype=torch.float32, device=x2d.device)  # TE's max_norm_rcp, a float
 
     def scales_of(amax):
         code = e8m0_codes(amax * rcp)
@@ -254,10 +254,10 @@ def nvfp4_blocks(x: torch.Tensor, block_2d: bool = False, divide_first: bool = F
     x2d = as_matrix(x)
     dev = x2d.device
     g = block_amax(x2d.reshape(1, -1)).reshape(())
-    s_enc = torch.div(torch.tensor(448.0 * 6.0, device=dev), g).clamp(max=_FLT_MAX)
+    s_enc = torch.div(torch.full((), 448.0 * 6.0, device=dev), g).clamp(max=_FLT_MAX)
     s_enc = torch.where((g == 0) | (s_enc == 0), 1.0, s_enc)
     s_dec = s_enc.reciprocal()
-    sixth = torch.tensor(1.0 / 6.0, dtype=torch.float32, device=dev)
+    sixth = torch.full((), 1.0 / 6.0, dtype=torch.float32, device=dev)
 
     def scales_of(amax):
         s_dec_b = amax / 6.0 * s_enc if divide_first else amax * (s_enc * sixth)

@@ -164,7 +164,7 @@ class DeviceDelayedBank:
                 rounds[r].append((slot, pos))
             plan = []
             for members in rounds:
-                positions = None if len(rounds) == 1 else torch.tensor([p for _, p in members], device=self.device)
+                positions = None if len(rounds) == 1 else self._on_device([p for _, p in members])
                 plan.append((self._index([s for s, _ in members]), positions))
             if len(self._plans) >= 16:
                 self._plans.clear()
@@ -176,7 +176,18 @@ class DeviceDelayedBank:
         (None when the slots are all of them in order: no gather needed)."""
         if slots == list(range(len(self.updates))):
             return slots, None
-        return slots, torch.tensor(slots, dtype=torch.long, device=self.device)
+        return slots, self._on_device(slots)
+
+    def _on_device(self, values: list[int]) -> torch.Tensor:
+        """An index list as a tensor on the bank's device, without a host sync: through pinned
+        memory and a non-blocking copy on CUDA (a copy from pageable memory waits for the stream,
+        so for every kernel queued before it: ``tests/test_host_sync.py``)."""
+        index = torch.tensor(values, dtype=torch.long)
+        if self.device.type == "cpu":
+            return index
+        if self.device.type == "cuda":
+            index = index.pin_memory()
+        return index.to(self.device, non_blocking=True)
 
     @staticmethod
     def _gather(slots: tuple[list[int], torch.Tensor | None], *tensors: torch.Tensor) -> list[torch.Tensor]:
@@ -195,8 +206,8 @@ class DeviceDelayedBank:
     def record_amax(self, slot: int, amax: torch.Tensor | float) -> None:
         """Record the amax of the tensor :meth:`scales` was asked for (the update waits for :meth:`resolve`)."""
         # as given (the stats row's float64 view, or a float): made float32 once per step, in the stack
-        self._recorded[slot] = amax.reshape(()) if isinstance(amax, torch.Tensor) else torch.tensor(
-            float(amax), dtype=torch.float32, device=self.device)
+        self._recorded[slot] = amax.reshape(()) if isinstance(amax, torch.Tensor) else torch.full(
+            (), float(amax), dtype=torch.float32, device=self.device)  # a fill: no copy from the host
 
     # ---- the update ----------------------------------------------------------------------
     def _update(self, slots: tuple[list[int], torch.Tensor | None], last: torch.Tensor) -> None:

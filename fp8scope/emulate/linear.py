@@ -46,7 +46,7 @@ from .quantize import quantize_dequantize
 from .recipes import BLOCK_RECIPES, CurrentScaling, DelayedScaling, Recipe
 from ..autograd_phase import in_backward
 from .amax import amax_pair
-from .autocast import fp8_globally_disabled, note_recorded, region_open
+from .autocast import autocast_off, fp8_globally_disabled, note_recorded, region_open
 from .scaling import Scales, ScalingState, UpdateGroup, current_scales
 
 ROLES = ("activation", "weight", "gradient")
@@ -86,7 +86,7 @@ class _Fp8LinearFn(torch.autograd.Function):
         layer: Fp8Linear = ctx.layer
         x_dtype, w_dtype, b_dtype = ctx.dtypes
         grad_x = grad_w = grad_b = None
-        with torch.autocast(grad_out.device.type, enabled=False):
+        with autocast_off(grad_out.device.type):
             fmt = layer._formats[1]
             pair = None
             if layer._current_gradient:  # current scaling: the gradient's own amax, as TE's current quantizer
@@ -286,7 +286,7 @@ class Fp8Linear(nn.Linear):
         recompute = eager and in_backward()
         region = eager and region_open()
         due = grad and not region  # see autocast.py: when a forward's update falls due
-        with torch.autocast(input.device.type, enabled=False):
+        with autocast_off(input.device.type):
             fmt = self._formats[0]
             x = input.detach()
             w = self.gemm_weight().detach()

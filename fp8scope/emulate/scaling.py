@@ -206,7 +206,7 @@ class ScalingState:
         self._kept = torch.zeros((), dtype=torch.bool, device=device)
         self._last_amax = torch.zeros((), **f32)  # logged (NaN-propagating) amax of the latest begin
         self._updates = torch.zeros((), dtype=torch.int64, device=device)
-        self._scaled_max_t = torch.tensor(self.scaled_max, **f32)  # the numerator of every scale, made once
+        self._scaled_max_t = torch.full((), self.scaled_max, **f32)  # the numerator of every scale, made once
 
     def reset(self) -> None:
         """Back to the initial state (history zeros, scale 1)."""

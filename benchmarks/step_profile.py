@@ -1,0 +1,179 @@
+"""Where a monitored cheap step's extra time goes: GPU kernels, the training thread's host time,
+host syncs, or the monitor's other threads.
+
+Why: on an H100 the 1.1B Llama's cheap step was 1.369x an unmonitored one (docs/benchmarks.md,
+"On a GPU"), and a ratio cannot say which of these it is. A step whose GPU work outlasts its host
+work hides the host's extra time, unless a sync makes the two add up; a step the host bounds shows
+every microsecond of it. So this prints, for the plain and the monitored model (what-if, cheap
+steps), per step:
+
+- the step's wall time (synchronized once per block of steps, as ``large_model.py`` times it);
+- the GPU: kernels launched, and their summed device time (``torch.profiler``), with the kernels
+  the monitor adds the most time to;
+- host syncs made by the training: each CUDA runtime call that waits for the device
+  (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking
+  ``cudaMemcpy``), counted, with their time;
+- CPU time per thread (``/proc/self/task``): the training thread, autograd's device threads (which
+  run the backward and its hooks on a GPU), the monitor's writer and detector, the rest.
+
+    python benchmarks/step_profile.py --device cuda            # the 1.1B Llama on a GPU
+    python benchmarks/step_profile.py --size narrow --batch 2 --seq 32   # on a CPU: threads only
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import os
+import sys
+import tempfile
+import threading
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import fp8scope  # noqa: E402
+from large_model import SIZES, Setup, train_step  # noqa: E402
+
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
+              "cudaStreamWaitEvent")  # the last waits on the device, not the host: shown apart
+_TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds per thread of this process, by name: Python threads by their ``threading``
+    name, the others by the name the OS knows them by (torch names autograd's ``pt_autograd_N``)."""
+    names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = collections.defaultdict(float)
+    try:
+        tasks = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tasks:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"/proc/self/task/{tid}/comm") as f:
+                comm = f.read().strip()
+        except OSError:
+            continue
+        name = names.get(int(tid)) or comm
+        if name.startswith("pt_autograd"):
+            name = "pt_autograd (backward)"
+        out[name] += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+    return dict(out)
+
+
+def _group(name: str) -> str:
+    if name == "MainThread":
+        return "training thread"
+    if name.startswith("pt_autograd"):
+        return name
+    if "fp8scope" in name or "writer" in name.lower() or "detect" in name.lower():
+        return f"monitor: {name}"
+    return "other threads"
+
+
+def measure(setup: Setup, mon, steps: int, first: int, sync, profile: bool) -> dict:
+    """One block of ``steps`` steps: wall ms/step and CPU ms/step per thread group; then, if asked,
+    ``torch.profiler`` over 3 more steps."""
+    step = first
+    cpu0, t0 = thread_cpu(), time.perf_counter()
+    for _ in range(steps):
+        train_step(setup, step, mon)
+        step += 1
+    if sync is not None:
+        sync()
+    wall = (time.perf_counter() - t0) / steps * 1e3
+    cpu1 = thread_cpu()
+    groups: dict[str, float] = collections.defaultdict(float)
+    for name, seconds in cpu1.items():
+        groups[_group(name)] += (seconds - cpu0.get(name, 0.0)) / steps * 1e3
+    result = {"wall": wall, "cpu": dict(groups), "next": step}
+    if profile:
+        from torch.profiler import ProfilerActivity, profile as torch_profile
+
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if sync is not None else [])
+        n = 3
+        with torch_profile(activities=activities) as prof:
+            for _ in range(n):
+                train_step(setup, step, mon)
+                step += 1
+            if sync is not None:
+                sync()
+        kernels: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+        syncs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+        for ev in prof.events():
+            if ev.device_type != torch.autograd.DeviceType.CPU:
+                k = kernels[ev.name]
+                k[0] += 1
+                k[1] += ev.self_device_time_total / 1e3
+            elif any(ev.name.startswith(s) for s in SYNC_CALLS) and not ev.name.startswith("cudaMemcpyAsync"):
+                s = syncs[ev.name]
+                s[0] += 1
+                s[1] += ev.cpu_time_total / 1e3
+        result["kernels"] = {k: (c / n, ms / n) for k, (c, ms) in kernels.items()}
+        result["syncs"] = {k: (c / n, ms / n) for k, (c, ms) in syncs.items()}
+        result["next"] = step
+    return result
+
+
+def report(label: str, r: dict) -> None:
+    cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
+    print(f"   {label:9s} step {r['wall']:8.1f} ms   CPU ms per step: {cpu}")
+    if "kernels" in r:
+        launches = sum(c for c, _ in r["kernels"].values())
+        busy = sum(ms for _, ms in r["kernels"].values())
+        syncs = ", ".join(f"{k} {c:.1f}x {ms:.2f} ms" for k, (c, ms) in sorted(r["syncs"].items())) or "none"
+        print(f"   {'':9s} GPU: {launches:.0f} kernels, {busy:.1f} ms of kernel time   host syncs per step: {syncs}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--size", default="1b", choices=sorted(SIZES))
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
+    ap.add_argument("--no-detect", action="store_true", help="the monitor without online detection")
+    args = ap.parse_args()
+    on_gpu = args.device.startswith("cuda")
+    os.environ.setdefault("FP8SCOPE_COMPILE", "sync" if on_gpu else "0")
+    sync = torch.cuda.synchronize if on_gpu else None
+    name = torch.cuda.get_device_name() if on_gpu else "cpu"
+    print(f"torch {torch.__version__}, {name}, Llama {args.size}, batch {args.batch} x {args.seq} tokens, bf16, "
+          f"what-if, cheap steps (every=50), {args.steps} steps a block")
+    plain, watched = (Setup(args.size, "off", args.device, args.batch, args.seq) for _ in range(2))
+    with tempfile.TemporaryDirectory() as tmp:
+        mon = fp8scope.Monitor(watched.model, os.path.join(tmp, "r"), every=50, recipe=watched.recipe,
+                               detect=not args.no_detect)
+        results = {}
+        for label, (s, m) in (("plain", (plain, None)), ("monitored", (watched, mon))):
+            for step in range(3):  # warm-up: the allocator, the monitor's full step 0 and its compiles
+                train_step(s, step, m)
+            if sync is not None:
+                sync()
+            r = measure(s, m, args.steps, 3, sync, profile=on_gpu)
+            # the profiled block has the profiler's own cost: the times come from a block without it
+            results[label] = measure(s, m, args.steps, r["next"], sync, profile=False) | {
+                k: r[k] for k in ("kernels", "syncs") if k in r}
+            report(label, results[label])
+        mon.close()
+    p, m = results["plain"], results["monitored"]
+    print(f"   the monitor adds {m['wall'] - p['wall']:.1f} ms a step ({m['wall'] / p['wall']:.3f}x); CPU per step, "
+          "monitored - plain: " + ", ".join(f"{k} {m['cpu'].get(k, 0) - p['cpu'].get(k, 0):+.1f} ms"
+                                            for k in sorted(set(m["cpu"]) | set(p["cpu"]))))
+    if "kernels" in m:
+        added = {k: m["kernels"][k][1] - p["kernels"].get(k, (0, 0.0))[1] for k in m["kernels"]}
+        gpu = sum(ms for _, ms in m["kernels"].values()) - sum(ms for _, ms in p["kernels"].values())
+        print(f"   GPU kernel time {gpu:+.2f} ms a step; most added:")
+        for k, ms in sorted(added.items(), key=lambda kv: -kv[1])[:6]:
+            print(f"      {ms:+7.2f} ms  {m['kernels'][k][0]:5.0f} launches  {k[:100]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
