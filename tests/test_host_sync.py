@@ -175,3 +175,58 @@ def test_the_check_sees_host_syncs():
         DeviceDelayedBank(DelayedScaling(), "meta")  # nothing read back
     assert len(syncs.found) == 8, syncs.found
     assert all(where == "outside fp8scope" for _, where in syncs.found)
+
+
+def test_transformers_llama_makes_no_host_sync_of_ours():
+    """A ``transformers`` Llama (built from a config, random weights) with the what-if monitor: our
+    hooks add no sync. (transformers itself makes a blocking copy in its forward, which on a GPU
+    is the model's own cost, with or without a monitor: only our lines are held against us.)"""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("meta")
+    collector = _attach(model, DelayedScaling(amax_history_len=8), every=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    syncs = HostSyncs()
+    rows = 0
+    collector.begin_step(0)
+    with syncs:
+        for step in range(4):
+            for _ in range(2):
+                ids = torch.randint(0, cfg.vocab_size, (2, 16), device="meta")
+                model(input_ids=ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rows += collector.end_step({"lr": 1e-3}).n_rows
+            collector.begin_step(step + 1)
+    assert rows == 4 * 2 * 15 * 3  # 15 linears (7 a layer and the head) x 3 roles, twice a step
+    ours = sorted({(what, where) for what, where in syncs.found if where != "outside fp8scope"})
+    assert not ours, "\n".join(f"{what} at {where}" for what, where in ours)
+
+
+def test_torchao_float8_training_makes_no_host_sync():
+    """torchao's ``Float8Linear`` (its dynamic scaling: the amax each cast computes is read where
+    torchao keeps it), monitored: neither torchao's training step nor our reading of it syncs."""
+    pytest.importorskip("torchao.float8")
+    from torchao.float8 import convert_to_float8_training
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 32)).to(torch.bfloat16)
+    convert_to_float8_training(model)
+    model = model.to("meta")
+    collector = _attach(model, None, every=2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    syncs = HostSyncs()
+    rows = 0
+    collector.begin_step(0)
+    with syncs:
+        for step in range(4):
+            model(torch.randn(16, 64, device="meta", dtype=torch.bfloat16)).float().square().mean().backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            rows += collector.end_step({"lr": 1e-3}).n_rows
+            collector.begin_step(step + 1)
+    assert rows == 4 * 2 * 3  # two Float8Linear x activation, weight, gradient, each step
+    assert not syncs.found, "\n".join(f"{what} at {where}" for what, where in sorted(set(syncs.found)))
