@@ -164,3 +164,40 @@ def test_current_scaling_backward_measures_the_gradient_once():
     with OpCounter() as c:
         out.backward(g)
     assert sum(op.startswith(("aminmax", "amax")) for op in c.ops) == 2, c.ops  # the forward's operands are not in here
+
+
+def test_a_layer_input_shared_by_several_layers_is_read_once():
+    """A ``transformers`` Llama's q, k and v projections take one hidden state, its MLP's gate and
+    up projections another: a cheap step reads each such input once (one ``aminmax``), and each
+    layer still gets its own row, with the same amax."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+
+    def step():
+        model(input_ids=ids, labels=ids).loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    with tempfile.TemporaryDirectory() as tmp:
+        with fp8scope.Monitor(model, tmp, every=100, detect=False, full_on_anomaly=0) as mon:
+            for _ in range(3):
+                step()
+                mon.step()
+            with OpCounter() as c:
+                step()
+            mon.step()
+        df = fp8scope.load_run(tmp).tensors()
+    # 15 linears (7 a layer, the head) x activation / weight / gradient; a layer's q, k, v share one
+    # input and its gate and up another: 3 fewer reads a layer
+    assert c.ops.count("aminmax.default") == 15 * 3 - 2 * 3, c.ops.count("aminmax.default")
+    act = df[(df.tensor == "activation") & (df.step == 3)].set_index("layer").amax
+    for layer in range(2):
+        p = f"model.layers.{layer}."
+        assert act[p + "self_attn.q_proj"] == act[p + "self_attn.k_proj"] == act[p + "self_attn.v_proj"]
+        assert act[p + "mlp.gate_proj"] == act[p + "mlp.up_proj"]
+        assert act[p + "mlp.down_proj"] != act[p + "mlp.up_proj"]

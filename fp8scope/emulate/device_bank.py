@@ -67,6 +67,7 @@ class DeviceDelayedBank:
         self._scaled_max = torch.zeros(0, **f32)
         self.updates: list[int] = []  # updates applied per slot (host ints)
         self._parts: list[torch.Tensor] = []  # this step's amax_parts (a, b, a, b, ...), in capture order
+        self._shared: tuple | None = None  # (tensor, its version, its parts): the last shared capture
         self._captured: list[int] = []  # the slot of each capture
         self._blocks: list[torch.Tensor] = []  # resolved rows [captures, 4] since the last take_rows
         self._taken = 0  # captures since the last take_rows (DeferredRow.index counts from there)
@@ -103,10 +104,22 @@ class DeviceDelayedBank:
         return len(self.updates) - 1
 
     # ---- cheap steps -------------------------------------------------------------------
-    def capture(self, slot: int, x: torch.Tensor) -> DeferredRow:
+    def capture(self, slot: int, x: torch.Tensor, shared: bool = False) -> DeferredRow:
         """Measure ``x``'s amax for ``slot`` (one pass, no host sync); the row's values come with
-        :meth:`resolve`."""
-        self._parts.extend(amax_parts(x))
+        :meth:`resolve`. ``shared``: ``x`` may be the input of several layers in a row (a
+        ``transformers`` attention's q, k and v projections read one hidden state, its MLP's gate
+        and up projections another): the same tensor, unchanged since (its version), is not read
+        again. Only the last such tensor is kept, until the next shared capture or the step's end."""
+        if shared:
+            memo = self._shared
+            if memo is not None and memo[0] is x and memo[1] == x._version:
+                parts = memo[2]
+            else:
+                parts = amax_parts(x)
+                self._shared = (x, x._version, parts)
+        else:
+            parts = amax_parts(x)
+        self._parts.extend(parts)
         self._captured.append(slot)
         self._taken += 1
         return DeferredRow(self, self._taken - 1)
@@ -114,6 +127,7 @@ class DeviceDelayedBank:
     def resolve(self) -> None:
         """Apply every pending update and keep the rows of the captures so far for :meth:`take_rows`
         (the step's end; also before anything that needs the state current)."""
+        self._shared = None  # a step's tensors are not the next step's
         if self._captured:
             captured, parts = self._captured, self._parts
             self._captured, self._parts = [], []
