@@ -14,7 +14,10 @@ steps), per step:
   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking
   ``cudaMemcpy``), counted, with their time;
 - CPU time per thread (``/proc/self/task``): the training thread, autograd's device threads (which
-  run the backward and its hooks on a GPU), the monitor's writer and detector, the rest.
+  run the backward and its hooks on a GPU), the monitor's writer and detector, the rest;
+
+and all of it again for the monitor without online detection (its thread's Python competes with
+the training thread for the GIL, whatever the number of cores).
 
     python benchmarks/step_profile.py --device cuda            # the 1.1B Llama on a GPU
     python benchmarks/step_profile.py --size narrow --batch 2 --seq 32   # on a CPU: threads only
@@ -25,6 +28,7 @@ from __future__ import annotations
 import argparse
 import collections
 import os
+import statistics
 import sys
 import tempfile
 import threading
@@ -77,48 +81,41 @@ def _group(name: str) -> str:
     return "other threads"
 
 
-def measure(setup: Setup, mon, steps: int, first: int, sync, profile: bool) -> dict:
-    """One block of ``steps`` steps: wall ms/step and CPU ms/step per thread group; then, if asked,
-    ``torch.profiler`` over 3 more steps."""
-    step = first
+def timed_block(setup: Setup, mon, steps: int, first: int, sync) -> tuple[float, dict[str, float]]:
+    """One block of ``steps`` steps: wall ms per step and CPU ms per step per thread group."""
     cpu0, t0 = thread_cpu(), time.perf_counter()
-    for _ in range(steps):
+    for step in range(first, first + steps):
         train_step(setup, step, mon)
-        step += 1
     if sync is not None:
         sync()
     wall = (time.perf_counter() - t0) / steps * 1e3
-    cpu1 = thread_cpu()
     groups: dict[str, float] = collections.defaultdict(float)
-    for name, seconds in cpu1.items():
+    for name, seconds in thread_cpu().items():
         groups[_group(name)] += (seconds - cpu0.get(name, 0.0)) / steps * 1e3
-    result = {"wall": wall, "cpu": dict(groups), "next": step}
-    if profile:
-        from torch.profiler import ProfilerActivity, profile as torch_profile
+    return wall, dict(groups)
 
-        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if sync is not None else [])
-        n = 3
-        with torch_profile(activities=activities) as prof:
-            for _ in range(n):
-                train_step(setup, step, mon)
-                step += 1
-            if sync is not None:
-                sync()
-        kernels: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-        syncs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
-        for ev in prof.events():
-            if ev.device_type != torch.autograd.DeviceType.CPU:
-                k = kernels[ev.name]
-                k[0] += 1
-                k[1] += ev.self_device_time_total / 1e3
-            elif any(ev.name.startswith(s) for s in SYNC_CALLS) and not ev.name.startswith("cudaMemcpyAsync"):
-                s = syncs[ev.name]
-                s[0] += 1
-                s[1] += ev.cpu_time_total / 1e3
-        result["kernels"] = {k: (c / n, ms / n) for k, (c, ms) in kernels.items()}
-        result["syncs"] = {k: (c / n, ms / n) for k, (c, ms) in syncs.items()}
-        result["next"] = step
-    return result
+
+def profiled(setup: Setup, mon, first: int, sync, n: int = 3) -> dict:
+    """``torch.profiler`` over ``n`` steps: kernels (launches, device ms) and host syncs per step."""
+    from torch.profiler import ProfilerActivity, profile as torch_profile
+
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for step in range(first, first + n):
+            train_step(setup, step, mon)
+        sync()
+    kernels: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    syncs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for ev in prof.events():
+        if ev.device_type != torch.autograd.DeviceType.CPU:
+            k = kernels[ev.name]
+            k[0] += 1
+            k[1] += ev.self_device_time_total / 1e3
+        elif ev.name.startswith(SYNC_CALLS) and not ev.name.startswith("cudaMemcpyAsync"):
+            s = syncs[ev.name]
+            s[0] += 1
+            s[1] += ev.cpu_time_total / 1e3
+    return {"kernels": {k: (c / n, ms / n) for k, (c, ms) in kernels.items()},
+            "syncs": {k: (c / n, ms / n) for k, (c, ms) in syncs.items()}}
 
 
 def report(label: str, r: dict) -> None:
@@ -137,33 +134,52 @@ def main() -> int:
     ap.add_argument("--size", default="1b", choices=sorted(SIZES))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
-    ap.add_argument("--steps", type=int, default=10, help="timed steps per configuration")
-    ap.add_argument("--no-detect", action="store_true", help="the monitor without online detection")
+    ap.add_argument("--steps", type=int, default=10, help="steps a timed block")
+    ap.add_argument("--rounds", type=int, default=3, help="timed blocks per configuration, interleaved")
     args = ap.parse_args()
     on_gpu = args.device.startswith("cuda")
     os.environ.setdefault("FP8SCOPE_COMPILE", "sync" if on_gpu else "0")
     sync = torch.cuda.synchronize if on_gpu else None
     name = torch.cuda.get_device_name() if on_gpu else "cpu"
     print(f"torch {torch.__version__}, {name}, Llama {args.size}, batch {args.batch} x {args.seq} tokens, bf16, "
-          f"what-if, cheap steps (every=50), {args.steps} steps a block")
-    plain, watched = (Setup(args.size, "off", args.device, args.batch, args.seq) for _ in range(2))
-    with tempfile.TemporaryDirectory() as tmp:
-        mon = fp8scope.Monitor(watched.model, os.path.join(tmp, "r"), every=50, recipe=watched.recipe,
-                               detect=not args.no_detect)
-        results = {}
-        for label, (s, m) in (("plain", (plain, None)), ("monitored", (watched, mon))):
-            for step in range(3):  # warm-up: the allocator, the monitor's full step 0 and its compiles
-                train_step(s, step, m)
-            if sync is not None:
-                sync()
-            r = measure(s, m, args.steps, 3, sync, profile=on_gpu)
-            # the profiled block has the profiler's own cost: the times come from a block without it
-            results[label] = measure(s, m, args.steps, r["next"], sync, profile=False) | {
-                k: r[k] for k in ("kernels", "syncs") if k in r}
-            report(label, results[label])
-        mon.close()
+          f"what-if, cheap steps (every=50), median of {args.rounds} interleaved blocks of {args.steps} steps")
+    configs = {"plain": None, "monitored": True, "no detect": False}  # detect=...
+    setups = {label: Setup(args.size, "off", args.device, args.batch, args.seq) for label in configs}
+    tmp = tempfile.TemporaryDirectory()
+    mons = {label: None if detect is None else fp8scope.Monitor(
+        setups[label].model, os.path.join(tmp.name, label.replace(" ", "_")), every=50,
+        recipe=setups[label].recipe, detect=detect) for label, detect in configs.items()}
+    step = 0
+    for _ in range(3):  # warm-up: the allocator, the monitor's full step 0 and its compiles
+        for label in configs:
+            train_step(setups[label], step, mons[label])
+        step += 1
+    walls: dict[str, list] = {label: [] for label in configs}
+    cpus: dict[str, list] = {label: [] for label in configs}
+    order = list(configs)
+    for _ in range(args.rounds):  # interleaved blocks: the machine's drift falls on every configuration
+        order = order[1:] + order[:1]
+        for label in order:
+            wall, cpu = timed_block(setups[label], mons[label], args.steps, step, sync)
+            walls[label].append(wall)
+            cpus[label].append(cpu)
+        step += args.steps
+    results = {}
+    for label in configs:
+        groups = {g for c in cpus[label] for g in c}
+        results[label] = {"wall": statistics.median(walls[label]),
+                          "cpu": {g: statistics.median(c.get(g, 0.0) for c in cpus[label]) for g in groups}}
+        if on_gpu:  # after the timed blocks: the profiler's own cost stays out of them
+            results[label] |= profiled(setups[label], mons[label], step, sync)
+        report(label, results[label])
+    for mon in mons.values():
+        if mon is not None:
+            mon.close()
+    tmp.cleanup()
     p, m = results["plain"], results["monitored"]
-    print(f"   the monitor adds {m['wall'] - p['wall']:.1f} ms a step ({m['wall'] / p['wall']:.3f}x); CPU per step, "
+    nd = results["no detect"]
+    print(f"   the monitor adds {m['wall'] - p['wall']:.1f} ms a step ({m['wall'] / p['wall']:.3f}x; without online "
+          f"detection {nd['wall'] - p['wall']:.1f} ms, {nd['wall'] / p['wall']:.3f}x); CPU per step, "
           "monitored - plain: " + ", ".join(f"{k} {m['cpu'].get(k, 0) - p['cpu'].get(k, 0):+.1f} ms"
                                             for k in sorted(set(m["cpu"]) | set(p["cpu"]))))
     if "kernels" in m:
