@@ -23,6 +23,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8scope  # noqa: E402
 from fp8scope.capture import collector  # noqa: E402
+from fp8scope.emulate import DelayedScaling  # noqa: E402
 from fp8scope.capture.adapters import base, whatif  # noqa: E402
 from fp8scope.emulate import device_bank  # noqa: E402
 from large_model import SIZES  # noqa: E402
@@ -63,7 +64,9 @@ def main() -> int:
     ids = torch.randint(0, cfg.vocab_size, (2, 32))
     steps = 20
     with tempfile.TemporaryDirectory() as tmp:
-        mon = fp8scope.Monitor(model, tmp, every=50, detect=False)
+        # the what-if recipe large_model.py times (a 16-long history; the default 1,024 makes mon.step
+        # roll [465, 1024] floats, which on a CPU is most of its time)
+        mon = fp8scope.Monitor(model, tmp, every=50, detect=False, recipe=DelayedScaling(amax_history_len=16))
         for step in range(steps + 5):
             if step == 5:
                 _spent.clear()
