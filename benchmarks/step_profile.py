@@ -17,7 +17,9 @@ steps), per step:
   run the backward and its hooks on a GPU), the monitor's writer and detector, the rest;
 
 and all of it again for the monitor without online detection (its thread's Python competes with
-the training thread for the GIL, whatever the number of cores).
+the training thread for the GIL, whatever the number of cores). Then the cheap capture's amax pass
+alone (``aminmax``) on the step's tensor shapes, against two other reductions that give the amax,
+in GB/s: whether that pass runs at the memory's speed.
 
     python benchmarks/step_profile.py --device cuda            # the 1.1B Llama on a GPU
     python benchmarks/step_profile.py --size narrow --batch 2 --seq 32   # on a CPU: threads only
@@ -27,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import math
 import os
 import statistics
 import sys
@@ -118,6 +121,34 @@ def profiled(setup: Setup, mon, first: int, sync, n: int = 3) -> dict:
             "syncs": {k: (c / n, ms / n) for k, (c, ms) in syncs.items()}}
 
 
+def amax_kernels(shapes: list[tuple[int, ...]], device: str, dtype: torch.dtype, reps: int = 10) -> None:
+    """The cheap capture's one pass over each captured tensor, timed alone on the step's shapes, with
+    two other one-pass reductions that give the amax: whether the pass runs at the memory's speed."""
+    import torch.nn.functional  # noqa: F401
+
+    ops = {"aminmax (the capture's)": torch.aminmax,
+           "vector_norm(inf)": lambda x: torch.linalg.vector_norm(x, float("inf")),
+           "amax of abs (2 passes)": lambda x: x.abs().amax()}
+    counts = collections.Counter(shapes)
+    total_bytes = sum(n * math.prod(shape) * torch.finfo(dtype).bits // 8 for shape, n in counts.items())
+    on_gpu = device.startswith("cuda")
+    for name, op in ops.items():
+        seconds = 0.0
+        for shape, n in counts.items():
+            x = torch.randn(shape, device=device).to(dtype)
+            op(x)
+            if on_gpu:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                op(x)
+            if on_gpu:
+                torch.cuda.synchronize()
+            seconds += (time.perf_counter() - t0) / reps * n
+        print(f"   {name:24s} {seconds * 1e3:8.2f} ms for a step's {len(shapes)} captures "
+              f"({total_bytes / 1e9:.2f} GB: {total_bytes / seconds / 1e9:7.1f} GB/s)")
+
+
 def report(label: str, r: dict) -> None:
     cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
     print(f"   {label:9s} step {r['wall']:8.1f} ms   CPU ms per step: {cpu}")
@@ -172,10 +203,16 @@ def main() -> int:
         if on_gpu:  # after the timed blocks: the profiler's own cost stays out of them
             results[label] |= profiled(setups[label], mons[label], step, sync)
         report(label, results[label])
+    shapes = [k.shape for k in mons["monitored"].collector.keys]
     for mon in mons.values():
         if mon is not None:
             mon.close()
     tmp.cleanup()
+    del setups, mons
+    if on_gpu:
+        torch.cuda.empty_cache()
+    print("   the amax pass alone, on the monitored tensors' shapes (bf16), back to back:")
+    amax_kernels(shapes, args.device, torch.bfloat16)
     p, m = results["plain"], results["monitored"]
     nd = results["no detect"]
     print(f"   the monitor adds {m['wall'] - p['wall']:.1f} ms a step ({m['wall'] / p['wall']:.3f}x; without online "
