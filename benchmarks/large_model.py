@@ -71,12 +71,17 @@ def train_step(s: Setup, step: int, mon) -> None:
         mon.step(loss=loss.detach(), grad_norm=grad_norm, lr=1e-4)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+def model_args(ap: argparse.ArgumentParser) -> None:
+    """The model's options, shared with ``step_profile.py``."""
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--size", default="1b", choices=sorted(SIZES))
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--seq", type=int, default=1024)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    model_args(ap)
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--models", default="off,delayed", help="off (what-if), delayed (emulated)")

@@ -43,7 +43,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8scope  # noqa: E402
-from large_model import SIZES, Setup, train_step  # noqa: E402
+from large_model import Setup, model_args, train_step  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
               "cudaStreamWaitEvent")  # the last waits on the device, not the host: shown apart
@@ -161,10 +161,7 @@ def report(label: str, r: dict) -> None:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--device", default="cpu")
-    ap.add_argument("--size", default="1b", choices=sorted(SIZES))
-    ap.add_argument("--batch", type=int, default=4)
-    ap.add_argument("--seq", type=int, default=1024)
+    model_args(ap)
     ap.add_argument("--steps", type=int, default=10, help="steps a timed block")
     ap.add_argument("--rounds", type=int, default=3, help="timed blocks per configuration, interleaved")
     args = ap.parse_args()

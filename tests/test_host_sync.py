@@ -102,17 +102,15 @@ def _attach(model: torch.nn.Module, recipe, every: int, whatif_recipes=()) -> St
     return collector
 
 
-def _train(model: torch.nn.Module, collector: StepCollector, steps: int, micro: int, cfg: GPTConfig) -> int:
-    """``steps`` optimizer steps of ``micro`` micro-batches on "meta", each ended as ``mon.step``
-    ends it; returns the number of rows gathered."""
+def _train(model: torch.nn.Module, collector: StepCollector, loss_of, steps: int = 4, micro: int = 2) -> int:
+    """``steps`` optimizer steps of ``micro`` micro-batches (``loss_of(model)`` each) on "meta",
+    each ended as ``mon.step`` ends it; returns the number of rows gathered."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     rows = 0
     collector.begin_step(0)
     for step in range(steps):
         for _ in range(micro):
-            x = torch.randint(0, cfg.vocab, (2, cfg.seq_len), device="meta")
-            logits = model(x)
-            F.cross_entropy(logits.float().view(-1, cfg.vocab), x.reshape(-1)).backward()
+            loss_of(model).backward()
         grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -120,6 +118,14 @@ def _train(model: torch.nn.Module, collector: StepCollector, steps: int, micro: 
         rows += payload.n_rows
         collector.begin_step(step + 1)
     return rows
+
+
+def _gpt_loss(cfg: GPTConfig):
+    def loss_of(model):
+        x = torch.randint(0, cfg.vocab, (2, cfg.seq_len), device="meta")
+        return F.cross_entropy(model(x).float().view(-1, cfg.vocab), x.reshape(-1))
+
+    return loss_of
 
 
 def _model(recipe=None) -> tuple[TinyGPT, GPTConfig]:
@@ -151,7 +157,7 @@ def test_monitored_training_makes_no_host_sync(name):
     collector = _attach(model, recipe, every=2, whatif_recipes=whatif_recipes)
     syncs = HostSyncs()
     with syncs:
-        rows = _train(model, collector, steps=4, micro=2, cfg=cfg)
+        rows = _train(model, collector, _gpt_loss(cfg))
     assert rows >= 4 * 21  # every step gathered its rows (21 layers' tensors, at least one each)
     assert not syncs.found, "\n".join(f"{what} at {where}" for what, where in sorted(set(syncs.found)))
 
@@ -188,19 +194,14 @@ def test_transformers_llama_makes_no_host_sync_of_ours():
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg).to("meta")
     collector = _attach(model, DelayedScaling(amax_history_len=8), every=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+    def loss_of(model):
+        ids = torch.randint(0, cfg.vocab_size, (2, 16), device="meta")
+        return model(input_ids=ids, labels=ids).loss
+
     syncs = HostSyncs()
-    rows = 0
-    collector.begin_step(0)
     with syncs:
-        for step in range(4):
-            for _ in range(2):
-                ids = torch.randint(0, cfg.vocab_size, (2, 16), device="meta")
-                model(input_ids=ids, labels=ids).loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            rows += collector.end_step({"lr": 1e-3}).n_rows
-            collector.begin_step(step + 1)
+        rows = _train(model, collector, loss_of)
     assert rows == 4 * 2 * 15 * 3  # 15 linears (7 a layer and the head) x 3 roles, twice a step
     ours = sorted({(what, where) for what, where in syncs.found if where != "outside fp8scope"})
     assert not ours, "\n".join(f"{what} at {where}" for what, where in ours)
@@ -217,16 +218,9 @@ def test_torchao_float8_training_makes_no_host_sync():
     convert_to_float8_training(model)
     model = model.to("meta")
     collector = _attach(model, None, every=2)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
     syncs = HostSyncs()
-    rows = 0
-    collector.begin_step(0)
     with syncs:
-        for step in range(4):
-            model(torch.randn(16, 64, device="meta", dtype=torch.bfloat16)).float().square().mean().backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            rows += collector.end_step({"lr": 1e-3}).n_rows
-            collector.begin_step(step + 1)
-    assert rows == 4 * 2 * 3  # two Float8Linear x activation, weight, gradient, each step
+        rows = _train(model, collector,
+                      lambda m: m(torch.randn(16, 64, device="meta", dtype=torch.bfloat16)).float().square().mean())
+    assert rows == 4 * 2 * 2 * 3  # two Float8Linear x activation, weight, gradient, two micro-batches a step
     assert not syncs.found, "\n".join(f"{what} at {where}" for what, where in sorted(set(syncs.found)))
