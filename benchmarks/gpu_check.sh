@@ -6,7 +6,7 @@
 #   PART=1  the host-sync tests, where the 1.1B Llama's cheap step goes (step_profile.py), its
 #           ratios, the first steps with the stats compiled ahead and at first use (about 5 minutes)
 #   PART=2  the whole `pytest -m gpu` (cold caches: over 250 s)
-#   PART=3  the per-tensor costs and the demo model's eager ratios
+#   PART=3  the per-tensor costs, the demo model's eager ratios and where its what-if monitor's time goes
 #   PART=4  the compiled demo model's ratios
 set -u
 cd "$(dirname "$0")/.."
@@ -36,7 +36,9 @@ case "${PART:-1}" in
   timeout 60 python3 benchmarks/capture_cost.py --device cuda --sections tensor,calls --rounds 3 2>&1 | quiet \
     | tee "$OUT/capture.txt"
   timeout 70 python3 benchmarks/capture_cost.py --device cuda --sections ratio --modes eager --rounds 3 2>&1 | quiet \
-    | tee "$OUT/ratio_eager.txt";;
+    | tee "$OUT/ratio_eager.txt"
+  timeout 70 python3 benchmarks/capture_cost.py --device cuda --sections parts --rounds 3 2>&1 | quiet \
+    | tee "$OUT/ratio_parts.txt";;
 4)
   timeout 400 python3 benchmarks/capture_cost.py --device cuda --sections ratio --modes compiled --models off \
     --rounds 5 2>&1 | quiet | tee "$OUT/ratio_compiled.txt";;
