@@ -171,3 +171,30 @@ def test_device_bank_slot_moves_to_another_bank():
 def test_device_bank_needs_delayed_scaling():
     with pytest.raises(TypeError):
         DeviceDelayedBank(CurrentScaling(), "cpu")
+
+
+def test_a_shared_input_is_read_once_while_unchanged_and_kept_alive_by_nothing():
+    """Three slots capturing one tensor in a row (q, k, v reading one hidden state) read it once; the
+    tensor changed in place is read again; the memo holds no reference that would keep a layer
+    input alive through the backward; each slot still gets its own row."""
+    import weakref
+
+    bank = DeviceDelayedBank(DelayedScaling(amax_history_len=4), "cpu")
+    slots = [bank.add(E4M3) for _ in range(4)]
+    x = torch.tensor([1.0, -3.0, 2.0])
+    for s in slots[:3]:
+        bank.capture(s, x, shared=True)
+    assert bank._parts[0] is bank._parts[2] is bank._parts[4]  # one aminmax for the three
+    x.mul_(2)  # changed in place: its version moved, so it is read again
+    bank.capture(slots[3], x, shared=True)
+    assert bank._parts[6] is not bank._parts[0]
+    rows = bank.take_rows()
+    assert rows[:, 0].tolist() == [3.0, 3.0, 3.0, 6.0]
+    y = torch.ones(5)
+    ref = weakref.ref(y)
+    bank.capture(slots[0], y, shared=True)
+    del y
+    assert ref() is None
+    z = torch.full((5,), 2.0)  # a new tensor, maybe where y was: read, not taken for y
+    bank.capture(slots[1], z, shared=True)
+    assert bank.take_rows()[:, 0].tolist() == [1.0, 2.0]

@@ -22,6 +22,8 @@ then updates those slots, so a slot's captures are applied in order and slots st
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 
 from ..formats import Fp8Format
@@ -67,7 +69,7 @@ class DeviceDelayedBank:
         self._scaled_max = torch.zeros(0, **f32)
         self.updates: list[int] = []  # updates applied per slot (host ints)
         self._parts: list[torch.Tensor] = []  # this step's amax_parts (a, b, a, b, ...), in capture order
-        self._shared: tuple | None = None  # (tensor, its version, its parts): the last shared capture
+        self._shared: tuple | None = None  # (weak ref, version, parts) of the last shared capture's tensor
         self._captured: list[int] = []  # the slot of each capture
         self._blocks: list[torch.Tensor] = []  # resolved rows [captures, 4] since the last take_rows
         self._taken = 0  # captures since the last take_rows (DeferredRow.index counts from there)
@@ -109,14 +111,15 @@ class DeviceDelayedBank:
         :meth:`resolve`. ``shared``: ``x`` may be the input of several layers in a row (a
         ``transformers`` attention's q, k and v projections read one hidden state, its MLP's gate
         and up projections another): the same tensor, unchanged since (its version), is not read
-        again. Only the last such tensor is kept, until the next shared capture or the step's end."""
+        again. Only the last such tensor is remembered, by a weak reference (holding it would keep
+        a layer input alive through the backward), until the next shared capture or the step's end."""
         if shared:
             memo = self._shared
-            if memo is not None and memo[0] is x and memo[1] == x._version:
+            if memo is not None and memo[0]() is x and memo[1] == x._version:
                 parts = memo[2]
             else:
                 parts = amax_parts(x)
-                self._shared = (x, x._version, parts)
+                self._shared = (weakref.ref(x), x._version, parts)
         else:
             parts = amax_parts(x)
         self._parts.extend(parts)
