@@ -21,7 +21,7 @@ quiet() { grep -v "Warning\|^fp8scope step\|warn(\|Configuration class\|USDT\|pr
 # each step's output survives its timeout; each test's result reaches $OUT as it ends (-v)
 case "${PART:-1}" in
 1)
-  timeout 150 python3 -m pytest -v -p no:cacheprovider -p no:logging -rfEs --tb=short -k host_sync \
+  timeout 200 python3 -m pytest -v -p no:cacheprovider -p no:logging -rfEs --tb=short -k host_sync \
     tests/test_gpu.py tests/test_host_sync.py 2>&1 | quiet > "$OUT/pytest_sync.txt"
   tail -15 "$OUT/pytest_sync.txt"
   timeout 150 python3 benchmarks/step_profile.py --device cuda 2>&1 | quiet | tee "$OUT/step_profile.txt"

@@ -55,17 +55,24 @@ def test_emulated_fp8_on_cuda_matches_cpu_semantics(tmp_path):
     assert up.loc[1, "scale"] == pytest.approx(448 / up.loc[0, "amax"], rel=1e-5)
 
 
-@pytest.mark.parametrize("fp8", ["off", "delayed"])
+@pytest.mark.parametrize("fp8", ["off", "delayed", "current", "mxfp8"])
 def test_monitored_steps_make_no_host_sync(tmp_path, monkeypatch, fp8):
-    """The demo model monitored (what-if, then emulated), its stats compiled and called directly
-    (``sync``: compiled before the checked steps): 8 steps, 2 of them full, with no synchronizing
-    CUDA call. A sync a step lets the host no longer run ahead of the GPU: the next step's launches
-    are then exposed, the whole of a launch-bound step's host time."""
+    """The demo model monitored (what-if, then emulated under delayed, current and MXFP8 scaling),
+    its stats compiled and called directly (``sync``: compiled before the checked steps): 8 steps,
+    2 of them full, with no synchronizing CUDA call. A sync a step lets the host no longer run ahead
+    of the GPU: the next step's launches are then exposed, the whole of a launch-bound step's host
+    time. (``tests/test_host_sync.py`` checks the same paths and more on the CPU, on "meta".)"""
     from fp8scope.demo import train
+    from fp8scope.emulate import MXFP8BlockScaling
 
     monkeypatch.setenv("FP8SCOPE_COMPILE", "sync")
-    setup = train.build(fp8=fp8, quiet=True, device="cuda")
-    with fp8scope.Monitor(setup.model, tmp_path / "r", every=4, recipe=setup.recipe or None) as mon:
+    setup = train.build(fp8="off" if fp8 == "mxfp8" else fp8, quiet=True, device="cuda")
+    if fp8 == "mxfp8":  # a block recipe: the demo's options have none
+        setup.recipe = MXFP8BlockScaling()
+        convert_to_fp8(setup.model, setup.recipe, skip=["lm_head"])
+        setup.optimizer = torch.optim.AdamW(setup.model.parameters(), lr=setup.args.lr)
+    whatif = setup.recipe if fp8 in ("delayed", "current") else None  # the head's what-if recipe
+    with fp8scope.Monitor(setup.model, tmp_path / "r", every=4, recipe=whatif) as mon:
         for step in range(6):  # compiles, allocator, cuBLAS: before the checked steps
             train.train_step(setup, step, mon)
         torch.cuda.synchronize()
