@@ -142,12 +142,14 @@ def make_setups(fp8: str, tmp: str, size: dict, configs=CONFIGS):
 
 
 def time_interleaved(setups, rounds: int, block: int, warmup: int,
-                     sync=None, step_fn=None) -> tuple[dict[str, float], dict[str, float]]:
+                     sync=None, step_fn=None, around_block=None) -> tuple[dict[str, float], dict[str, float]]:
     """Median step time per configuration, and the paired ratio to ``plain``: the median over rounds
     of (this configuration's block / plain's block in the same round). Adjacent blocks see the same
     machine, so the paired ratio cancels the slow drifts of a shared VM that the medians keep.
     ``sync``: called before reading the clock (``torch.cuda.synchronize`` on a GPU). ``step_fn(setup,
-    step, monitor)``: one training step (the demo's ``train.train_step`` unless given)."""
+    step, monitor)``: one training step (the demo's ``train.train_step`` unless given).
+    ``around_block(name)``: called before each timed block, returns what to call after it
+    (``step_profile.py`` reads the threads' CPU time there)."""
     step_fn = step_fn or train.train_step
     per_step: dict[str, list[float]] = {k: [] for k in setups}
     step = {k: 0 for k in setups}
@@ -160,6 +162,7 @@ def time_interleaved(setups, rounds: int, block: int, warmup: int,
         order = order[1:] + order[:1]  # rotate who goes first
         for k in order:
             s, m = setups[k]
+            after = around_block(k) if around_block is not None else None
             t0 = time.perf_counter()
             for _ in range(block):
                 step_fn(s, step[k], m)
@@ -167,6 +170,8 @@ def time_interleaved(setups, rounds: int, block: int, warmup: int,
             if sync is not None:
                 sync()
             per_step[k].append((time.perf_counter() - t0) / block)
+            if after is not None:
+                after()
     medians = {k: statistics.median(v) for k, v in per_step.items()}
     paired = {k: statistics.median(a / b for a, b in zip(v, per_step["plain"])) for k, v in per_step.items()}
     return medians, paired

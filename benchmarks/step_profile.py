@@ -44,9 +44,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8scope  # noqa: E402
 from large_model import Setup, model_args, train_step  # noqa: E402
+from overhead import time_interleaved  # noqa: E402
 
-SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy",
-              "cudaStreamWaitEvent")  # the last waits on the device, not the host: shown apart
+SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
@@ -67,10 +67,7 @@ def thread_cpu() -> dict[str, float]:
                 comm = f.read().strip()
         except OSError:
             continue
-        name = names.get(int(tid)) or comm
-        if name.startswith("pt_autograd"):
-            name = "pt_autograd (backward)"
-        out[name] += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
+        out[names.get(int(tid)) or comm] += (int(fields[11]) + int(fields[12])) / _TICK  # utime, stime
     return dict(out)
 
 
@@ -78,24 +75,33 @@ def _group(name: str) -> str:
     if name == "MainThread":
         return "training thread"
     if name.startswith("pt_autograd"):
-        return name
-    if "fp8scope" in name or "writer" in name.lower() or "detect" in name.lower():
+        return "pt_autograd (backward)"
+    if name.startswith("fp8scope"):  # the writer and the detector
         return f"monitor: {name}"
     return "other threads"
 
 
-def timed_block(setup: Setup, mon, steps: int, first: int, sync) -> tuple[float, dict[str, float]]:
-    """One block of ``steps`` steps: wall ms per step and CPU ms per step per thread group."""
-    cpu0, t0 = thread_cpu(), time.perf_counter()
-    for step in range(first, first + steps):
-        train_step(setup, step, mon)
-    if sync is not None:
-        sync()
-    wall = (time.perf_counter() - t0) / steps * 1e3
-    groups: dict[str, float] = collections.defaultdict(float)
-    for name, seconds in thread_cpu().items():
-        groups[_group(name)] += (seconds - cpu0.get(name, 0.0)) / steps * 1e3
-    return wall, dict(groups)
+class ThreadCpu:
+    """CPU ms per step per thread group, block by block (``time_interleaved``'s ``around_block``)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+        self.blocks: dict[str, list[dict[str, float]]] = collections.defaultdict(list)
+
+    def __call__(self, label: str):
+        cpu0 = thread_cpu()
+
+        def after() -> None:
+            groups: dict[str, float] = collections.defaultdict(float)
+            for name, seconds in thread_cpu().items():
+                groups[_group(name)] += (seconds - cpu0.get(name, 0.0)) / self.steps * 1e3
+            self.blocks[label].append(dict(groups))
+
+        return after
+
+    def medians(self, label: str) -> dict[str, float]:
+        blocks = self.blocks[label]
+        return {g: statistics.median(b.get(g, 0.0) for b in blocks) for g in {g for b in blocks for g in b}}
 
 
 def profiled(setup: Setup, mon, first: int, sync, n: int = 3) -> dict:
@@ -124,8 +130,6 @@ def profiled(setup: Setup, mon, first: int, sync, n: int = 3) -> dict:
 def amax_kernels(shapes: list[tuple[int, ...]], device: str, dtype: torch.dtype, reps: int = 10) -> None:
     """The cheap capture's one pass over each captured tensor, timed alone on the step's shapes, with
     two other one-pass reductions that give the amax: whether the pass runs at the memory's speed."""
-    import torch.nn.functional  # noqa: F401
-
     ops = {"aminmax (the capture's)": torch.aminmax,
            "vector_norm(inf)": lambda x: torch.linalg.vector_norm(x, float("inf")),
            "amax of abs (2 passes)": lambda x: x.abs().amax()}
@@ -177,29 +181,17 @@ def main() -> int:
     mons = {label: None if detect is None else fp8scope.Monitor(
         setups[label].model, os.path.join(tmp.name, label.replace(" ", "_")), every=50,
         recipe=setups[label].recipe, detect=detect) for label, detect in configs.items()}
-    step = 0
-    for _ in range(3):  # warm-up: the allocator, the monitor's full step 0 and its compiles
-        for label in configs:
-            train_step(setups[label], step, mons[label])
-        step += 1
-    walls: dict[str, list] = {label: [] for label in configs}
-    cpus: dict[str, list] = {label: [] for label in configs}
-    order = list(configs)
-    for _ in range(args.rounds):  # interleaved blocks: the machine's drift falls on every configuration
-        order = order[1:] + order[:1]
-        for label in order:
-            wall, cpu = timed_block(setups[label], mons[label], args.steps, step, sync)
-            walls[label].append(wall)
-            cpus[label].append(cpu)
-        step += args.steps
+    cpu = ThreadCpu(args.steps)
+    # interleaved blocks (the machine's drift falls on every configuration), after a warm-up of 3
+    # steps each: the allocator, the monitor's full step 0 and its compiles
+    walls, _ = time_interleaved({label: (setups[label], mons[label]) for label in configs}, args.rounds, args.steps,
+                                warmup=3, sync=sync, step_fn=train_step, around_block=cpu)
     results = {}
     for label in configs:
-        groups = {g for c in cpus[label] for g in c}
-        results[label] = {"wall": statistics.median(walls[label]),
-                          "cpu": {g: statistics.median(c.get(g, 0.0) for c in cpus[label]) for g in groups}}
+        results[label] = {"wall": walls[label] * 1e3, "cpu": cpu.medians(label)}
         if on_gpu:  # after the timed blocks: the profiler's own cost stays out of them
             try:  # the times above are worth printing whatever the profiler of this torch does
-                results[label] |= profiled(setups[label], mons[label], step, sync)
+                results[label] |= profiled(setups[label], mons[label], 0, sync)
             except Exception as exc:
                 print(f"   ({label}: torch.profiler failed: {type(exc).__name__}: {exc})")
         report(label, results[label])

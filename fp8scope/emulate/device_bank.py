@@ -75,6 +75,7 @@ class DeviceDelayedBank:
         self._taken = 0  # captures since the last take_rows (DeferredRow.index counts from there)
         self._recorded: dict[int, torch.Tensor] = {}  # slot -> amax recorded on a full step, update pending
         self._plans: dict[tuple[int, ...], list] = {}  # capture sequence -> its rounds' index tensors
+        self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # slots -> their index tensor (a slot keeps its number)
 
     def __len__(self) -> int:
         return len(self.updates)
@@ -193,7 +194,13 @@ class DeviceDelayedBank:
         (None when the slots are all of them in order: no gather needed)."""
         if slots == list(range(len(self.updates))):
             return slots, None
-        return slots, self._on_device(slots)
+        key = tuple(slots)
+        index = self._indices.get(key)
+        if index is None:  # made once per slot list: a training loop asks for the same ones every step
+            if len(self._indices) >= 256:
+                self._indices.clear()
+            index = self._indices[key] = self._on_device(slots)
+        return slots, index
 
     def _on_device(self, values: list[int]) -> torch.Tensor:
         """An index list as a tensor on the bank's device, without a host sync: through pinned
