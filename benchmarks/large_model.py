@@ -11,6 +11,11 @@ the ratio at ``every=50`` (the product's default: one full-stats step in 50). On
     python benchmarks/large_model.py --device cuda             # 1.1 B parameters, on a GPU
     python benchmarks/large_model.py --size tiny --rounds 2    # the same code on a CPU, in seconds
     python benchmarks/large_model.py --size narrow --batch 2 --seq 32 --models off   # 465 tensors, host time
+    python benchmarks/large_model.py --ops        # aten ops per cheap step as a GPU runs them (deterministic)
+
+``--ops`` counts the aten ops (about one launch each on a GPU) of one cheap what-if step, plain and
+monitored, with the model on the "meta" device: it takes an accelerator's code paths (the weights'
+one multi-tensor read) and allocates nothing, so the 1.1B model's counts come in seconds on a CPU.
 """
 
 from __future__ import annotations
@@ -71,6 +76,46 @@ def train_step(s: Setup, step: int, mon) -> None:
         mon.step(loss=loss.detach(), grad_norm=grad_norm, lr=1e-4)
 
 
+def ops_on_meta(size: str, batch: int, seq: int) -> tuple[int, int, dict[str, int]]:
+    """(plain ops, monitored ops, the monitored step's ops by name) of one cheap what-if step on "meta",
+    the capture side wired as the monitor wires it (``tests/meta_training.py``; the writer thread,
+    which reads rows on the host, is left out)."""
+    import collections
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
+    import transformers
+    from meta_training import attach, train
+
+    from fp8scope.capture.collector import StepCollector
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops: collections.Counter = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if not func.is_view and func.__name__ not in ("detach", "alias"):  # views launch nothing
+                self.ops[func.__name__] += 1
+            return func(*args, **(kwargs or {}))
+
+    cfg = transformers.LlamaConfig(**SIZES[size], attn_implementation="sdpa")
+    with torch.device("meta"):
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+
+    def loss_of(m):
+        ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="meta")
+        return m(input_ids=ids, labels=ids).loss
+
+    plain, watched = Ops(), Ops()
+    train(model, StepCollector((), 100, None, False), loss_of, steps=2, micro=1, last=plain)  # nothing captured
+    # step 0 full, step 1 cheap (weights not known yet), step 2 cheap: counted
+    train(model, attach(model, DelayedScaling(amax_history_len=16), every=100), loss_of, steps=3, micro=1,
+          last=watched)
+    return sum(plain.ops.values()), sum(watched.ops.values()), dict(watched.ops)
+
+
 def model_args(ap: argparse.ArgumentParser) -> None:
     """The model's options, shared with ``step_profile.py``."""
     ap.add_argument("--device", default="cpu")
@@ -85,7 +130,14 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--block", type=int, default=10)
     ap.add_argument("--models", default="off,delayed", help="off (what-if), delayed (emulated)")
+    ap.add_argument("--ops", action="store_true", help="count a cheap what-if step's aten ops on the meta device")
     args = ap.parse_args()
+    if args.ops:
+        plain, watched, by_name = ops_on_meta(args.size, args.batch, args.seq)
+        print(f"Llama {args.size}, batch {args.batch} x {args.seq} tokens, bf16, one cheap what-if step on meta "
+              f"(an accelerator's code paths): plain {plain} aten ops, monitored {watched} (+{watched - plain}: "
+              f"{by_name.get('aminmax.default', 0)} aminmax, {by_name.get('_foreach_norm.Scalar', 0)} _foreach_norm)")
+        return 0
     on_gpu = args.device.startswith("cuda")
     os.environ["FP8SCOPE_COMPILE"] = "sync" if on_gpu else "0"
     import logging  # each compile's time (once per variant, at its first use: the first full step)

@@ -18,8 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from fp8scope.capture.adapters import adapter_for
-from fp8scope.capture.collector import StepCollector
+from meta_training import attach as _attach, train as _train
+
 from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
 from fp8scope.emulate import (CurrentScaling, DelayedScaling, Float8BlockScaling, MXFP8BlockScaling,
                               NVFP4BlockScaling, convert_to_fp8)
@@ -82,42 +82,6 @@ class HostSyncs(TorchFunctionMode):
                 elif src.device.type == "cpu" and dst.type != "cpu" and blocking and src.numel() > 0:
                     self._note(f"{func.__name__} from the host, blocking")
         return func(*args, **kwargs)
-
-
-def _attach(model: torch.nn.Module, recipe, every: int, whatif_recipes=()) -> StepCollector:
-    """The monitor's capture side as ``Monitor`` wires it (``Monitor._attach``): every layer an
-    adapter claims, reporting to one collector. (Its writer thread would read the step's rows on
-    the host, which the "meta" device has not.)"""
-    collector = StepCollector(("activation", "weight", "gradient"), every, None, False)
-    collector.whatif_recipes = tuple(whatif_recipes)
-
-    def fail(exc: BaseException) -> None:
-        raise exc
-
-    collector.fail = fail  # a capture error fails the test instead of switching capture off
-    for name, module in model.named_modules():
-        adapter = adapter_for(module) if name else None
-        if adapter is not None:
-            adapter.attach(name, module, collector, recipe)
-    return collector
-
-
-def _train(model: torch.nn.Module, collector: StepCollector, loss_of, steps: int = 4, micro: int = 2) -> int:
-    """``steps`` optimizer steps of ``micro`` micro-batches (``loss_of(model)`` each) on "meta",
-    each ended as ``mon.step`` ends it; returns the number of rows gathered."""
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    rows = 0
-    collector.begin_step(0)
-    for step in range(steps):
-        for _ in range(micro):
-            loss_of(model).backward()
-        grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        payload = collector.end_step({"grad_norm": grad_norm, "lr": 1e-3})
-        rows += payload.n_rows
-        collector.begin_step(step + 1)
-    return rows
 
 
 def _gpt_loss(cfg: GPTConfig):

@@ -135,6 +135,32 @@ def test_whatif_output_role_and_no_grad_forwards(mlp, tmp_path):
     assert out.amax.tolist() == pytest.approx([want, want], rel=1e-6)
 
 
+@pytest.mark.parametrize("grad_off", [torch.no_grad, torch.inference_mode])
+def test_eval_forwards_under_inference_mode_are_captured_too(tmp_path, grad_off):
+    """With ``capture_no_grad``, an eval forward under ``torch.inference_mode`` is captured like one
+    under ``no_grad``, also when it is the first thing captured: the what-if bank made there keeps
+    a state it can update when the step ends, and inference tensors (which have no version counter)
+    skip the shared-input and weight reads' checks instead of failing them."""
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    ids = torch.randint(0, cfg.vocab_size, (2, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        with fp8scope.Monitor(model, tmp_path / "r", every=100, detect=False, capture_no_grad=True) as mon:
+            for _ in range(3):  # a full step, then cheap ones
+                with grad_off():
+                    model(input_ids=ids)
+                mon.step()
+    assert not [str(w.message) for w in caught if "fp8scope" in str(w.message)]
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert df.groupby("step").size().tolist() == [15 * 2] * 3  # 15 linears' activation and weight
+    w = df[(df.tensor == "weight") & (df.layer == "model.layers.1.mlp.down_proj")].amax.tolist()
+    assert w == pytest.approx([model.model.layers[1].mlp.down_proj.weight.abs().max().item()] * 3)
+
+
 def test_whatif_current_scaling_derives_each_scale_from_its_own_amax(mlp, tmp_path):
     """Plain layers under CurrentScaling (a ScalingState per tensor, not the delayed bank): on full
     and cheap steps alike, each row's scale is fp8_max / its own amax and the expected amax is it."""

@@ -140,6 +140,49 @@ def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
+def amax_parts_many(xs: list[torch.Tensor], multi_tensor: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`amax_parts` of each of ``xs`` (non-empty tensors on one device), as one multi-tensor
+    call where torch has multi-tensor kernels for the device (CUDA: ``torch._foreach_norm`` at
+    ``inf``, two launches for all of them), else one ``aminmax`` each (on a CPU torch's multi-tensor
+    norm is a loop of norms, each slower than an ``aminmax``). The multi-tensor form gives ``(n, -n)``
+    with ``n = max(|x|)``: the same logged and recorded amaxes, as its CUDA kernel propagates NaN
+    (``max_propagate_nan`` in ``ForeachReduceOp.cu`` and ``block_reduce.cuh``'s ``WarpReduceMax``).
+    ``multi_tensor``: which form (None: the device's), so a CPU test checks both."""
+    if not xs:
+        return []
+    if multi_tensor is None:
+        multi_tensor = xs[0].device.type in _multi_tensor_devices()
+    if not multi_tensor:
+        return [amax_parts(x) for x in xs]
+    out: list = [None] * len(xs)
+    by_dtype: dict[torch.dtype, list[int]] = {}  # one dtype per call keeps torch's fast path
+    for i, x in enumerate(xs):
+        by_dtype.setdefault(x.dtype, []).append(i)
+    with torch.no_grad():  # weights require grad: no graph for a reading
+        for idx in by_dtype.values():
+            norms = torch._foreach_norm([xs[i] for i in idx], _INF)
+            for i, n, neg in zip(idx, norms, torch._foreach_neg(norms)):
+                out[i] = (n, neg)
+    return out
+
+
+def _multi_tensor_devices() -> tuple[str, ...]:
+    """Device types with torch's multi-tensor kernels (as ``torch.optim`` decides its default), and
+    "meta", which takes an accelerator's code paths in the host-sync and op-count tests."""
+    global _MULTI
+    if _MULTI is None:
+        try:
+            from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+
+            _MULTI = (*_get_foreach_kernels_supported_devices(), "meta")
+        except ImportError:  # an older torch: CUDA had them first
+            _MULTI = ("cuda", "meta")
+    return _MULTI
+
+
+_MULTI: tuple[str, ...] | None = None
+
+
 def combine_parts(a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """``(logged, recorded)`` float32 amaxes from :func:`amax_parts`' ``(a, c)`` (any shapes)."""
     a, b = a.to(torch.float32), c.to(torch.float32).neg()

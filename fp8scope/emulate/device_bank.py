@@ -5,8 +5,8 @@ Why a bank: with one :class:`~fp8scope.emulate.ScalingState` per tensor, a cheap
 on a GPU launched ~30 small kernels (the amax, the lazy delayed-scaling update, the row's stack):
 about 2,000 launches per step for the tiny GPT's 63 tensors, each costing the training thread
 microseconds (``benchmarks/whatif_device_bank.py``). Here a capture is one amax pass
-(``amax.amax_parts``: one eager ``aminmax``) and a returned
-:class:`DeferredRow`; when the step ends, :meth:`DeviceDelayedBank.resolve` stacks the step's
+(``amax.amax_parts``: one eager ``aminmax``; a weight's comes from the step's one batched read of
+them all, :mod:`~fp8scope.emulate.weight_reads`) and a returned :class:`DeferredRow`; when the step ends, :meth:`DeviceDelayedBank.resolve` stacks the step's
 amaxes, runs the updates of all slots together (~30 ops whatever the slot count) and leaves the
 step's rows in :attr:`DeviceDelayedBank.values`, in capture order.
 
@@ -30,6 +30,7 @@ from ..formats import Fp8Format
 from .recipes import DelayedScaling
 from .amax import amax_parts, combine_parts
 from .scaling import delayed_update, scaled_max
+from .weight_reads import WeightReads
 
 
 class DeferredRow:
@@ -53,6 +54,10 @@ class DeviceDelayedBank:
     ``resolve()`` applies those updates too. Nothing here reads a device value on the host.
     """
 
+    # The state is made outside inference mode even when the first capture runs inside it (an eval
+    # forward with ``capture_no_grad``): the updates write it in place when the step ends, which an
+    # inference tensor refuses outside inference mode.
+    @torch.inference_mode(False)
     def __init__(self, recipe: DelayedScaling, device: torch.device | str):
         if not isinstance(recipe, DelayedScaling):
             raise TypeError(f"DeviceDelayedBank needs a DelayedScaling recipe, got {type(recipe).__name__}")
@@ -70,6 +75,7 @@ class DeviceDelayedBank:
         self.updates: list[int] = []  # updates applied per slot (host ints)
         self._parts: list[torch.Tensor] = []  # this step's amax_parts (a, b, a, b, ...), in capture order
         self._shared: tuple | None = None  # (weak ref, version, parts) of the last shared capture's tensor
+        self._weights = WeightReads(self.device)  # the step's weight reads, in one batch
         self._captured: list[int] = []  # the slot of each capture
         self._blocks: list[torch.Tensor] = []  # resolved rows [captures, 4] since the last take_rows
         self._taken = 0  # captures since the last take_rows (DeferredRow.index counts from there)
@@ -80,6 +86,7 @@ class DeviceDelayedBank:
     def __len__(self) -> int:
         return len(self.updates)
 
+    @torch.inference_mode(False)
     def add(self, fmt: Fp8Format, like: tuple["DeviceDelayedBank", int] | None = None) -> int:
         """A new tensor's slot, in the initial state, or in the state of slot ``like = (bank, slot)``
         of another bank (its tensor moved to this device). Captures already made this step stay
@@ -107,14 +114,19 @@ class DeviceDelayedBank:
         return len(self.updates) - 1
 
     # ---- cheap steps -------------------------------------------------------------------
-    def capture(self, slot: int, x: torch.Tensor, shared: bool = False) -> DeferredRow:
+    def capture(self, slot: int, x: torch.Tensor, shared: bool = False, weight: bool = False) -> DeferredRow:
         """Measure ``x``'s amax for ``slot`` (one pass, no host sync); the row's values come with
         :meth:`resolve`. ``shared``: ``x`` may be the input of several layers in a row (a
         ``transformers`` attention's q, k and v projections read one hidden state, its MLP's gate
         and up projections another): the same tensor, unchanged since (its version), is not read
         again. Only the last such tensor is remembered, by a weak reference (holding it would keep
-        a layer input alive through the backward), until the next shared capture or the step's end."""
-        if shared:
+        a layer input alive through the backward), until the next shared capture or the step's end.
+        ``weight``: ``x`` is the layer's weight, read with the step's other weights in one batch
+        (:class:`~fp8scope.emulate.weight_reads.WeightReads`)."""
+        remembered = not x.is_inference()  # an inference tensor has no version counter to check
+        if weight and remembered:
+            parts = self._weights.parts(slot, x)
+        elif shared and remembered:
             memo = self._shared
             if memo is not None and memo[0]() is x and memo[1] == x._version:
                 parts = memo[2]
@@ -132,6 +144,7 @@ class DeviceDelayedBank:
         """Apply every pending update and keep the rows of the captures so far for :meth:`take_rows`
         (the step's end; also before anything that needs the state current)."""
         self._shared = None  # a step's tensors are not the next step's
+        self._weights.end_step()
         if self._captured:
             captured, parts = self._captured, self._parts
             self._captured, self._parts = [], []

@@ -165,4 +165,5 @@ class _WhatIfTap:
             scale, scale_inv, expected = bank.scales(s)
             bank.record_amax(s, sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected))
         else:
-            sink.record_deferred(role, bank.capture(s, x, shared=role == "activation"), kid, x.numel())
+            sink.record_deferred(role, bank.capture(s, x, shared=role == "activation", weight=role == "weight"),
+                               kid, x.numel())
