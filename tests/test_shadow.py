@@ -278,6 +278,8 @@ def test_verdict_rules():
     assert verdict([2.0, 2.05], [2.0, 2.0], 2.0, 1.5)[0] == NOT_FP8
     # BF16 does worse than FP8: the data cannot blame FP8
     assert verdict([2.0, 2.1], [2.0, 9.0], 2.0, 1.5)[0] == "inconclusive"
+    # both diverge from the same state, BF16 even further (a learning-rate jump on this CPU): not FP8
+    assert verdict([8.1] * 4, [9.2] * 4, 2.55, 1.5)[0] == NOT_FP8
     # FP8 a bit worse than BF16, both at the baseline: nothing to blame
     assert verdict([2.0, 2.4], [2.0, 2.0], 2.0, 1.5)[0] == "inconclusive"
     # FP8 stays above its baseline while BF16 trains on below it (a poisoned amax history): 12 % worse

@@ -12,12 +12,14 @@ same batches, would have done what FP8 did.
   - FP8 non-finite, BF16 finite -> ``fp8-induced``; both non-finite -> ``not-fp8``;
   - |log f - log g| within ``agree`` (5 %): BF16 follows FP8 -> ``not-fp8`` (whatever happened,
     BF16 from the same state does the same: a learning-rate jump, bad data);
-  - FP8 above BF16 by more than ``agree`` and above ``diverge_factor`` x the baseline: ``fp8-induced``
-    if BF16 stays within it (FP8 diverges while BF16 recovers), ``not-fp8`` if BF16 diverges too;
+  - both above ``diverge_factor`` x the baseline, whichever ends worse: ``not-fp8`` (BF16 from the
+    same state diverges too);
+  - FP8 above BF16 by more than ``agree`` and above ``diverge_factor`` x the baseline while BF16
+    stays within it: ``fp8-induced`` (FP8 diverges while BF16 recovers);
   - FP8 above BF16 by more than ``agree``, FP8 above its baseline and BF16 below it: ``fp8-induced``
     (FP8 stays broken while BF16 trains on);
-  - otherwise ``inconclusive`` (BF16 does worse than FP8, or FP8 is worse than BF16 but back at
-    its baseline), with the numbers in the reason.
+  - otherwise ``inconclusive`` (BF16 does worse than FP8 without both diverging, or FP8 is worse
+    than BF16 but back at its baseline), with the numbers in the reason.
 """
 
 from __future__ import annotations
@@ -66,12 +68,12 @@ def verdict(fp8: list[float], bf16: list[float], baseline: float, factor: float,
     if abs(gap) <= math.log1p(agree):
         return NOT_FP8, (f"BF16 follows FP8: final losses {f:.4g} (FP8) and {g:.4g} (BF16) within {100 * agree:g} %"
                          f"{base}: BF16 from the same state does the same, so FP8 is not the cause")
-    if gap > 0 and math.isfinite(baseline) and f > factor * baseline:
-        if g <= factor * baseline:
-            return FP8_INDUCED, (f"FP8 stays at {f:.4g}, {f / baseline:.3g}x its baseline {baseline:.4g}, while BF16 "
-                                 f"from the same state reaches {g:.4g}")
+    if math.isfinite(baseline) and f > factor * baseline and g > factor * baseline:  # whichever ends worse
         return NOT_FP8, (f"BF16 from the same state diverges too ({g:.4g}, {g / baseline:.3g}x the baseline "
                          f"{baseline:.4g}; FP8 {f:.4g}): look at the learning rate / data")
+    if gap > 0 and math.isfinite(baseline) and f > factor * baseline:
+        return FP8_INDUCED, (f"FP8 stays at {f:.4g}, {f / baseline:.3g}x its baseline {baseline:.4g}, while BF16 "
+                             f"from the same state reaches {g:.4g}")
     if gap > 0 and math.isfinite(baseline) and f > baseline > g:
         return FP8_INDUCED, (f"FP8 stays above its baseline ({f:.4g} vs {baseline:.4g}) while BF16 from the same state "
                              f"trains on below it ({g:.4g}): FP8 ends {100 * (f / g - 1):.3g} % worse")
