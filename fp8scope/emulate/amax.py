@@ -152,13 +152,13 @@ def amax_parts_many(xs: list[torch.Tensor], multi_tensor: bool | None = None) ->
         return []
     if multi_tensor is None:
         multi_tensor = xs[0].device.type in _multi_tensor_devices()
-    if not multi_tensor:
-        return [amax_parts(x) for x in xs]
-    out: list = [None] * len(xs)
-    by_dtype: dict[torch.dtype, list[int]] = {}  # one dtype per call keeps torch's fast path
-    for i, x in enumerate(xs):
-        by_dtype.setdefault(x.dtype, []).append(i)
-    with torch.no_grad():  # weights require grad: no graph for a reading
+    with torch.no_grad():  # weights require grad: no graph for a reading (and no detach op each)
+        if not multi_tensor:
+            return [torch.aminmax(x)[::-1] for x in xs]
+        out: list = [None] * len(xs)
+        by_dtype: dict[torch.dtype, list[int]] = {}  # one dtype per call keeps torch's fast path
+        for i, x in enumerate(xs):
+            by_dtype.setdefault(x.dtype, []).append(i)
         for idx in by_dtype.values():
             norms = torch._foreach_norm([xs[i] for i in idx], _INF)
             for i, n, neg in zip(idx, norms, torch._foreach_neg(norms)):

@@ -70,13 +70,12 @@ class WeightReads:
             self._batch, self._used = None, set()
 
     def _read(self) -> dict[int, tuple]:
-        slots, tensors = [], []
+        entries, tensors = [], []
         for slot, (ref, shape, ptr) in list(self._known.items()):
             t = ref()
-            if t is None or t.shape != shape or t.data_ptr() != ptr:  # gone, resharded, or its storage freed
+            if t is None or t.data_ptr() != ptr or t.shape != shape:  # gone, its storage freed, or resharded
                 del self._known[slot]
                 continue
-            slots.append(slot)
+            entries.append((slot, t, t._version, ptr))
             tensors.append(t)
-        return {slot: (t, t._version, t.data_ptr(), p)
-                for slot, t, p in zip(slots, tensors, amax_parts_many(tensors))}
+        return {slot: (t, version, ptr, p) for (slot, t, version, ptr), p in zip(entries, amax_parts_many(tensors))}
