@@ -25,6 +25,7 @@ read pass (``x.abs().amax()``) over the same tensors.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -141,6 +142,17 @@ def make_setups(fp8: str, tmp: str, size: dict, configs=CONFIGS):
     return out
 
 
+def settle_gc() -> None:
+    """One full collection now, before the timed blocks. Why: CPython runs a full collection (every
+    object in the process: about 180 ms for the narrow Llama's 420k, seconds on a training job's
+    heap) once the objects that survived since the last one reach a quarter of the rest. Setting
+    up a monitor makes such objects, so that collection came a few steps later, inside a timed
+    block of the monitored model (the narrow Llama: at its step 10, +3.6 ms on each of 50 timed
+    steps), where it measured a one-time cost as a per-step one. In a steady run no full collection
+    follows it (none in 190 steps there)."""
+    gc.collect()
+
+
 def time_interleaved(setups, rounds: int, block: int, warmup: int,
                      sync=None, step_fn=None, around_block=None) -> tuple[dict[str, float], dict[str, float]]:
     """Median step time per configuration, and the paired ratio to ``plain``: the median over rounds
@@ -157,6 +169,7 @@ def time_interleaved(setups, rounds: int, block: int, warmup: int,
         for _ in range(warmup):
             step_fn(s, step[k], m)
             step[k] += 1
+    settle_gc()
     order = list(setups)
     for r in range(rounds):
         order = order[1:] + order[:1]  # rotate who goes first
@@ -189,6 +202,8 @@ def time_phases(setups, rounds: int, block: int, warmup: int) -> dict[str, dict[
     order = list(setups)
     for r in range(rounds + 1):
         order = order[1:] + order[:1]
+        if r == 1:
+            settle_gc()
         for k in order:
             s, m = setups[k]
             for _ in range(block if r else warmup):

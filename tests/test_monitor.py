@@ -437,6 +437,39 @@ def test_step_writes_keep_order_with_concurrent_table_writes(tmp_path, monkeypat
     assert mon.logging_failed is None and mon._writer.dropped == 0
 
 
+def test_background_detector_examines_steps_in_pairs_and_a_lone_step_after_its_wait():
+    """Two steps cost one pass (whose cost is mostly fixed): a step waits for the next, and goes
+    alone once ``pair_wait_s`` has passed without one (the run paused); a flush does not wait."""
+    from fp8scope.detect.online import BackgroundDetector
+
+    calls = []
+
+    class Det:
+        def process(self, steps):
+            calls.append([s[0] for s in steps])
+
+    def wait_for(n):
+        deadline = time.monotonic() + 10
+        while len(calls) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    bg = BackgroundDetector(Det(), lambda table, batch: None, pair_wait_s=0.5)
+    bg(0, 0, None, None)
+    time.sleep(0.1)
+    assert calls == []  # step 0 waits for its pair
+    bg(1, 0, None, None)
+    wait_for(1)
+    assert calls == [[0, 1]]
+    t0 = time.monotonic()
+    bg(2, 0, None, None)
+    wait_for(2)
+    assert calls == [[0, 1], [2]] and time.monotonic() - t0 >= 0.4  # alone, after its wait
+    bg(3, 0, None, None)
+    bg.flush()
+    assert calls[-1] == [3]  # a flush examines what is queued without waiting for a pair
+    bg.close()
+
+
 def test_background_detector_examines_a_backlog_in_batches_and_flush_does_not_wait():
     from fp8scope.detect.online import BackgroundDetector
 

@@ -7,10 +7,13 @@ detection are one code path and give the same events. Events are returned as
 ``{"events": RecordBatch}`` (the writer stores them), logged with :mod:`logging` (logger
 ``fp8scope.detect``) and passed to ``on_event(event_dict)`` if given.
 
-Steps are examined as soon as they arrive, at the training process's own priority: events for
-step t must reach the run and ``on_event`` before step t+2 ends, also when every core is busy
-(a detector at lower priority fell tens of steps behind under load, after the very blow-up it
-should report). A pass carries each tensor's last window rows and, for one new step, reduces
+Steps are examined in pairs, at the training process's own priority: events for step t must
+reach the run and ``on_event`` before step t+2 ends, also when every core is busy (a detector at
+lower priority fell tens of steps behind under load, after the very blow-up it should report).
+A step waits for the next one (at most ``pair_wait_s``, then it goes alone), and both are examined
+in one pass during the step after them: a pass costs little more for two steps than for one, and
+every pass is Python that holds the GIL the training thread needs to launch its work
+(docs/benchmarks.md, "where a what-if monitor's time goes"). A pass carries each tensor's last window rows and, for one new step, reduces
 each window where it lies (``features._Tail``) instead of sliding it over the carried rows, so
 a step costs little beside a training step (``benchmarks/report_speed.py --online``). When steps
 queue up anyway (a slow machine, a burst), the backlog is examined in one batch (at most ``max_batch`` steps), so the
@@ -126,13 +129,18 @@ class OnlineDetector:
 _FLUSH = object()  # queued by flush(): examine what is queued now, do not wait for more
 
 
+def _is_step(item) -> bool:
+    return item is not None and item is not _FLUSH
+
+
 class BackgroundDetector:
     """Runs an :class:`OnlineDetector` in its own thread so detection never delays ``Monitor.step``.
 
     Installed by ``Monitor(detect=...)``: as a step listener it only queues the step's record
     batches (the writer thread returns at once); the detection thread writes its events through
-    ``submit(table, batch)`` (``Monitor.log_table``). It examines each step as it arrives, and a
-    backlog in one pass and one events write (at most ``max_batch`` steps); more than ``lag_warn``
+    ``submit(table, batch)`` (``Monitor.log_table``). It examines steps two at a time (a step waits
+    up to ``pair_wait_s`` for the next; 0 examines each alone), and a backlog in one pass and one
+    events write (at most ``max_batch`` steps); more than ``lag_warn``
     steps queued is warned about once. Only beyond ``max_queue`` queued steps are steps skipped for
     detection (warned once); the statistics themselves are always written. ``flush()`` and
     ``close()`` examine everything queued at once. Attribute access falls through to the detector
@@ -140,8 +148,9 @@ class BackgroundDetector:
     """
 
     def __init__(self, detector: OnlineDetector, submit: Callable[[str, pa.RecordBatch], Any], max_queue: int = 1024,
-                 max_batch: int = 64, lag_warn: int = 8):
+                 max_batch: int = 64, lag_warn: int = 8, pair_wait_s: float = 1.0):
         self.detector = detector
+        self.pair_wait_s = float(pair_wait_s)
         self._submit = submit
         self.lag_warn = int(lag_warn)
         self.max_lag = 0  # the largest backlog seen, in steps
@@ -171,10 +180,16 @@ class BackgroundDetector:
         return None
 
     def _collect(self) -> list:
-        """The next batch: the first item queued, then whatever else is queued already (a backlog, up to
-        ``max_batch``); a flush or the close sentinel ends it."""
+        """The next batch: the first item queued and, if it is a step, the next one (waited for up to
+        ``pair_wait_s``), then whatever else is queued already (a backlog, up to ``max_batch``); a
+        flush or the close sentinel ends it."""
         items = [self._q.get()]
-        while len(items) < self.max_batch and items[-1] is not None and items[-1] is not _FLUSH:
+        if self.pair_wait_s > 0 and _is_step(items[-1]):
+            try:
+                items.append(self._q.get(timeout=self.pair_wait_s))
+            except queue.Empty:  # the run paused (an eval, a checkpoint): this step goes alone
+                pass
+        while len(items) < self.max_batch and _is_step(items[-1]):
             try:
                 items.append(self._q.get_nowait())
             except queue.Empty:
