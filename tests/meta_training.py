@@ -49,3 +49,25 @@ def train(model: torch.nn.Module, collector: StepCollector, loss_of, steps: int 
         rows += payload.n_rows
         collector.begin_step(step + 1)
     return rows
+
+
+def llama(every: int):
+    """A 2-layer ``transformers`` Llama (built from a config, random weights) on "meta", what-if
+    monitored with delayed scaling: ``(model, collector, loss_of)`` for :func:`train`."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    from fp8scope.emulate import DelayedScaling
+
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg).to("meta")
+    collector = attach(model, DelayedScaling(amax_history_len=8), every=every)
+
+    def loss_of(model):
+        ids = torch.randint(0, cfg.vocab_size, (2, 16), device="meta")
+        return model(input_ids=ids, labels=ids).loss
+
+    return model, collector, loss_of

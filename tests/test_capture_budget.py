@@ -208,22 +208,9 @@ def test_an_accelerator_reads_a_cheap_steps_weights_in_one_call():
     values to compute), a cheap step reads every weight in one ``_foreach_norm`` (two launches on
     CUDA) where each layer's forward read its own, once per micro-batch: on a ``transformers``
     Llama, 15 of its 39 reads a micro-batch. The activations and gradients are read as before."""
-    transformers = pytest.importorskip("transformers")
-    from meta_training import attach, train
+    from meta_training import llama, train
 
-    from fp8scope.emulate import DelayedScaling
-
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to("meta")
-    collector = attach(model, DelayedScaling(amax_history_len=8), every=100)
-
-    def loss_of(model):
-        ids = torch.randint(0, cfg.vocab_size, (2, 16), device="meta")
-        return model(input_ids=ids, labels=ids).loss
-
+    model, collector, loss_of = llama(every=100)
     counter = OpCounter()
     # step 0 full, step 1 cheap (its weights read one by one, as nothing is known yet), step 2 counted
     rows = train(model, collector, loss_of, steps=3, micro=2, last=counter)

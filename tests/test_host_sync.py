@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from meta_training import attach as _attach, train as _train
+from meta_training import attach as _attach, llama, train as _train
 
 from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
 from fp8scope.emulate import (CurrentScaling, DelayedScaling, Float8BlockScaling, MXFP8BlockScaling,
@@ -151,18 +151,7 @@ def test_transformers_llama_makes_no_host_sync_of_ours():
     """A ``transformers`` Llama (built from a config, random weights) with the what-if monitor: our
     hooks add no sync. (transformers itself makes a blocking copy in its forward, which on a GPU
     is the model's own cost, with or without a monitor: only our lines are held against us.)"""
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                   attn_implementation="sdpa")
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg).to("meta")
-    collector = _attach(model, DelayedScaling(amax_history_len=8), every=2)
-
-    def loss_of(model):
-        ids = torch.randint(0, cfg.vocab_size, (2, 16), device="meta")
-        return model(input_ids=ids, labels=ids).loss
-
+    model, collector, loss_of = llama(every=2)
     syncs = HostSyncs()
     with syncs:
         rows = _train(model, collector, loss_of)
