@@ -135,8 +135,9 @@ def main() -> int:
     if args.ops:
         plain, watched, by_name = ops_on_meta(args.size, args.batch, args.seq)
         print(f"Llama {args.size}, batch {args.batch} x {args.seq} tokens, bf16, one cheap what-if step on meta "
-              f"(an accelerator's code paths): plain {plain} aten ops, monitored {watched} (+{watched - plain}: "
-              f"{by_name.get('aminmax.default', 0)} aminmax, {by_name.get('_foreach_norm.Scalar', 0)} _foreach_norm)")
+              f"(an accelerator's code paths): plain {plain} aten ops, monitored {watched} "
+              f"(+{watched - plain}: {by_name.get('aminmax.default', 0)} aminmax, "
+              f"{by_name.get('_foreach_norm.Scalar', 0)} _foreach_norm)")
         return 0
     on_gpu = args.device.startswith("cuda")
     os.environ["FP8SCOPE_COMPILE"] = "sync" if on_gpu else "0"

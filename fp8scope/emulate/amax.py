@@ -140,7 +140,8 @@ def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
-def amax_parts_many(xs: list[torch.Tensor], multi_tensor: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
+def amax_parts_many(xs: list[torch.Tensor],
+                    multi_tensor: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`amax_parts` of each of ``xs`` (non-empty tensors on one device), as one multi-tensor
     call where torch has multi-tensor kernels for the device (CUDA: ``torch._foreach_norm`` at
     ``inf``, two launches for all of them), else one ``aminmax`` each (on a CPU torch's multi-tensor

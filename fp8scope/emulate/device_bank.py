@@ -6,9 +6,10 @@ on a GPU launched ~30 small kernels (the amax, the lazy delayed-scaling update, 
 about 2,000 launches per step for the tiny GPT's 63 tensors, each costing the training thread
 microseconds (``benchmarks/whatif_device_bank.py``). Here a capture is one amax pass
 (``amax.amax_parts``: one eager ``aminmax``; a weight's comes from the step's one batched read of
-them all, :mod:`~fp8scope.emulate.weight_reads`) and a returned :class:`DeferredRow`; when the step ends, :meth:`DeviceDelayedBank.resolve` stacks the step's
-amaxes, runs the updates of all slots together (~30 ops whatever the slot count) and leaves the
-step's rows in :attr:`DeviceDelayedBank.values`, in capture order.
+them all, :mod:`~fp8scope.emulate.weight_reads`) and a returned :class:`DeferredRow`; when the
+step ends, :meth:`DeviceDelayedBank.resolve` stacks the step's amaxes, runs the updates of all
+slots together (~30 ops whatever the slot count) and leaves the step's rows in
+:attr:`DeviceDelayedBank.values`, in capture order.
 
 The numbers are :class:`ScalingState`'s: both run :func:`~fp8scope.emulate.scaling.delayed_update`
 (TE's rule on float32 tensors), the bank on a batch of slots, a state on one;
