@@ -470,6 +470,42 @@ def test_background_detector_examines_steps_in_pairs_and_a_lone_step_after_its_w
     bg.close()
 
 
+def test_a_suspicious_step_is_examined_at_once():
+    """A step whose amax is non-finite or clipped (the triage rule that also asks for full stats),
+    or whose loss is non-finite, does not wait for a pair: a blow-up's first step is reported at
+    once, and an event fork starts as early as it did."""
+    import pyarrow as pa
+
+    from fp8scope.detect.online import BackgroundDetector, OnlineDetector
+
+    calls = []
+
+    class Det(OnlineDetector):
+        def process(self, steps):
+            calls.append([s[0] for s in steps])
+
+    def tensors(amax):
+        return pa.RecordBatch.from_pydict({"amax": [1.0, amax], "scale_inv": [1 / 448, 1 / 448],
+                                           "fp8_max": [448.0, 448.0]})
+
+    def loss(value):
+        return pa.RecordBatch.from_pydict({"value": [value]})
+
+    bg = BackgroundDetector(Det(), lambda table, batch: None, pair_wait_s=30)
+    for step, args in enumerate([(tensors(float("nan")), None), (tensors(1e4), None),
+                                 (None, loss(float("inf"))), (tensors(1.0), loss(2.0))]):
+        t0 = time.monotonic()
+        bg(step, 0, *args)
+        while step < 3 and len(calls) <= step and time.monotonic() < t0 + 10:
+            time.sleep(0.01)
+        if step < 3:
+            assert calls[-1] == [step] and time.monotonic() - t0 < 10  # at once, not after 30 s
+    time.sleep(0.2)
+    assert len(calls) == 3  # the healthy step waits for its pair
+    bg.close()
+    assert calls[-1] == [3]
+
+
 def test_background_detector_examines_a_backlog_in_batches_and_flush_does_not_wait():
     from fp8scope.detect.online import BackgroundDetector
 

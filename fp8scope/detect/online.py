@@ -10,8 +10,9 @@ detection are one code path and give the same events. Events are returned as
 Steps are examined in pairs, at the training process's own priority: events for step t must
 reach the run and ``on_event`` before step t+2 ends, also when every core is busy (a detector at
 lower priority fell tens of steps behind under load, after the very blow-up it should report).
-A step waits for the next one (at most ``pair_wait_s``, then it goes alone), and both are examined
-in one pass during the step after them: a pass costs little more for two steps than for one, and
+A step waits for the next one (at most ``pair_wait_s``, then it goes alone; a step the monitor's
+triage rule flags goes at once), and both are examined in one pass during the step after them: a
+pass costs little more for two steps than for one, and
 every pass is Python that holds the GIL the training thread needs to launch its work
 (docs/benchmarks.md, "where a what-if monitor's time goes"). A pass carries each tensor's last
 window rows and, for one new step, reduces each window where it lies (``features._Tail``) instead of sliding it over the carried rows, so
@@ -36,6 +37,7 @@ from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.engine import TensorPass, in_step_order, nan_events
 from fp8scope.detect.events import events_batch_from_records, sort_events, to_frame
 from fp8scope.detect.scalar_rules import ScalarState
+from fp8scope.detect.triage import suspicious_cheap_step
 from fp8scope.detect.features import TENSOR_COLUMNS
 
 log = logging.getLogger("fp8scope.detect")
@@ -184,7 +186,7 @@ class BackgroundDetector:
         ``pair_wait_s``), then whatever else is queued already (a backlog, up to ``max_batch``); a
         flush or the close sentinel ends it."""
         items = [self._q.get()]
-        if self.pair_wait_s > 0 and _is_step(items[-1]):
+        if self.pair_wait_s > 0 and _is_step(items[-1]) and not self._urgent(items[-1]):
             try:
                 items.append(self._q.get(timeout=self.pair_wait_s))
             except queue.Empty:  # the run paused (an eval, a checkpoint): this step goes alone
@@ -202,6 +204,24 @@ class BackgroundDetector:
                 warnings.warn(f"fp8scope: online detection fell {lag} steps behind the run; it examines the backlog in "
                               "batches to catch up (events may arrive late)", RuntimeWarning, stacklevel=2)
         return items
+
+    def _urgent(self, item: Step) -> bool:
+        """A step that does not wait for a pair: one the monitor's triage rule flags (a non-finite or
+        clipped amax: ``detect.triage``, the rule that also asks for full stats) or with a non-finite
+        scalar (the loss), so that what may be a blow-up's first step is reported at once, and an
+        event fork (``fp8scope.Shadow``) starts as early as before."""
+        _, _, tensors, scalars = item
+        try:
+            cfg = getattr(self.detector, "cfg", None)
+            if cfg is not None and tensors is not None and tensors.num_rows:
+                cols = [tensors.column(c).to_numpy(zero_copy_only=False) for c in ("amax", "scale_inv", "fp8_max")]
+                if suspicious_cheap_step(cfg, *cols):
+                    return True
+            if scalars is not None and scalars.num_rows:
+                return not np.isfinite(scalars.column("value").to_numpy(zero_copy_only=False)).all()
+        except Exception:  # a batch of another shape: look at it now rather than guess
+            return True
+        return False
 
     def _examine(self, steps: list) -> dict[str, list]:
         process = getattr(self.detector, "process", None)
