@@ -229,3 +229,33 @@ class _no_warning:
         self._cm.__exit__(*exc)
         ours = [w for w in self._got if "fp8scope" in str(w.message)]
         assert not ours, [str(w.message) for w in ours]
+
+
+def test_an_eval_forward_on_swapped_weights_reads_its_own():
+    """Evaluating with EMA weights swapped in through ``.data`` (no version bump) inside a step,
+    captured with ``capture_no_grad``: the eval forward's weight is read, not taken from the batch
+    the training forward used, so the step's merged row has the larger amax of the two."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16), nn.GELU(), nn.Linear(16, 4))
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    ema = [p.detach().clone() * 3 for p in model.parameters()]  # larger than the weights
+    x = torch.randn(8, 16)
+    with tempfile.TemporaryDirectory() as tmp:
+        with fp8scope.Monitor(model, tmp, every=100, detect=False, full_on_anomaly=0, capture_no_grad=True) as mon:
+            for _ in range(3):
+                model(x).square().mean().backward()
+                live = [p.detach().clone() for p in model.parameters()]
+                with torch.no_grad():  # before the optimizer's step: the weights' versions are the batch's
+                    for p, e in zip(model.parameters(), ema):
+                        p.data.copy_(e)
+                    model(x)
+                    for p, t in zip(model.parameters(), live):
+                        p.data.copy_(t)
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                mon.step()
+        df = fp8scope.load_run(tmp).tensors()
+    w = df[(df.tensor == "weight") & (df.step == 2) & (df.layer == "0")]
+    assert w.calls.item() == 2
+    assert w.amax.item() == pytest.approx(ema[0].abs().max().item(), rel=1e-6)
+

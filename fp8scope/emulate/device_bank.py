@@ -123,9 +123,11 @@ class DeviceDelayedBank:
         again. Only the last such tensor is remembered, by a weak reference (holding it would keep
         a layer input alive through the backward), until the next shared capture or the step's end.
         ``weight``: ``x`` is the layer's weight, read with the step's other weights in one batch
-        (:class:`~fp8scope.emulate.weight_reads.WeightReads`)."""
+        (:class:`~fp8scope.emulate.weight_reads.WeightReads`), in training forwards: an eval forward
+        (no grad) may run on weights swapped in through ``.data`` (an EMA), which bumps no version
+        counter, so it reads its own."""
         remembered = not x.is_inference()  # an inference tensor has no version counter to check
-        if weight and remembered:
+        if weight and remembered and torch.is_grad_enabled():
             parts = self._weights.parts(slot, x)
         elif shared and remembered:
             memo = self._shared

@@ -18,7 +18,10 @@ counter and data pointer. Otherwise the layer reads its weight itself, as before
 - a weight whose batched amax once did not stand for it (a framework that swaps tensors under a
   layer) is read by its layer from then on, so nothing is read twice a step for long;
 - a weight no layer captured in a step (an MoE expert that got no tokens) leaves the batch until
-  its layer captures it again.
+  its layer captures it again;
+- an eval forward (no grad, captured with ``capture_no_grad``) reads its own: it may run on
+  weights swapped in through ``.data`` (an EMA), which bumps no version counter
+  (``DeviceDelayedBank.capture``).
 """
 
 from __future__ import annotations
