@@ -45,6 +45,7 @@ them on the CPU too, ``--no-compile-stats`` keeps them eager on a GPU.
 from __future__ import annotations
 
 import argparse
+import collections
 import os
 import sys
 import tempfile
@@ -69,18 +70,21 @@ SIZES = ((256, 256), (1024, 4096), (8192, 4096))
 
 
 class OpCounter(TorchDispatchMode):
-    """Counts aten ops; views (no kernel on any device) are counted apart."""
+    """Counts aten ops, and each by name (``by_name``); views (no kernel on any device) are counted
+    apart."""
 
     def __init__(self):
         super().__init__()
         self.ops = 0
         self.views = 0
+        self.by_name: collections.Counter = collections.Counter()
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if torch.Tag.view_copy in func.tags or func.is_view or func.__name__ in ("detach", "view", "alias"):
             self.views += 1
         else:
             self.ops += 1
+            self.by_name[func.__name__] += 1
         return func(*args, **(kwargs or {}))
 
 

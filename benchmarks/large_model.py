@@ -80,25 +80,12 @@ def ops_on_meta(size: str, batch: int, seq: int) -> tuple[int, int, dict[str, in
     """(plain ops, monitored ops, the monitored step's ops by name) of one cheap what-if step on "meta",
     the capture side wired as the monitor wires it (``tests/meta_training.py``; the writer thread,
     which reads rows on the host, is left out)."""
-    import collections
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "tests"))
     import transformers
+    from capture_cost import OpCounter
     from meta_training import attach, train
 
     from fp8scope.capture.collector import StepCollector
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.ops: collections.Counter = collections.Counter()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            if not func.is_view and func.__name__ not in ("detach", "alias"):  # views launch nothing
-                self.ops[func.__name__] += 1
-            return func(*args, **(kwargs or {}))
 
     cfg = transformers.LlamaConfig(**SIZES[size], attn_implementation="sdpa")
     with torch.device("meta"):
@@ -108,12 +95,12 @@ def ops_on_meta(size: str, batch: int, seq: int) -> tuple[int, int, dict[str, in
         ids = torch.randint(0, cfg.vocab_size, (batch, seq), device="meta")
         return m(input_ids=ids, labels=ids).loss
 
-    plain, watched = Ops(), Ops()
+    plain, watched = OpCounter(), OpCounter()
     train(model, StepCollector((), 100, None, False), loss_of, steps=2, micro=1, last=plain)  # nothing captured
     # step 0 full, step 1 cheap (weights not known yet), step 2 cheap: counted
     train(model, attach(model, DelayedScaling(amax_history_len=16), every=100), loss_of, steps=3, micro=1,
           last=watched)
-    return sum(plain.ops.values()), sum(watched.ops.values()), dict(watched.ops)
+    return plain.ops, watched.ops, dict(watched.by_name)
 
 
 def model_args(ap: argparse.ArgumentParser) -> None:

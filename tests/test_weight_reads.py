@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -200,7 +201,8 @@ def test_a_monitored_run_logs_each_steps_true_weight_amax():
     for name, w in weights.items():
         model.get_submodule(name).register_forward_hook(note(name, w))
     with tempfile.TemporaryDirectory() as tmp:
-        with _no_warning():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
             with fp8scope.Monitor(model, tmp, every=100, detect=False, full_on_anomaly=0) as mon:
                 for step in range(6):
                     for _ in range(2):
@@ -210,25 +212,12 @@ def test_a_monitored_run_logs_each_steps_true_weight_amax():
                     model[4].step_and_reshard(0.05)
                     mon.step()
         df = fp8scope.load_run(tmp).tensors()
+    assert not [str(w.message) for w in caught if "fp8scope" in str(w.message)]
     rows = df[df.tensor == "weight"]
     assert len(rows) == 6 * 3
     for (step, name), amax in seen.items():
         got = rows[(rows.step == step) & (rows.layer == name)].amax.item()
         assert got == pytest.approx(amax, rel=1e-6), (step, name)
-
-
-class _no_warning:
-    def __enter__(self):
-        import warnings
-
-        self._cm = warnings.catch_warnings(record=True)
-        self._got = self._cm.__enter__()
-        warnings.simplefilter("always")
-
-    def __exit__(self, *exc):
-        self._cm.__exit__(*exc)
-        ours = [w for w in self._got if "fp8scope" in str(w.message)]
-        assert not ours, [str(w.message) for w in ours]
 
 
 def test_an_eval_forward_on_swapped_weights_reads_its_own():

@@ -12,13 +12,14 @@ reach the run and ``on_event`` before step t+2 ends, also when every core is bus
 lower priority fell tens of steps behind under load, after the very blow-up it should report).
 A step waits for the next one (at most ``pair_wait_s``, then it goes alone; a step the monitor's
 triage rule flags goes at once), and both are examined in one pass during the step after them: a
-pass costs little more for two steps than for one, and
-every pass is Python that holds the GIL the training thread needs to launch its work
-(docs/benchmarks.md, "where a what-if monitor's time goes"). A pass carries each tensor's last
-window rows and, for one new step, reduces each window where it lies (``features._Tail``) instead of sliding it over the carried rows, so
-a step costs little beside a training step (``benchmarks/report_speed.py --online``). When steps
-queue up anyway (a slow machine, a burst), the backlog is examined in one batch (at most ``max_batch`` steps), so the
-detector catches up instead of drifting; falling more than ``lag_warn`` steps behind is said once.
+pass costs little more for two steps than for one, and every pass is Python that holds the GIL
+the training thread needs to launch its work (docs/benchmarks.md, "where a what-if monitor's time
+goes"). A pass carries each tensor's last window rows and, for one new step, reduces each window
+where it lies (``features._Tail``) instead of sliding it over the carried rows, so a step costs
+little beside a training step (``benchmarks/report_speed.py --online``). When steps queue up
+anyway (a slow machine, a burst), the backlog is examined in one batch (at most ``max_batch``
+steps), so the detector catches up instead of drifting; falling more than ``lag_warn`` steps
+behind is said once.
 """
 
 from __future__ import annotations
@@ -144,9 +145,9 @@ class BackgroundDetector:
     up to ``pair_wait_s`` for the next; 0 examines each alone), and a backlog in one pass and one
     events write (at most ``max_batch`` steps); more than ``lag_warn`` steps queued is warned about
     once. Only beyond ``max_queue`` queued steps are steps skipped for detection (warned once); the
-    statistics themselves are always written. ``flush()`` and
-    ``close()`` examine everything queued at once. Attribute access falls through to the detector
-    (``.events``, ``.frame()``). ``detector`` may also be any per-step listener callable.
+    statistics themselves are always written. ``flush()`` and ``close()`` examine everything queued
+    at once. Attribute access falls through to the detector (``.events``, ``.frame()``).
+    ``detector`` may also be any per-step listener callable.
     """
 
     def __init__(self, detector: OnlineDetector, submit: Callable[[str, pa.RecordBatch], Any], max_queue: int = 1024,

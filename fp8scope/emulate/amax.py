@@ -27,6 +27,8 @@ launches cost the host (``benchmarks/large_model.py``; docs/benchmarks.md, "On a
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from fp8scope.compiled import CompiledFn, tracing
@@ -167,21 +169,16 @@ def amax_parts_many(xs: list[torch.Tensor],
     return out
 
 
+@functools.cache
 def _multi_tensor_devices() -> tuple[str, ...]:
     """Device types with torch's multi-tensor kernels (as ``torch.optim`` decides its default), and
     "meta", which takes an accelerator's code paths in the host-sync and op-count tests."""
-    global _MULTI
-    if _MULTI is None:
-        try:
-            from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+    try:
+        from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
 
-            _MULTI = (*_get_foreach_kernels_supported_devices(), "meta")
-        except ImportError:  # an older torch: CUDA had them first
-            _MULTI = ("cuda", "meta")
-    return _MULTI
-
-
-_MULTI: tuple[str, ...] | None = None
+        return (*_get_foreach_kernels_supported_devices(), "meta")
+    except ImportError:  # an older torch: CUDA had them first
+        return ("cuda", "meta")
 
 
 def combine_parts(a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

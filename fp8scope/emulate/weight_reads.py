@@ -14,9 +14,9 @@ counter and data pointer. Otherwise the layer reads its weight itself, as before
 - sharded or offloaded weights (FSDP, ZeRO-3) are whole only inside their layer's forward: at the
   batch they are another tensor, another shape, or storage freed to a null data pointer, so they
   are not read then;
-- a weight changed in place after the batch (a version bump) is read again;
-- a weight whose batched amax once did not stand for it (a framework that swaps tensors under a
-  layer) is read by its layer from then on, so nothing is read twice a step for long;
+- a weight whose batched amax once did not stand for it (changed in place after the batch, or
+  swapped under its layer by a framework) is read by its layer from then on, so nothing is read
+  twice a step for long;
 - a weight no layer captured in a step (an MoE expert that got no tokens) leaves the batch until
   its layer captures it again;
 - an eval forward (no grad, captured with ``capture_no_grad``) reads its own: it may run on
@@ -81,4 +81,5 @@ class WeightReads:
                 continue
             entries.append((slot, t, t._version, ptr))
             tensors.append(t)
-        return {slot: (t, version, ptr, p) for (slot, t, version, ptr), p in zip(entries, amax_parts_many(tensors))}
+        parts = amax_parts_many(tensors)
+        return {slot: (t, version, ptr, p) for (slot, t, version, ptr), p in zip(entries, parts)}
