@@ -156,14 +156,11 @@ def main() -> int:
         key = ("cuda", *rest)
         examples = stats._full_examples(("cpu", *rest))
         now = triton_code(stats.traced_form(key), examples, stats.FULL_STATS.options(key))
-        before = triton_code(stats.FULL_STATS.fallback(key), examples)  # the eager form, compiled as it was
         if i == 0 and args.code:
             with open(args.code, "w") as f:
                 f.write(now)
         counts[f"full_stats {rest}"] = list(kernels_and_launches(now))
-        counts[f"full_stats {rest} eager form"] = list(kernels_and_launches(before))
-        say("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
-            label, *counts[f"full_stats {rest}"], *counts[f"full_stats {rest} eager form"]))
+        say("   {:58s} {:>3d} ({:>2d})".format(label, *counts[f"full_stats {rest}"]))
     recipes = [r for r in args.recipes.split(",") if r]
     if recipes:
         say("full stats measuring one other recipe too (Monitor(whatif_recipes=...), full steps; bf16 activation):")
@@ -172,11 +169,8 @@ def main() -> int:
         key = ("cuda", *rest)
         examples = stats._full_examples(("cpu", *rest))
         now = triton_code(stats.traced_form(key), examples, stats.FULL_STATS.options(key))
-        before = triton_code(stats.FULL_STATS.fallback(key), examples)
         counts[f"full_stats + {recipe}"] = list(kernels_and_launches(now))
-        counts[f"full_stats + {recipe} eager form"] = list(kernels_and_launches(before))
-        say("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
-            recipe, *counts[f"full_stats + {recipe}"], *counts[f"full_stats + {recipe} eager form"]))
+        say("   {:58s} {:>3d} ({:>2d})".format(recipe, *counts[f"full_stats + {recipe}"]))
     ex = amax._examples(("cpu", torch.bfloat16))
     counts["amax_pair"] = list(kernels_and_launches(triton_code(amax._fused_pair, ex, amax.AMAX.options(("cuda", torch.bfloat16)))))
     counts["amax_pair eager form"] = list(kernels_and_launches(triton_code(lambda x: amax.amaxes_of_magnitudes(x.abs()), ex)))

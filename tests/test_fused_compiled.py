@@ -1,7 +1,8 @@
 """The fused full-stats form as inductor compiles it, against the eager form.
 
-On a GPU the fused form (``capture.stats._make_full_fused``) is what runs; ``tests/test_stats.py``
-checks its arithmetic eagerly, and ``tests/test_gpu.py`` compiled to Triton where a GPU is lent.
+Wherever the stats compile the fused form (``capture.stats._make_full_fused``) is what runs;
+``tests/test_stats.py`` checks its arithmetic eagerly, and ``tests/test_gpu.py`` compiled to Triton
+where a GPU is lent.
 Here inductor compiles it with the variant's own options (realize thresholds; no split reductions
 but with other recipes in the same graph) to C++, on adversarial tensors (NaN, Inf, zeros,
 subnormals, values past the format's range), so a lowering that changes a number (NaN through a

@@ -121,6 +121,37 @@ def test_full_stats_return_te_amax_for_a_whatif_state():
     assert math.isnan(float(wide_stats(row)[FIELD_INDEX["amax"]])) and float(recorded) == 5.0
 
 
+def test_the_pass_leaves_the_callers_tensors_alone():
+    """The eager pass computes in place in scratch tensors, and reads a float32 tensor as it is (no
+    copy): a slip would overwrite the user's activation or the emulated layer's dequantized copy. So
+    would the emulated layer's amax pair and round trip, which clean and decode in place too."""
+    from fp8scope.emulate.quantize import quantize_dequantize
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(64, 48, generator=g) * 100
+    x[0, :3] = torch.tensor([math.nan, math.inf, -math.inf])
+    x[1, :5] = 0
+    deq = (x * 2).to(E4M3.dtype).float() / 2
+    before = (x.clone(), deq.clone())
+    for d in (None, deq):
+        for scale in (torch.tensor(2.0), torch.full((64, 1), 2.0)):
+            stats_call(x, scale, 1 / scale, torch.tensor(4.0), E4M3, deq=d)
+            if scale.dim() == 0:  # a strided view: the pass reads it in place too
+                stats_call(x.t(), scale, 1 / scale, torch.tensor(4.0), E4M3, deq=None if d is None else d.t())
+    amax_pair(x)
+    quantize_dequantize(x, torch.tensor(2.0), torch.tensor(0.5), E4M3)
+    for now, then in zip((x, deq), before):
+        assert torch.equal(now.isnan(), then.isnan()) and torch.equal(now.nan_to_num(), then.nan_to_num())
+
+
+def test_counts_stay_exact_past_float32s_integer_range():
+    """Counts are float32 sums per row, exact while a row holds fewer than 2**24 elements; a longer
+    row (a vector of prime length, which no matrix view refolds) is summed in float64."""
+    n = 16_777_259  # prime, above 2**24: odd counts past 2**24 are not float32 numbers
+    s = as_dict(full_stats(torch.full((n,), 1e-30), 1.0, 1.0, 1.0, E4M3))
+    assert s["numel"] == n and s["underflow"] == n and s["zeros"] == 0 and s["overflow"] == 0
+
+
 def test_derived_limits_match_torch_finfo():
     for name in ("e4m3", "e5m2", "e4m3fnuz", "e5m2fnuz"):
         fmt = get_format(name)
@@ -142,7 +173,7 @@ def test_the_fused_form_gives_the_eager_forms_numbers(variant):
     g = torch.Generator().manual_seed(0)
     for trial in range(20):
         key, args = fused_stats_case(variant, "e4m3" if trial % 2 else "e5m2", 16, 40, trial, g)
-        fused, eager = st._make_full_fused(key)(*args), st.FULL_STATS.fallback(key)(*args)  # the CPU compiles no fused form
+        fused, eager = st._make_full_fused(key)(*args), st.FULL_STATS.fallback(key)(*args)  # the fused form run eagerly
         if variant == "recipes":  # the recipes' rows: one expression in both forms
             assert torch.equal(fused[1], eager[1]) or torch.allclose(fused[1], eager[1], equal_nan=True)
             fused, eager = fused[0], eager[0]

@@ -55,14 +55,11 @@ def test_the_pass_over_the_tensor_has_a_program_per_block_of_rows(generated):
 
 def test_full_stats_are_one_pass_and_few_launches_on_cuda(counts):
     """Budget (issue 15): at most 3 generated kernels per captured tensor, and as many launches, for
-    every scale layout; the eager form compiled makes 19 (23 with per-row scales)."""
+    every scale layout (the tool gave an H200's count exactly for an earlier form of the pass)."""
     for variant in ("(torch.bfloat16, 'e4m3', False, False)", "(torch.bfloat16, 'e4m3', False, True)",
                     "(torch.float32, 'e5m2', True, True)"):
         kernels, launches = counts[f"full_stats {variant}"]
         assert kernels <= 3 and launches <= 3, (variant, counts)
-    # The tool reproduced an H200's count for the eager form as it then was (12 kernels, 17
-    # launches); the same form, now with the recorded amax in its row, must still count the same way.
-    assert counts["full_stats (torch.bfloat16, 'e4m3', False, False) eager form"] == [12, 19], counts
 
 
 def test_the_emulated_layers_amax_pair_is_two_launches_on_cuda(counts):
@@ -71,6 +68,5 @@ def test_the_emulated_layers_amax_pair_is_two_launches_on_cuda(counts):
 
 def test_a_variant_measuring_another_recipe_compiles_the_fused_stats_too(counts):
     """Full steps of ``Monitor(whatif_recipes=["current"])``: the fused stats (3 launches) and the
-    recipe's fused sums in one graph, 12 launches, where the eager form compiled makes 31."""
+    recipe's fused sums in one graph, 12 launches (a functional eager form compiled made 31)."""
     assert counts["full_stats + current"][1] <= 12, counts
-    assert counts["full_stats + current eager form"][1] >= 2 * counts["full_stats + current"][1], counts

@@ -5,11 +5,12 @@ own device, with no host sync. The capture path calls :func:`stats_call`, whose 
 numbers in the order a compiled pass writes them (``step_payload.WIDE_FIELDS``); the collector stacks
 a step's rows and moves them to the host in a single transfer, and the host reorders them. The
 arithmetic is one function, compiled once per (device type, dtype, format, scale layout) by
-``fp8scope.compiled`` (on an accelerator ahead, in a compile child; eager meanwhile): inductor's C++ makes it one kernel on the CPU; on an accelerator inductor
-compiles a form written for Triton (:func:`_make_full_fused`: 3 kernels and 3 launches per tensor,
-where the eager form compiles to 19 launches; ``benchmarks/triton_kernels.py`` counts them). Where
-a variant is not compiled (the CPU's default, ``FP8SCOPE_COMPILE=0``), the eager form runs, about 37 aten ops
-whatever the tensor's size (no chunking: the temporaries are a few copies of the tensor in float32).
+``fp8scope.compiled`` (on an accelerator ahead, in a compile child; eager meanwhile), in a form
+written for the compiler (:func:`_make_full_fused`): 3 Triton kernels and 3 launches per tensor on a
+GPU (``benchmarks/triton_kernels.py`` counts them), one C++ kernel on the CPU. Where a variant is
+not compiled (the CPU's default, ``FP8SCOPE_COMPILE=0``), the eager form runs
+(:func:`_make_full`): about 38 aten ops whatever the tensor's size, no chunking, computed in place
+in a few scratch copies of the tensor.
 
 What each field means:
 
@@ -54,7 +55,7 @@ import torch
 from fp8scope.compiled import CompiledFn, tracing
 from fp8scope.emulate.amax import recorded_amax, row_matrix
 from fp8scope.emulate.blocks import as_matrix, e2m1_round
-from fp8scope.emulate.recipe_table import E2M1, count, counts as recipe_counts
+from fp8scope.emulate.recipe_table import E2M1, counts as recipe_counts
 from fp8scope.formats import Fp8Format, get_format
 from fp8scope.schema import RECIPE_FIELDS
 from fp8scope.step_payload import N_WIDE, N_WIDE_MAX, WIDE_INDEX, wide_stats
@@ -91,11 +92,18 @@ def _variant(key):
     return fmt, fmt.max, saturation_floor(fmt), fmt.underflow_threshold, dtype8, per_row, has_deq, recipes, role, whole_given
 
 
-def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq):
-    """The real cast of ``a`` (float32), decoded back: the quantization error's reference."""
+def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq, into=None):
+    """The real cast of ``a`` (float32), decoded back: the quantization error's reference. ``into``:
+    a float32 scratch of ``a``'s shape to decode into (the eager form's), else a new tensor."""
     if has_deq:
         return deq.to(torch.float32)
-    return (a * scale).clamp(-fmax, fmax).to(dtype8).to(torch.float32) * scale_inv
+    if into is None:
+        return (a * scale).clamp(-fmax, fmax).to(dtype8).to(torch.float32) * scale_inv
+    q8 = torch.mul(a, scale, out=into).clamp_(-fmax, fmax).to(dtype8)
+    return into.copy_(q8).mul_(scale_inv)
+
+
+_EXACT_ROW = 1 << 24  # a float32 sum of ones is exact while it stays below 2**24
 
 
 def _make_full(key):
@@ -103,37 +111,64 @@ def _make_full(key):
     variant with other recipes (``recipes``, the tensor's base ``role``) also measures each of them
     on the same tensor (``emulate.recipe_table.counts``) and returns their vectors as a second
     output: ``whole_given`` when the matrix they read is not ``x`` itself (``x`` is then a view of
-    blocks). About 37 ops whatever the size, each a pass over the tensor at most: what runs while
-    the compiled form (:func:`_make_full_fused`, the same numbers) is not ready or not wanted."""
+    blocks). ``x`` is a matrix (``stats_call``'s). About 38 ops whatever the size, each a pass over
+    the tensor at most: what runs while the compiled form (:func:`_make_full_fused`, the same
+    numbers) is not ready or not wanted.
+
+    How, and why:
+
+    - Every value is computed in place in a few scratch tensors (the magnitudes, the scaled
+      magnitudes, and one block for two masks and the counts, which later holds the float64 copy
+      for the squared sums), in an order that reads each before it is overwritten. On a CPU each
+      fresh tensor-sized temporary is fresh memory from the OS, whose page faults cost more than
+      the passes over it; on a GPU it is memory the training may need.
+    - Each count is a comparison written as 0/1 float32, summed per row in float32 (exact: a row
+      holds fewer than 2**24 elements) and over the rows in float64, all six in one reduction. On
+      a CPU a comparison that writes booleans runs about four times slower than one that writes
+      float32, and a float sum is faster than ``count_nonzero``.
+
+    The form before (a fresh temporary per value, boolean masks) took about twice as long on the
+    demo's MLP input. ``x`` and ``deq`` are the caller's: only read."""
     fmt, fmax, sat, under, dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
-        a = x.to(torch.float32)
-        m = a.abs()
-        # quantization error first: the real cast, decoded (or the caller's dequantized copy);
-        # non-finite elements count as no error and no signal
-        q = _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq)
-        err = torch.nan_to_num(q - a, nan=0.0, posinf=0.0, neginf=0.0)
-        clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
+        a = x.to(torch.float32)  # x itself when it is float32
+        rows, cols = a.shape
+        n = a.numel()
+        m = a.abs()  # the magnitudes
+        block = torch.empty(2 * n + 6 * rows, dtype=torch.float32, device=a.device)
+        o1, o2 = block[:n].view(rows, cols), block[n:2 * n].view(rows, cols)  # two 0/1 masks
+        exact = cols < _EXACT_ROW
+        # per row: numel, zeros, nonfinite, overflow, underflow, saturated (WIDE_FIELDS' order)
+        parts = block[2 * n:].view(6, rows) if exact else torch.empty(6, rows, dtype=torch.float64, device=a.device)
+
+        def row_sums(ones, i):
+            return torch.sum(ones, -1, out=parts[i]) if exact else torch.sum(ones, -1, dtype=torch.float64, out=parts[i])
+
+        logged = m.amax()  # NaN propagates
+        parts[0].fill_(cols)
+        row_sums(torch.eq(m, 0, out=o1), 1)
+        row_sums(torch.ne(torch.sub(m, m, out=o1), 0, out=o1), 2)  # inf - inf and NaN - NaN are NaN
+        nonzero = torch.gt(m, 0, out=o1)  # NaN compares false; kept for the smallest non-zero below
         y = m * scale  # the scaled magnitudes the cast sees
-        nonzero = m > 0  # NaN compares false
-        n_nonzero = count(nonzero)
-        row = torch.stack([  # step_payload.WIDE_FIELDS
-            m.amax(),  # NaN propagates
-            torch.where(nonzero, m, _INF).amin(),  # smallest non-zero (inf if none)
-            recorded_amax(m),  # TE's amax (NaN ignored), for a what-if state
-            scale.amin() if per_row else scale,
-            scale_inv.amax() if per_row else scale_inv,
-            expected,
-            expected, expected,  # unused: a copy costs no op
-            torch.full((), a.numel(), dtype=torch.float64, device=a.device),
-            count(m == 0),
-            a.numel() - count(m < _INF),  # NaN and Inf
-            count(y > fmax),
-            n_nonzero - count(y > under),  # non-zero before the cast, zero after
-            count(y > sat),
-            torch.linalg.vector_norm(err, 2, dtype=torch.float64).square(),
-            torch.linalg.vector_norm(clean, 2, dtype=torch.float64).square(),
+        row_sums(torch.gt(y, fmax, out=o2), 3)
+        row_sums(torch.sub(nonzero, torch.gt(y, under, out=o2), out=o2), 4)  # non-zero before the cast, zero after
+        row_sums(torch.gt(y, sat, out=o2), 5)
+        recorded = recorded_amax(m, scratch=True)  # TE's amax (NaN ignored); in m NaN is 0 from here
+        min_nonzero = m.div_(nonzero).nan_to_num_(nan=_INF, posinf=_INF).amin()  # 0 / 0 is NaN: inf if none is non-zero
+        # quantization error: the real cast, decoded (or the caller's dequantized copy), in y's place;
+        # non-finite elements count as no error and no signal
+        q = _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq, into=y)
+        err = (q.sub_(a) if q is y else torch.sub(q, a, out=y)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        wide = block[:2 * n].view(torch.float64)  # the masks' place, free now; x may be strided
+        sq_err = torch.dot(wide.view(rows, cols).copy_(err).view(-1), wide)
+        sq_signal = torch.dot(wide.view(rows, cols).copy_(a).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).view(-1), wide)
+        one = (1,)
+        row = torch.cat([  # step_payload.WIDE_FIELDS, float64
+            logged.view(one), min_nonzero.view(one), recorded.view(one),  # recorded: for a what-if state
+            (scale.amin() if per_row else scale).reshape(one), (scale_inv.amax() if per_row else scale_inv).reshape(one),
+            *[expected.reshape(one)] * 3,  # expected, then two unused copies
+            parts.sum(-1, dtype=torch.float64), sq_err.view(one), sq_signal.view(one),
         ])
         return row if not recipes else (row, _recipe_matrix(x, whole, recipes, role, whole_given))
 
@@ -141,7 +176,8 @@ def _make_full(key):
 
 
 def _make_full_fused(key):
-    """The same row as :func:`_make_full`, written for inductor on a GPU: ``x`` is a matrix (rows of
+    """The same row as :func:`_make_full`, written for inductor (Triton on a GPU, C++ on the CPU, the
+    form every compiled variant traces: :func:`traced_form`): ``x`` is a matrix (rows of
     a per-row scale, or any 2-D view of the tensor, ``emulate.amax.row_matrix``), and every value is
     reduced in two stages, each row first and then the rows. Each value is its own reduction, so
     inductor fuses the first stage into one kernel with a program per block of rows that reads each
@@ -150,8 +186,8 @@ def _make_full_fused(key):
     laid out for that). Counts are summed per row as integers, then over the rows in float64; the
     squared norms in float64 throughout.
 
-    Why this shape: the eager form compiled to 12 Triton kernels and 17 launches per tensor on an
-    H200, each finishing launch of a split reduction costing host time. A first fused form stacked
+    Why this shape: a functional eager form compiled to 12 Triton kernels and 17 launches per tensor
+    on an H200, each finishing launch of a split reduction costing host time. A first fused form stacked
     the per-element columns into one ``[elements, 8]`` reduction, 3 launches, but Triton gave each
     column programs of its own that computed every column: an H200 ran it several times slower
     than the eager form on large tensors (docs/benchmarks.md). Split reductions stay off
@@ -227,34 +263,28 @@ def _compile_options(key) -> dict:
     per-row scales does (a second pass over the tensor and more launches). Split reductions are
     off: the rows are the split, and inductor would finish each stage in two launches. A variant
     that also measures other recipes keeps them: a recipe's whole-tensor amax (current scaling's,
-    NVFP4's tensor scale) would otherwise run in one program. The variants that compile the eager
-    form keep inductor's other defaults.
+    NVFP4's tensor scale) would otherwise run in one program.
 
     Every variant keeps eager's rounding through bf16 and fp16 (``emulate_precision_casts``): by
     default inductor drops a downcast that an upcast follows inside one kernel, which turned the
     ``bf16`` recipe's round trip into the identity, its squared error into 0 and its SQNR into
     infinity (``tests/test_recipe_advisor.py`` compiled)."""
-    options = {"emulate_precision_casts": True}
-    if not _fused(key):
-        return options
-    options.update(realize_opcount_threshold=1 << 20, realize_acc_reads_threshold=1 << 20)
+    options = {"emulate_precision_casts": True, "realize_opcount_threshold": 1 << 20,
+               "realize_acc_reads_threshold": 1 << 20}
     if len(key) <= 5:  # no other recipes: every reduction is a stage of rows
         options["split_reductions"] = False
     return options
 
 
-def _fused(key) -> bool:
-    """Whether a variant compiles the fused form: on accelerators (Triton), not on the CPU, where
-    inductor's C++ makes the eager form one loop nest already. A variant that also measures other
-    recipes (full steps of ``Monitor(whatif_recipes=...)``) compiles it too, with the recipes'
-    counts in the same graph, except with per-row scales (block and rowwise recipes measuring
-    others), which no check has compiled on a GPU yet: they compile the eager form."""
-    return key[0] != "cpu" and (len(key) <= 5 or not key[3])
-
-
 def traced_form(key):
-    """The function inductor compiles for a variant (see :func:`_fused`)."""
-    return _make_full_fused(key) if _fused(key) else _make_full(key)
+    """The function inductor compiles for a variant, on every device: the fused form. Inductor's C++
+    makes it one kernel on the CPU, and Triton 3 launches on a GPU. Not the eager form: it computes
+    in place in scratch tensors (:func:`_make_full`), which traced are buffers inductor keeps apart
+    (8 C++ kernels instead of 1). With other recipes measured and per-row scales (block and rowwise
+    recipes measuring others) the fused form is checked on the CPU (``tests/test_recipe_advisor.py``)
+    and in ``benchmarks/triton_kernels.py`` (9-12 launches, where the eager form of an earlier tree
+    compiled to 31-35), not yet run on a GPU."""
+    return _make_full_fused(key)
 
 
 def _make_compiled(key):
@@ -262,10 +292,7 @@ def _make_compiled(key):
     (``compiled.tracing``), the eager form when it runs as plain Python: a call the compiled code
     does not fit (a strided view, a dispatch mode) runs it so, and the fused form run eagerly would
     hold each of its per-element values in memory."""
-    eager = _make_full(key)
-    if not _fused(key):
-        return eager
-    fused = _make_full_fused(key)
+    eager, fused = _make_full(key), _make_full_fused(key)
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
         if tracing():

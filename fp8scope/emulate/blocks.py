@@ -75,7 +75,7 @@ def as_matrix(x: torch.Tensor) -> torch.Tensor:
 
 def block_amax(blocks: torch.Tensor) -> torch.Tensor:
     """Per-row amax, NaN elements ignored (``fmaxf`` from 0, ``amax.recorded_amax``), float32, [rows, 1]."""
-    return recorded_amax(blocks.abs().float(), dim=1)
+    return recorded_amax(blocks.abs().float(), dim=1, scratch=True)
 
 
 def _tiles(x2d: torch.Tensor, rows: int, cols: int) -> tuple[torch.Tensor, torch.Tensor | None]:

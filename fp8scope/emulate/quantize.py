@@ -26,11 +26,15 @@ def _scaled_f32(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
     return y.mul_(scale)
 
 
+def _clamped_scaled(x: torch.Tensor, scale: torch.Tensor | float, fmt: Fp8Format) -> torch.Tensor:
+    """``clamp(x * scale, -max, max)`` in float32, a fresh tensor: what the cast reads."""
+    y = _scaled_f32(x, scale if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.float32))
+    return y.clamp_(-fmt.max, fmt.max)
+
+
 def quantize(x: torch.Tensor, scale: torch.Tensor | float, fmt: Fp8Format) -> torch.Tensor:
     """``cast_fp8(clamp(x * scale, -max, max))`` as a tensor of ``fmt.dtype``."""
-    y = _scaled_f32(x, scale if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.float32))
-    y.clamp_(-fmt.max, fmt.max)
-    return y.to(fmt.dtype)
+    return _clamped_scaled(x, scale, fmt).to(fmt.dtype)
 
 
 def dequantize(
@@ -48,6 +52,10 @@ def dequantize(
 def quantize_dequantize(
     x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(q, dequantize(q))`` in one go: the float32 value after the FP8 round trip."""
-    q = quantize(x, scale, fmt)
-    return q, dequantize(q, scale_inv)
+    """``(q, dequantize(q))`` in one go: the float32 value after the FP8 round trip. The decoded
+    values are written into the float32 buffer the cast read, so the round trip holds one
+    tensor-sized float32 temporary, not two (the emulated layer runs it on every operand; on a CPU
+    a fresh large buffer is fresh memory from the OS each time)."""
+    y = _clamped_scaled(x, scale, fmt)
+    q = y.to(fmt.dtype)
+    return q, y.copy_(q).mul_(scale_inv)

@@ -119,7 +119,8 @@ def _columnwise(x: torch.Tensor, recipe: str) -> tuple[BlockScales, str]:
 def count(mask: torch.Tensor) -> torch.Tensor:
     """The true elements of a boolean mask, as int64: ``count_nonzero``, one op on every device (a
     bool ``sum`` promotes each element to int64 first, which on the CPU costs twice the pass). The
-    stats pass counts with it too."""
+    stats pass's eager form counts its six values otherwise, in one reduction
+    (``capture.stats._make_full``)."""
     return torch.count_nonzero(mask)
 
 
