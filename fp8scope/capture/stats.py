@@ -139,7 +139,7 @@ def _make_full(key):
         block = torch.empty(2 * n + 6 * rows, dtype=torch.float32, device=a.device)
         o1, o2 = block[:n].view(rows, cols), block[n:2 * n].view(rows, cols)  # two 0/1 masks
         exact = cols < _EXACT_ROW
-        # per row: numel, zeros, nonfinite, overflow, underflow, saturated (WIDE_FIELDS' order)
+        # per row: numel, zeros, finite (non-finite once summed), overflow, underflow, saturated
         parts = block[2 * n:].view(6, rows) if exact else torch.empty(6, rows, dtype=torch.float64, device=a.device)
 
         def row_sums(ones, i):
@@ -148,7 +148,7 @@ def _make_full(key):
         logged = m.amax()  # NaN propagates
         parts[0].fill_(cols)
         row_sums(torch.eq(m, 0, out=o1), 1)
-        row_sums(torch.ne(torch.sub(m, m, out=o1), 0, out=o1), 2)  # inf - inf and NaN - NaN are NaN
+        row_sums(torch.lt(m, _INF, out=o1), 2)  # the finite elements (NaN compares false): non-finite below
         nonzero = torch.gt(m, 0, out=o1)  # NaN compares false; kept for the smallest non-zero below
         y = m * scale  # the scaled magnitudes the cast sees
         row_sums(torch.gt(y, fmax, out=o2), 3)
@@ -163,12 +163,14 @@ def _make_full(key):
         wide = block[:2 * n].view(torch.float64)  # the masks' place, free now; x may be strided
         sq_err = torch.dot(wide.view(rows, cols).copy_(err).view(-1), wide)
         sq_signal = torch.dot(wide.view(rows, cols).copy_(a).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).view(-1), wide)
+        counts = parts.sum(-1, dtype=torch.float64)
+        torch.sub(counts[0], counts[2], out=counts[2])  # numel - finite: NaN and Inf
         one = (1,)
         row = torch.cat([  # step_payload.WIDE_FIELDS, float64
             logged.view(one), min_nonzero.view(one), recorded.view(one),  # recorded: for a what-if state
             (scale.amin() if per_row else scale).reshape(one), (scale_inv.amax() if per_row else scale_inv).reshape(one),
             *[expected.reshape(one)] * 3,  # expected, then two unused copies
-            parts.sum(-1, dtype=torch.float64), sq_err.view(one), sq_signal.view(one),
+            counts, sq_err.view(one), sq_signal.view(one),
         ])
         return row if not recipes else (row, _recipe_matrix(x, whole, recipes, role, whole_given))
 
