@@ -3,7 +3,8 @@ benchmarks/capture_cost.py):
 
 - eager full stats: at most 40 aten ops per tensor, whatever its size (no chunking);
 - compiled full stats: at most 3 generated kernels per tensor (inductor's C++ here, Triton on CUDA);
-- a cheap step: at most 2 aten ops per monitored tensor, plus a constant, on the tiny GPT.
+- a cheap step: at most 2 aten ops per monitored tensor, plus a constant, on the tiny GPT;
+- memory: the bytes the eager passes allocate per element of the tensor they read.
 
 Ops are counted with a TorchDispatchMode; views (no kernel on any device) are left out.
 """
@@ -50,6 +51,55 @@ def test_eager_full_stats_stay_within_40_ops_whatever_the_size(shape, per_row):
     with OpCounter() as c:
         stats_mod.stats_call(x, scale, scale_inv, expected, fmt)
     assert len(c.ops) <= 40, c.ops
+
+
+class ByteCounter(TorchDispatchMode):
+    """The bytes of the tensors the ops allocate (outputs of ops that neither write in place nor
+    into an ``out=`` tensor, views left out): on a CPU each large one is fresh memory from the OS,
+    on a GPU memory the training may need."""
+
+    def __init__(self):
+        super().__init__()
+        self.bytes = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if not func.is_view and not func._schema.is_mutable:
+            for t in out if isinstance(out, (tuple, list)) else (out,):
+                if isinstance(t, torch.Tensor):
+                    self.bytes += t.numel() * t.element_size()
+        return out
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_deq", [False, True])
+def test_eager_full_stats_allocate_five_float32_copies_at_most(dtype, with_deq):
+    """The eager pass computes in place in its scratch tensors: about 21 bytes per element at most
+    (two float32 copies, a block of two masks that later holds the float64 copy, the cast's FP8 copy
+    and a bf16 tensor's float32 copy, and a few values per row), where a temporary per value took 34
+    to 55."""
+    fmt = get_format("e4m3")
+    x = torch.randn(512, 384, dtype=dtype)
+    scale = torch.tensor(2.0)
+    deq = (x.float() * 2).to(fmt.dtype).float() / 2 if with_deq else None
+    stats_mod.stats_call(x, scale, 1 / scale, torch.tensor(4.0), fmt, deq=deq)
+    with ByteCounter() as c:
+        stats_mod.stats_call(x, scale, 1 / scale, torch.tensor(4.0), fmt, deq=deq)
+    assert c.bytes / x.numel() <= 21.5, c.bytes / x.numel()
+
+
+def test_the_emulated_layers_operand_allocates_one_float32_copy_for_its_amax_and_one_for_its_round_trip():
+    """Every emulated operand, every step: its amax pair holds one float32 copy (|x|, cleaned in place
+    for TE's amax), its FP8 round trip one float32 copy and the FP8 tensor (decoded into the buffer
+    the cast read), 9 bytes per element of a float32 tensor, where 17 were allocated before."""
+    from fp8scope.emulate.amax import amax_pair
+    from fp8scope.emulate.quantize import quantize_dequantize
+
+    x = torch.randn(512, 384)
+    with ByteCounter() as c:
+        amax_pair(x)
+        quantize_dequantize(x, torch.tensor(2.0), torch.tensor(0.5), get_format("e4m3"))
+    assert c.bytes / x.numel() <= 9 + 1e-3, c.bytes / x.numel()
 
 
 def test_compiled_full_stats_are_at_most_3_kernels():
