@@ -122,13 +122,13 @@ def _make_full(key):
       for the squared sums), in an order that reads each before it is overwritten. On a CPU each
       fresh tensor-sized temporary is fresh memory from the OS, whose page faults cost more than
       the passes over it; on a GPU it is memory the training may need.
-    - Each count is a comparison written as 0/1 float32, summed per row in float32 (exact: a row
-      holds fewer than 2**24 elements) and over the rows in float64, all six in one reduction. On
-      a CPU a comparison that writes booleans runs about four times slower than one that writes
-      float32, and a float sum is faster than ``count_nonzero``.
+    - Each count is a comparison written as 0/1 float32, summed per row in float32 (exact while a
+      row holds fewer than 2**24 elements; a longer one sums in float64) and over the rows in
+      float64, all six in one reduction. On a CPU a comparison that writes booleans runs several
+      times slower than one that writes float32, and a float sum is faster than ``count_nonzero``
+      (docs/benchmarks.md).
 
-    The form before (a fresh temporary per value, boolean masks) took about twice as long on the
-    demo's MLP input. ``x`` and ``deq`` are the caller's: only read."""
+    ``x`` and ``deq`` are the caller's: only read."""
     fmt, fmax, sat, under, dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
@@ -143,7 +143,9 @@ def _make_full(key):
         parts = block[2 * n:].view(6, rows) if exact else torch.empty(6, rows, dtype=torch.float64, device=a.device)
 
         def row_sums(ones, i):
-            return torch.sum(ones, -1, out=parts[i]) if exact else torch.sum(ones, -1, dtype=torch.float64, out=parts[i])
+            if exact:
+                return torch.sum(ones, -1, out=parts[i])
+            return torch.sum(ones, -1, dtype=torch.float64, out=parts[i])
 
         logged = m.amax()  # NaN propagates
         parts[0].fill_(cols)
@@ -162,13 +164,15 @@ def _make_full(key):
         err = (q.sub_(a) if q is y else torch.sub(q, a, out=y)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         wide = block[:2 * n].view(torch.float64)  # the masks' place, free now; x may be strided
         sq_err = torch.dot(wide.view(rows, cols).copy_(err).view(-1), wide)
-        sq_signal = torch.dot(wide.view(rows, cols).copy_(a).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0).view(-1), wide)
+        signal = wide.view(rows, cols).copy_(a).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+        sq_signal = torch.dot(signal.view(-1), wide)
         counts = parts.sum(-1, dtype=torch.float64)
         torch.sub(counts[0], counts[2], out=counts[2])  # numel - finite: NaN and Inf
         one = (1,)
         row = torch.cat([  # step_payload.WIDE_FIELDS, float64
             logged.view(one), min_nonzero.view(one), recorded.view(one),  # recorded: for a what-if state
-            (scale.amin() if per_row else scale).reshape(one), (scale_inv.amax() if per_row else scale_inv).reshape(one),
+            (scale.amin() if per_row else scale).reshape(one),
+            (scale_inv.amax() if per_row else scale_inv).reshape(one),
             *[expected.reshape(one)] * 3,  # expected, then two unused copies
             counts, sq_err.view(one), sq_signal.view(one),
         ])

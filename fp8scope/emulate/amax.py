@@ -41,9 +41,9 @@ def recorded_amax(a: torch.Tensor, dim: int | None = None, scratch: bool = False
     Inf stays Inf. The one definition, in the fused passes here, in the stats pass and per block
     (``dim``: one amax per row, kept as a column). ``scratch``: ``a`` is the caller's temporary and
     is cleaned in place. Why: on a CPU a second tensor-sized temporary costs more than the passes
-    over it (a large one is fresh memory from the OS each time: 0.9 ms against 0.1 ms for the
-    demo's 1024 x 352 MLP input), and on a GPU it is memory the training may need. Traced, the
-    compiler fuses it away anyway: in place only in eager code."""
+    over it (a large one is fresh memory from the OS each time, docs/benchmarks.md), and on a GPU
+    it is memory the training may need. Traced, the compiler fuses it away anyway: in place only in
+    eager code."""
     if scratch and not tracing():
         clean = a.nan_to_num_(nan=0.0, posinf=_INF)
     else:
