@@ -105,13 +105,14 @@ def fused_stats_case(variant: str, fmt_name: str, rows: int, cols: int, trial: i
     """``(key, args)`` of one check of the fused full-stats form against the eager one: an adversarial
     tensor (magnitudes over 18 decades and one NaN, Inf, -Inf, zero, subnormal or out-of-range value)
     laid out as ``stats_call`` hands it over for ``variant`` ("per_tensor", "deq": a dequantized copy,
-    "per_row": per-row scales and a copy, "recipes": current and bf16 measured too, on the matrix)."""
+    "per_row": per-row scales and a copy, "recipes": current and bf16 measured too, on the matrix,
+    "per_row_recipes": both)."""
     from fp8scope.emulate.amax import row_matrix
 
     x = torch.randn(rows, cols, generator=g) * torch.logspace(-12, 6, cols)
     x[trial % rows, trial % cols] = [math.nan, math.inf, -math.inf, 0.0, 1e-44, 1e5][trial % 6]
     x = x.to(torch.bfloat16) if variant in ("per_tensor", "recipes") else x
-    per_row, has_deq = variant == "per_row", variant in ("deq", "per_row")
+    per_row, has_deq = variant in ("per_row", "per_row_recipes"), variant in ("deq", "per_row", "per_row_recipes")
     if per_row:
         scale, xv = torch.rand(rows, 1, generator=g) * 10 ** (trial % 5), x
     else:  # with other recipes the stats read the matrix
@@ -119,6 +120,6 @@ def fused_stats_case(variant: str, fmt_name: str, rows: int, cols: int, trial: i
         xv = x if variant == "recipes" else row_matrix(x.reshape(-1))  # a vector, refolded
     deq = xv.float() * 0.999 if has_deq else None
     key = ("cpu", x.dtype, fmt_name, per_row, has_deq)
-    if variant == "recipes":
+    if variant in ("recipes", "per_row_recipes"):
         key = (*key, ("current", "bf16"), "activation", False)
     return key, (xv, scale, 1 / scale, torch.tensor(3.0), deq)
