@@ -4,6 +4,7 @@ layers as the eager model does. Real training steps, real compiles (inductor's C
 
 from __future__ import annotations
 
+import re
 import warnings
 
 import pytest
@@ -112,6 +113,30 @@ def test_compiled_emulated_layers_keep_te_scaling_and_do_not_recompile(tmp_path)
         ref = ScalingState(recipe, get_format("e5m2" if role == "gradient" else "e4m3"))
         for amax, scale in zip(rows.amax, rows.scale):
             assert ref.begin(torch.tensor([amax])).scale.item() == scale, (layer, role)
+
+
+def test_a_monitor_adds_no_kernel_to_a_compiled_emulated_forward(tmp_path):
+    """The monitor's taps are opaque calls in the graph, which inductor orders its fused kernels
+    around: one between an emulated layer's two FP8 round trips split them into kernels of their own
+    (6 C++ kernels became 9 in this forward; on a GPU, launches). The layer now reports both after
+    both round trips, and a monitored forward compiles to the unmonitored one's kernels."""
+    from torch._inductor.utils import run_and_get_code
+
+    kernels = {}
+    for monitored in (False, True):
+        torch._dynamo.reset()
+        model = tiny("emulated")
+        compiled = torch.compile(model)
+        mon = fp8scope.Monitor(compiled, tmp_path / "k", every=10**6, detect=False) if monitored else None
+        try:
+            _, codes = run_and_get_code(lambda: loss_of(compiled, batch(model)))  # noqa: B023
+        finally:
+            if mon is not None:
+                mon.close()
+        code = "\n".join(codes)
+        assert monitored == ("fp8scope.observe" in code)  # the taps are in the monitored graph
+        kernels[monitored] = len(re.findall(r"async_compile\.(?:cpp_pybinding|cpp|triton)\(", code))
+    assert kernels[True] == kernels[False], kernels
 
 
 def test_torchao_float8_linear_under_compile(tmp_path):
