@@ -173,7 +173,7 @@ def main() -> int:
         say("   {:58s} {:>3d} ({:>2d})".format(recipe, *counts[f"full_stats + {recipe}"]))
     ex = amax._examples(("cpu", torch.bfloat16))
     counts["amax_pair"] = list(kernels_and_launches(triton_code(amax._fused_pair, ex, amax.AMAX.options(("cuda", torch.bfloat16)))))
-    counts["amax_pair eager form"] = list(kernels_and_launches(triton_code(lambda x: amax.amaxes_of_magnitudes(x.abs()), ex)))
+    counts["amax_pair eager form"] = list(kernels_and_launches(triton_code(amax.amaxes_of, ex)))
     say("amax pair (the emulated layer's amax, every step):")
     say("   {:58s} {:>3d} ({:>2d})   the eager form compiled: {:>3d} ({:>2d})".format(
         "bf16", *counts["amax_pair"], *counts["amax_pair eager form"]))

@@ -73,15 +73,16 @@ def row_matrix(x: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def amaxes_of_magnitudes(a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logged, recorded)`` of ``a = |x|``, a temporary this overwrites, as 0-d float32 tensors:
-    ``max`` propagates NaN."""
+def amaxes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(logged, recorded)`` of ``x`` as 0-d float32 tensors, ``max`` propagating NaN: four eager
+    ops over one temporary, ``|x|``, which TE's amax then cleans in place."""
+    a = x.abs()
     logged = a.amax().to(torch.float32)  # before the clean-up below overwrites a
     return logged, recorded_amax(a, scratch=True).to(torch.float32)
 
 
 def _fused_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """:func:`amaxes_of_magnitudes` of ``|x|`` as inductor should see it: both maxima per row, in
+    """:func:`amaxes_of` as inductor should see it: both maxima per row, in
     one kernel that reads each element once, then over the rows, one more (2 launches; the two
     reductions apart were 4 kernels and 5 launches: ``benchmarks/triton_kernels.py``). Only ever
     traced: eagerly it would hold a copy of the tensor. ``x`` has any shape: the compiled variant
@@ -97,7 +98,7 @@ def _make_pair(key):
     def amax_pair(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         if tracing() and x.device.type != "cpu":  # traced for Triton
             return _fused_pair(x)  # (inductor's C++ makes the plain form one loop already)
-        return amaxes_of_magnitudes(x.abs())  # plain Python: a call the compiled guards rejected
+        return amaxes_of(x)  # plain Python: a call the compiled guards rejected
 
     return amax_pair
 

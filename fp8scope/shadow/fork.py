@@ -68,10 +68,11 @@ def verdict(fp8: list[float], bf16: list[float], baseline: float, factor: float,
     if abs(gap) <= math.log1p(agree):
         return NOT_FP8, (f"BF16 follows FP8: final losses {f:.4g} (FP8) and {g:.4g} (BF16) within {100 * agree:g} %"
                          f"{base}: BF16 from the same state does the same, so FP8 is not the cause")
-    if math.isfinite(baseline) and f > factor * baseline and g > factor * baseline:  # whichever ends worse
+    diverged = factor * baseline if math.isfinite(baseline) else math.inf  # a loss above it diverged
+    if f > diverged and g > diverged:  # whichever ends worse
         return NOT_FP8, (f"BF16 from the same state diverges too ({g:.4g}, {g / baseline:.3g}x the baseline "
                          f"{baseline:.4g}; FP8 {f:.4g}): look at the learning rate / data")
-    if gap > 0 and math.isfinite(baseline) and f > factor * baseline:
+    if gap > 0 and f > diverged:
         return FP8_INDUCED, (f"FP8 stays at {f:.4g}, {f / baseline:.3g}x its baseline {baseline:.4g}, while BF16 "
                              f"from the same state reaches {g:.4g}")
     if gap > 0 and math.isfinite(baseline) and f > baseline > g:
