@@ -456,12 +456,12 @@ class CompiledFn:
         """The function to call for ``key``: compiled if its code is ready, else eager (and its
         compile started: in a child, or here and now under ``FP8SCOPE_COMPILE=sync``).
 
-        Inside a region dynamo is tracing (the user compiled the model), the plain function: dynamo
-        inlines it into the user's graph, where inductor fuses it with the rest."""
+        Inside a region dynamo is tracing (the user compiled the model), the plain function
+        (:meth:`traced`): dynamo inlines it into the user's graph, where inductor fuses it with the rest."""
         import torch
 
         if _is_compiling():
-            return self.eager(key)
+            return self.traced(key)
         setting = os.environ.get(_ENV)
         wanted = self._wanted.get(key)
         if wanted is None or wanted[0] != setting:  # read under each setting: a test may switch it
@@ -539,9 +539,17 @@ class CompiledFn:
     def eager(self, key: Hashable) -> Callable:
         """The eager function of ``key`` (the op-count proxies use it; compiles nothing)."""
         eager = self._eager.get(key)
-        if eager is None:  # no lock: this may run inside a graph dynamo traces (setdefault is atomic)
+        if eager is None:  # no lock: setdefault is atomic
             eager = self._eager.setdefault(key, self._make(key))
         return eager
+
+    def traced(self, key: Hashable) -> Callable:
+        """The eager function of ``key`` as dynamo traces it into a user's compiled model: made afresh,
+        from no cache. Why: dynamo guards on what the trace reads, so a lookup that missed would leave a
+        guard "``key`` not cached" that the lookup's own fill then fails, and the user's whole model
+        would compile again (twice for the emulated layer's two families: three compiles of a model
+        where one does, each a full inductor compile; ``tests/test_compile_mode.py``)."""
+        return self._make(key)
 
     def _compiles(self, key: Hashable) -> bool:
         """Whether ``key`` is compiled at all: compilation on, and a device type worth it."""

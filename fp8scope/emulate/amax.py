@@ -130,6 +130,8 @@ def _call(fns: CompiledFn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
     if x.numel() == 0:
         return _empty_pair(x)
     key = (x.device.type, x.dtype)
+    if torch.compiler.is_compiling():  # traced into a user's compiled model: the plain function, no cache
+        return fns.traced(key)(x)
     fn, eager = fns.get(key), fns.fallback(key)
     if fn is eager or not x.is_contiguous():  # eager, or a strided view: read in place, no copy
         return eager(x)
