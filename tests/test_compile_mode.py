@@ -171,10 +171,12 @@ def test_torchao_float8_linear_under_compile(tmp_path):
     convert_to_float8_training(m, config=Float8LinearConfig(emulate=True))
     compiled = torch.compile(m)
     x = torch.randn(8, 16)
+    torch._dynamo.utils.counters.clear()
     with fp8scope.Monitor(compiled, tmp_path, every=2, detect=False) as mon:
         for _ in range(3):
             compiled(x).pow(2).mean().backward()
             mon.step()
+    assert compiled_graphs() == 1  # full and cheap steps alike: compiled once
     df = fp8scope.load_run(tmp_path).tensors()
     assert set(df.source) == {"torchao"} and len(df) == 3 * 9 and set(df.layer) == {"up", "down", "head"}
     assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-6)).all()
