@@ -126,7 +126,7 @@ def test_compiled_emulated_layers_keep_te_scaling_and_do_not_recompile(tmp_path,
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     df = train(tiny("emulated"), tmp_path / "r", steps=8, compiled=True, every=4)
-    assert compiled_graphs() == 2
+    assert compiled_graphs() == 1
     assert len(df) == 8 * 6 * 3 and set(df.source) == {"emulated"}  # qkv, proj, gate, up, down, lm_head
     recipe = DelayedScaling(amax_history_len=8)
     for (layer, role), rows in df.groupby(["layer", "tensor"]):
@@ -135,28 +135,40 @@ def test_compiled_emulated_layers_keep_te_scaling_and_do_not_recompile(tmp_path,
             assert ref.begin(torch.tensor([amax])).scale.item() == scale, (layer, role)
 
 
-def test_a_monitor_adds_no_kernel_to_a_compiled_emulated_forward(tmp_path):
+def test_a_monitor_adds_at_most_one_kernel_to_a_compiled_emulated_step(tmp_path):
     """The monitor's taps are opaque calls in the graph, which inductor orders its fused kernels
-    around: one between an emulated layer's two FP8 round trips split them into kernels of their own
-    (6 C++ kernels became 9 in this forward; on a GPU, launches). The layer now reports both after
-    both round trips, and a monitored forward compiles to the unmonitored one's kernels."""
+    around. One between an emulated layer's two FP8 round trips split them into kernels of their own
+    (a forward's 6 C++ kernels became 9; on a GPU, launches), and one before the gradient's scale
+    update split that off too. The layer now reports its operands after both round trips and the
+    update: a monitored training step (forward and backward, after the first steps) compiles to
+    the unmonitored step's kernels and one more, where the state's outputs that nothing in the graph
+    reads are computed after the last tap (the update before the taps gave 2 more)."""
     from torch._inductor.utils import run_and_get_code
 
-    kernels = {}
+    kernels, taps = {}, {}
     for monitored in (False, True):
         torch._dynamo.reset()
         model = tiny("emulated")
         compiled = torch.compile(model)
         mon = fp8scope.Monitor(compiled, tmp_path / "k", every=10**6, detect=False) if monitored else None
+
+        def step():
+            loss_of(compiled, batch(model)).backward()  # noqa: B023
+            if mon is not None:  # noqa: B023
+                mon.step()  # noqa: B023
+
         try:
-            _, codes = run_and_get_code(lambda: loss_of(compiled, batch(model)))  # noqa: B023
+            step()  # the first steps: nothing recorded yet, then an update due
+            step()
+            _, codes = run_and_get_code(step)
         finally:
             if mon is not None:
                 mon.close()
         code = "\n".join(codes)
-        assert monitored == ("fp8scope.observe" in code)  # the taps are in the monitored graph
+        taps[monitored] = code.count("torch.ops.fp8scope.observe")
         kernels[monitored] = len(re.findall(r"async_compile\.(?:cpp_pybinding|cpp|triton)\(", code))
-    assert kernels[True] == kernels[False], kernels
+    assert taps[True] > taps[False], taps  # the monitor's taps are in the graph (the layers' own too)
+    assert kernels[False] <= kernels[True] <= kernels[False] + 1, kernels
 
 
 def test_torchao_float8_linear_under_compile(tmp_path):

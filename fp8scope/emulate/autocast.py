@@ -79,7 +79,7 @@ def fp8_autocast(enabled: bool = True) -> Iterator[None]:
             if torch.is_grad_enabled():  # TE: no update at the exit of a no-grad region
                 for state in states.values():
                     if state._pending:
-                        state._due = True
+                        state._set_flags(True, True)
 
 
 def autocast_off(device_type: str):

@@ -299,14 +299,15 @@ class Fp8Linear(nn.Linear):
                     note_recorded(self.weight_state)
             _, x_deq = quantize_dequantize(x, s_x.scale, s_x.scale_inv, fmt)
             _, w_deq = quantize_dequantize(w, s_w.scale, s_w.scale_inv, fmt)
-            # both round trips first: compiled, a monitor's call between them would be an opaque op
-            # that inductor orders its kernels around, splitting the two into kernels of their own
-            self._emit("activation", x, x_deq, self.activation_state.last_amax, s_x, fmt, grad)
-            self._emit("weight", w, w_deq, self.weight_state.last_amax, s_w, fmt, grad)
             # the gradient's scales are known now (delayed: from the amaxes recorded so far), so the
             # backward reads no state: TE's order for a forward followed by its backward
             # (a re-run applies its own due update only: the others' may be this backward's records)
             s_g = self.gradient_state.prepare(alone=recompute, device=x.device) if grad else None
+            # the monitor last, after both round trips and the gradient's update: compiled, a call
+            # between them is an opaque op that inductor orders its kernels around, splitting them
+            # into kernels of their own
+            self._emit("activation", x, x_deq, self.activation_state.last_amax, s_x, fmt, grad)
+            self._emit("weight", w, w_deq, self.weight_state.last_amax, s_w, fmt, grad)
         if s_g is None:  # no backward can follow: no autograd Function needed
             return F.linear(x_deq, w_deq, None if self.bias is None else self.bias.to(torch.float32)).to(out_dtype)
         return _Fp8LinearFn.apply(input, self.weight, self.bias, x_deq, w_deq, s_g.scale, s_g.scale_inv,

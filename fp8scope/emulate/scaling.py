@@ -26,8 +26,9 @@ NaN; the amax the monitor logs keeps the NaN, and the non-finite flag with it.
 TE runs that update at the end of a step; we run it lazily at the start of the next quantization
 of the same tensor (:meth:`ScalingState.begin`), which gives the same scale for the same sequence
 of amaxes. Every value is a float32 tensor on the tensor's device: no ``.item()``, no Python
-branch on a tensor value, so the state neither syncs a GPU nor breaks or re-specialises a
-``torch.compile`` graph. Tensors are replaced, never modified in place, so the tensors returned by
+branch on a tensor value, and compiled code reads no Python flag (:meth:`ScalingState._set_flags`),
+so the state neither syncs a GPU nor breaks or re-specialises a ``torch.compile`` graph: a model
+compiles once. Tensors are replaced, never modified in place, so the tensors returned by
 :meth:`begin` stay valid after later steps (the monitor gathers them when the step ends).
 """
 
@@ -187,10 +188,9 @@ class ScalingState:
         self.scaled_max = scaled_max(self.fmt, recipe.margin)
         self.delayed = isinstance(recipe, DelayedScaling)
         self._most_recent = recipe.amax_compute_algo != "max" if self.delayed else False
-        self._pending = False  # an amax was recorded since the last update
-        self._due = False  # ... and its update is due at the next use (TE: a training region ended)
         self._device = torch.device(device) if device is not None else torch.device("cpu")
         self._init_tensors(self._device)
+        self._set_flags(False, False)
         self.update_group: UpdateGroup | None = None  # None: this state updates alone
         self._seq = 0  # its place in the group: batches run in this order on every rank
 
@@ -207,18 +207,35 @@ class ScalingState:
         self._last_amax = torch.zeros((), **f32)  # logged (NaN-propagating) amax of the latest begin
         self._updates = torch.zeros((), dtype=torch.int64, device=device)
         self._scaled_max_t = torch.full((), self.scaled_max, **f32)  # the numerator of every scale, made once
+        # made once, this state's own: "an update is due" False and True (see _set_flags), and the
+        # recorded amax when none is (0: every recorded amax is >= 0, so fmax(0, amax) = amax)
+        self._ready_values = (torch.zeros((), dtype=torch.bool, device=device),
+                              torch.ones((), dtype=torch.bool, device=device))
+        self._unset = torch.zeros((), **f32)
+
+    def _set_flags(self, pending: bool, due: bool) -> None:
+        """Eagerly: whether an amax was recorded since the last update (``_pending``; ``_last`` is 0
+        when not) and whether its update is due at the next use (``_due``: TE's training region
+        ended), and the latter as a 0-d tensor, ``_ready`` (pending and due: this state's own,
+        assigned, not written: no op). Compiled code reads only ``_ready`` and ``_last``
+        (:meth:`_traced_update`): dynamo guards on every Python value a trace reads, and these flags
+        differ between a model's first forward (nothing recorded yet) and every later one, so
+        reading them compiled the user's model a second time."""
+        self._pending, self._due = pending, due
+        self._ready = self._ready_values[pending and due]
 
     def reset(self) -> None:
         """Back to the initial state (history zeros, scale 1)."""
-        self._pending = self._due = False
         self._init_tensors(self._device)
+        self._set_flags(False, False)
 
     def _to(self, device: torch.device) -> None:
         """Follow the tensor to its device (e.g. after ``model.cuda()``); async copies."""
         self._device = device
         for name in ("_history", "_last", "_scale", "_scale_inv", "_expected", "_kept", "_last_amax", "_updates",
-                     "_scaled_max_t"):
+                     "_scaled_max_t", "_ready", "_unset"):
             setattr(self, name, getattr(self, name).to(device, non_blocking=True))
+        self._ready_values = tuple(t.to(device, non_blocking=True) for t in self._ready_values)
 
     @property
     def amax_history(self) -> torch.Tensor:
@@ -271,18 +288,39 @@ class ScalingState:
         other state of the same kind with an update pending is updated in the same batch
         (:func:`_update_pending`); traced by ``torch.compile``, this state alone, inside the graph.
         """
+        if self.delayed and torch.compiler.is_compiling():
+            return self._traced_update()
         if not (self.delayed and self._pending and self._due):
             return
-        # traced: alone, inside the graph; inference mode: alone, since tensors made there can never
-        # be saved for a backward, and a gradient state of the batch would be
-        batched = not (alone or self.update_group is None or torch.compiler.is_compiling()
-                       or torch.is_inference_mode_enabled())
+        # inference mode: alone, since tensors made there can never be saved for a backward, and a
+        # gradient state of the batch would be
+        batched = not (alone or self.update_group is None or torch.is_inference_mode_enabled())
         if batched and _update_pending(self):
             return
         last = reduced_amax(self._last, self.recipe, self.update_group)
         self._history, self._scale, self._scale_inv, self._expected, self._kept = delayed_update(
             self._history, last, self._scaled_max_t, self._scale, self._expected, self._most_recent)
         self._updates = self._updates + 1
+        self._last = self._unset
+        self._set_flags(False, False)
+
+    def _traced_update(self) -> None:
+        """:meth:`update` as ``torch.compile`` traces it: this state alone, inside the graph, with no
+        Python branch on the flags (see :meth:`_set_flags`). Where ``_ready`` does not hold, the
+        update runs on a recorded amax of 0, which TE's rule makes a no-op but for ``kept``: no roll,
+        the scale and expected amax kept, and the history as it was (its row 0 is 0 between updates).
+        So one selection before and one after, not one per value: inductor puts the states' small
+        outputs in as few kernels as it can. The Python flags are only written: a forward records
+        right after (:meth:`begin`), and a gradient state, the one prepared without a record, is
+        never pending without being due."""
+        go = self._ready
+        last = torch.where(go, reduced_amax(self._last, self.recipe, self.update_group), 0.0)
+        self._history, self._scale, self._scale_inv, self._expected, kept = delayed_update(
+            self._history, last, self._scaled_max_t, self._scale, self._expected, self._most_recent)
+        self._kept = torch.where(go, kept, self._kept)
+        self._updates = self._updates + go.to(torch.int64)
+        self._last = torch.where(go, 0.0, self._last)
+        self._ready = go & ~go
         self._pending = self._due = False
 
     def _batch_key(self) -> tuple:
@@ -321,7 +359,7 @@ class ScalingState:
         first one under ``no_grad``)."""
         if not self.delayed:
             return self.begin(x, record=False)
-        self._due = self._due or self._pending
+        self._set_flags(self._pending, self._due or self._pending)
         if x.device != self._device:
             self._to(x.device)
         self._last_amax = amax_pair(x)[0]
@@ -358,10 +396,15 @@ class ScalingState:
         ``due``: the update applies at the next use (else it waits for a record that is due)."""
         if amax.device != self._device:  # the tensor moved (model.cuda()): the state follows it
             self._to(amax.device)
+        if torch.compiler.is_compiling():  # no Python flag is read (see _set_flags): _last is 0 if none
+            self._last = torch.fmax(self._last, amax)
+            self._pending = True
+            if due:
+                self._ready, self._due = torch.ones_like(self._ready), True
+            return
         self._last = torch.fmax(self._last, amax) if self._pending else amax
-        self._pending = True
-        self._due = self._due or due
-        if self.update_group is not None and not torch.compiler.is_compiling():
+        self._set_flags(True, self._due or due)
+        if self.update_group is not None:
             with _PENDING_LOCK:  # eager: the next update of its group and kind takes this one along
                 pending = self.update_group.pending.get(key := self._batch_key())
                 if pending is None:
@@ -462,7 +505,8 @@ def _update_pending(state: ScalingState) -> bool:
     updates = (torch.stack([s._updates for s in states]) + 1).unbind(0)
     for s, hist, scale, scale_inv, expected, kept, n in zip(states, *(t.unbind(0) for t in new), updates):
         s._history, s._scale, s._scale_inv, s._expected, s._kept, s._updates = hist, scale, scale_inv, expected, kept, n
-        s._pending = s._due = False
+        s._last = s._unset
+        s._set_flags(False, False)
     return True
 
 
