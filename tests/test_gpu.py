@@ -269,6 +269,12 @@ def test_emulated_layer_compiles_without_breaks_on_cuda():
     x = torch.randn(32, 16, device="cuda")
     explain = dynamo.explain(m)(x)
     assert explain.graph_break_count == 0, explain.break_reasons
+    dynamo.reset()
+    dynamo.utils.counters.clear()
+    compiled = torch.compile(m)
+    for _ in range(3):  # the first step records with no update due, later ones update first: one graph
+        compiled(x).pow(2).mean().backward()
+    assert dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
 @pytest.mark.parametrize("kind", ["whatif", "emulated"])
