@@ -118,11 +118,12 @@ def fresh_families(monkeypatch):
 
 
 def test_compiled_emulated_layers_keep_te_scaling_and_do_not_recompile(tmp_path, fresh_families):
-    """Emulated FP8 under compile: two compiles and no more (the scales are tensors), and every
-    logged scale is the one TE's delayed scaling derives from the logged amaxes. The second compile
-    is step 1's: step 0 is the only forward with no update due (its states' Python flags, which
-    the trace branches on, differ once). A third came from the amax and update functions' caches,
-    filled during the first trace (``CompiledFn.traced``)."""
+    """Emulated FP8 under compile: one compile for every step (the scales, and the flag that says an
+    update is due, are tensors), and every logged scale is the one TE's delayed scaling derives from
+    the logged amaxes. There were three: step 0 is the only forward with no update due, and the
+    trace branched on the states' Python flags (``ScalingState._set_flags``); and the amax and
+    update functions' caches, filled during the first trace, failed the guard on their contents
+    (``CompiledFn.traced``)."""
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     df = train(tiny("emulated"), tmp_path / "r", steps=8, compiled=True, every=4)
@@ -141,8 +142,8 @@ def test_a_monitor_adds_at_most_one_kernel_to_a_compiled_emulated_step(tmp_path)
     (a forward's 6 C++ kernels became 9; on a GPU, launches), and one before the gradient's scale
     update split that off too. The layer now reports its operands after both round trips and the
     update: a monitored training step (forward and backward, after the first steps) compiles to
-    the unmonitored step's kernels and one more, where the state's outputs that nothing in the graph
-    reads are computed after the last tap (the update before the taps gave 2 more)."""
+    the unmonitored step's kernels and one more, the backward's copy of the taps' one-element sink
+    (the update after the taps gave 2 more)."""
     from torch._inductor.utils import run_and_get_code
 
     kernels, taps = {}, {}
