@@ -55,6 +55,7 @@ import torch
 from fp8scope.compiled import CompiledFn, tracing
 from fp8scope.emulate.amax import recorded_amax, row_matrix
 from fp8scope.emulate.blocks import as_matrix, e2m1_round
+from fp8scope.emulate.quantize import quantize_dequantize
 from fp8scope.emulate.recipe_table import E2M1, counts as recipe_counts
 from fp8scope.formats import Fp8Format, get_format
 from fp8scope.schema import RECIPE_FIELDS
@@ -92,15 +93,12 @@ def _variant(key):
     return fmt, fmt.max, saturation_floor(fmt), fmt.underflow_threshold, dtype8, per_row, has_deq, recipes, role, whole_given
 
 
-def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq, into=None):
-    """The real cast of ``a`` (float32), decoded back: the quantization error's reference. ``into``:
-    a float32 scratch of ``a``'s shape to decode into (the eager form's), else a new tensor."""
+def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq):
+    """The real cast of ``a`` (float32), decoded back: the quantization error's reference, as the
+    compiler traces it (the eager form runs ``emulate.quantize.quantize_dequantize`` in its scratch)."""
     if has_deq:
         return deq.to(torch.float32)
-    if into is None:
-        return (a * scale).clamp(-fmax, fmax).to(dtype8).to(torch.float32) * scale_inv
-    q8 = torch.mul(a, scale, out=into).clamp_(-fmax, fmax).to(dtype8)
-    return into.copy_(q8).mul_(scale_inv)
+    return (a * scale).clamp(-fmax, fmax).to(dtype8).to(torch.float32) * scale_inv
 
 
 _EXACT_ROW = 1 << 24  # a float32 sum of ones is exact while it stays below 2**24
@@ -160,7 +158,7 @@ def _make_full(key):
         min_nonzero = m.div_(nonzero).nan_to_num_(nan=_INF, posinf=_INF).amin()  # 0 / 0 is NaN: inf if none is non-zero
         # quantization error: the real cast, decoded (or the caller's dequantized copy), in y's place;
         # non-finite elements count as no error and no signal
-        q = _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq, into=y)
+        q = deq.to(torch.float32) if has_deq else quantize_dequantize(a, scale, scale_inv, fmt, out=y)[1]
         err = (q.sub_(a) if q is y else torch.sub(q, a, out=y)).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
         wide = block[:2 * n].view(torch.float64)  # the masks' place, free now; x may be strided
         sq_err = torch.dot(wide.view(rows, cols).copy_(err).view(-1), wide)

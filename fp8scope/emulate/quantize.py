@@ -18,17 +18,20 @@ import torch
 from ..formats import Fp8Format
 
 
-def _scaled_f32(x: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """``x.float() * scale`` as a fresh float32 tensor that may be modified in place."""
+def _scaled_f32(x: torch.Tensor, scale: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x.float() * scale`` as a float32 tensor that may be modified in place: fresh, or ``out``."""
+    if out is not None:  # x is copied first unless float32: a bf16 x * a 0-d scale would compute in bf16
+        return torch.mul(x, scale, out=out) if x.dtype == torch.float32 else out.copy_(x).mul_(scale)
     if x.dtype == torch.float32:
         return x * scale  # new tensor; x is untouched
     y = x.to(torch.float32)  # a copy already, so scale in place
     return y.mul_(scale)
 
 
-def _clamped_scaled(x: torch.Tensor, scale: torch.Tensor | float, fmt: Fp8Format) -> torch.Tensor:
-    """``clamp(x * scale, -max, max)`` in float32, a fresh tensor: what the cast reads."""
-    y = _scaled_f32(x, scale if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.float32))
+def _clamped_scaled(x: torch.Tensor, scale: torch.Tensor | float, fmt: Fp8Format,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """``clamp(x * scale, -max, max)`` in float32, a fresh tensor or ``out``: what the cast reads."""
+    y = _scaled_f32(x, scale if isinstance(scale, torch.Tensor) else torch.tensor(scale, dtype=torch.float32), out)
     return y.clamp_(-fmt.max, fmt.max)
 
 
@@ -50,12 +53,13 @@ def dequantize(
 
 
 def quantize_dequantize(
-    x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format
+    x: torch.Tensor, scale: torch.Tensor, scale_inv: torch.Tensor, fmt: Fp8Format, out: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``(q, dequantize(q))`` in one go: the float32 value after the FP8 round trip. The decoded
     values are written into the float32 buffer the cast read, so the round trip holds one
     tensor-sized float32 temporary, not two (the emulated layer runs it on every operand; on a CPU
-    a fresh large buffer is fresh memory from the OS each time)."""
-    y = _clamped_scaled(x, scale, fmt)
+    a fresh large buffer is fresh memory from the OS each time). ``out``: that buffer, a float32
+    tensor of ``x``'s shape the caller has free (the stats pass's scratch), else a new one."""
+    y = _clamped_scaled(x, scale, fmt, out)
     q = y.to(fmt.dtype)
     return q, y.copy_(q).mul_(scale_inv)

@@ -320,7 +320,7 @@ class ScalingState:
         self._kept = torch.where(go, kept, self._kept)
         self._updates = self._updates + go.to(torch.int64)
         self._last = torch.where(go, 0.0, self._last)
-        self._ready = go & ~go
+        self._ready = go & ~go  # False: nothing is due after an update
         self._pending = self._due = False
 
     def _batch_key(self) -> tuple:
