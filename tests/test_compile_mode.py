@@ -72,6 +72,15 @@ def test_monitoring_a_compiled_model_adds_no_graph_break(tmp_path, kind):
         assert plain == (1, 0)  # our own layers, emulated FP8 included, trace as one graph
 
 
+def test_emulated_layers_trace_where_dynamo_cannot_ask_about_autocast(tmp_path, monkeypatch):
+    """Dynamo in torch 2.11 cannot trace ``torch.amp.is_autocast_available`` (this torch folds it to a
+    constant): asked in the emulated layers' forward and backward, it broke the demo model's graph
+    18 times on an H200. Here the query is made as opaque to dynamo as 2.11 has it."""
+    opaque = torch._dynamo.disable(torch.amp.is_autocast_available)
+    monkeypatch.setattr(torch.amp, "is_autocast_available", opaque)
+    assert graph_breaks(tiny("emulated"), tmp_path, monitored=True) == (1, 0)
+
+
 def train(model, run_dir, steps: int, compiled: bool, every: int = 3):
     model = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

@@ -82,11 +82,23 @@ def fp8_autocast(enabled: bool = True) -> Iterator[None]:
                         state._set_flags(True, True)
 
 
+# Which device types have autocast, asked here, outside any trace. Dynamo in torch 2.11 cannot trace
+# ``torch.amp.is_autocast_available`` (a call into ``torch._C``; later versions fold it to a
+# constant): asked inside a compiled forward, it broke the graph at every emulated layer, forward
+# and backward (an H200 with torch 2.11: 18 breaks in the demo model).
+_HAS_AUTOCAST = {t: torch.amp.is_autocast_available(t) for t in ("cpu", "cuda", "meta", "xpu", "mps", "hpu")}
+
+
 def autocast_off(device_type: str):
     """``torch.autocast(device_type, enabled=False)``: the emulated GEMMs run in the dtypes they
     chose, whatever autocast the user runs. Nothing on a device type without autocast (the "meta"
     device, on which ``tests/test_host_sync.py`` runs the emulated layers), where there is nothing
-    to switch off."""
-    if torch.amp.is_autocast_available(device_type):
-        return torch.autocast(device_type, enabled=False)
-    return nullcontext()
+    to switch off. Another device type is asked once, eagerly; traced, it is taken to have autocast
+    (every real accelerator's backend does)."""
+    has = _HAS_AUTOCAST.get(device_type)
+    if has is None:
+        if torch.compiler.is_compiling():
+            has = True
+        else:
+            has = _HAS_AUTOCAST[device_type] = torch.amp.is_autocast_available(device_type)
+    return torch.autocast(device_type, enabled=False) if has else nullcontext()
