@@ -1,10 +1,10 @@
 #!/bin/bash
-# The GPU checks, in calls that fit one 15-minute lease (PART=1 and 2; 3 where time is left) (a machine's start takes one to two
-# minutes of it; a warm machine waits 30 s for the next call: start the next part at once). The parts go in
-# the order of what they decide, and each step's output reaches $OUT as it goes, so a call cut short
-# by the lease still returns what ran. Run from the repository root; logs go to $OUT (default
-# ./gpu-out). WHEELS=DIR installs extra wheels first (torchao, duckdb, plotly: what the machine
-# lacks) into /tmp/site.
+# The GPU checks, in calls that fit one 15-minute lease: PART=1 and 2, then 3 where time is left. A
+# machine's start takes half a minute to two of the lease, and a warm machine waits 30 s for the
+# next call: start the next part at once. The parts go in the order of what they decide, and each
+# step's output reaches $OUT as it goes, so a call cut short by the lease still returns what ran.
+# Run from the repository root; logs go to $OUT (default ./gpu-out). WHEELS=DIR installs extra
+# wheels first (torchao, duckdb, plotly: what the machine lacks) into /tmp/site.
 #   PART=1  (about 9 minutes) the whole `pytest -m gpu` (the host-sync tests among them; on 8
 #           workers where pytest-xdist is installed: 130-140 s on an H200), the compiled demo model's
 #           ratios (emulated: three compiles of one whole graph each, over 125 s with a warm cache)
