@@ -272,7 +272,9 @@ def _compile_options(key) -> dict:
     Every variant keeps eager's rounding through bf16 and fp16 (``emulate_precision_casts``): by
     default inductor drops a downcast that an upcast follows inside one kernel, which turned the
     ``bf16`` recipe's round trip into the identity, its squared error into 0 and its SQNR into
-    infinity (``tests/test_recipe_advisor.py`` compiled)."""
+    infinity (``tests/test_recipe_advisor.py`` compiled). Torch 2.11's Triton dropped it even so
+    (an H200), so that recipe's traced round trip is written in integer ops
+    (``emulate.recipe_table.bf16_rounded``)."""
     options = {"emulate_precision_casts": True, "realize_opcount_threshold": 1 << 20,
                "realize_acc_reads_threshold": 1 << 20}
     if len(key) <= 5:  # no other recipes: every reduction is a stage of rows
@@ -285,9 +287,9 @@ def traced_form(key):
     makes it one kernel on the CPU, and Triton 3 launches on a GPU. Not the eager form: it computes
     in place in scratch tensors (:func:`_make_full`), which traced are buffers inductor keeps apart
     (8 C++ kernels instead of 1). With other recipes measured and per-row scales (block and rowwise
-    recipes measuring others) the fused form is checked on the CPU (``tests/test_recipe_advisor.py``)
-    and in ``benchmarks/triton_kernels.py`` (9-12 launches, where the eager form of an earlier tree
-    compiled to 31-35), not yet run on a GPU."""
+    recipes measuring others) the fused form is checked on the CPU (``tests/test_recipe_advisor.py``),
+    in ``benchmarks/triton_kernels.py`` (9-12 launches, where the eager form of an earlier tree
+    compiled to 31-35) and on a GPU (``tests/test_gpu.py``, an H200)."""
     return _make_full_fused(key)
 
 
