@@ -10,9 +10,10 @@ steps), per step:
 - the step's wall time (synchronized once per block of steps, as ``large_model.py`` times it);
 - the GPU: kernels launched, and their summed device time (``torch.profiler``), with the kernels
   the monitor adds the most time to;
-- host syncs made by the training: each CUDA runtime call that waits for the device
+- host syncs, by thread: each CUDA runtime call that waits for the device
   (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize``, blocking
-  ``cudaMemcpy``), counted, with their time;
+  ``cudaMemcpy``), counted, with their time (the training thread's hold its launches back; the
+  monitor's writer waits for a step's rows, which is no stall of training);
 - CPU time per thread (``/proc/self/task``): the training thread, autograd's device threads (which
   run the backward and its hooks on a GPU), the monitor's writer and detector, the rest;
 
@@ -114,13 +115,16 @@ def profiled(setup: Setup, mon, first: int, sync, n: int = 3) -> dict:
         sync()
     kernels: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     syncs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    threads = {t.native_id: t.name for t in threading.enumerate()}  # the profiler's thread ids are the OS's
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CPU:
             k = kernels[ev.name]
             k[0] += 1
             k[1] += ev.self_device_time_total / 1e3
         elif ev.name.startswith(SYNC_CALLS) and not ev.name.startswith("cudaMemcpyAsync"):
-            s = syncs[ev.name]
+            # whose wait: the training thread's stalls the launches, the writer's waits for a step's rows
+            name = threads.get(ev.thread)
+            s = syncs[f"{ev.name} ({_group(name) if name else f'thread {ev.thread}'})"]
             s[0] += 1
             s[1] += ev.cpu_time_total / 1e3
     return {"kernels": {k: (c / n, ms / n) for k, (c, ms) in kernels.items()},

@@ -6,6 +6,8 @@ Marked ``gpu``: skipped on machines without CUDA (CI never has one).
 
 from __future__ import annotations
 
+import os
+import time
 import warnings
 
 import pytest
@@ -53,6 +55,40 @@ def test_emulated_fp8_on_cuda_matches_cpu_semantics(tmp_path):
     assert len(df) == 5 * 9 and df.amax.notna().all()
     up = df[(df.layer == "up") & (df.tensor == "activation")].set_index("step")
     assert up.loc[1, "scale"] == pytest.approx(448 / up.loc[0, "amax"], rel=1e-5)
+
+
+def _thread_cpu_seconds(name: str) -> float:
+    """CPU seconds (user + system) the thread named ``name`` has used, from ``/proc``."""
+    import threading
+
+    tid = next(t.native_id for t in threading.enumerate() if t.name == name)
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def test_the_writer_sleeps_while_the_gpu_finishes_a_step(tmp_path):
+    """A step's rows land when the GPU reaches the end of the step; the writer thread waits for them
+    asleep (a blocking event), not spinning a core beside training for as long as the GPU is behind."""
+    torch.manual_seed(0)
+    m = MLP().cuda()
+    with fp8scope.Monitor(m, tmp_path / "r", every=50, detect=False) as mon:
+        _train(m, mon, steps=3)
+        mon.flush()
+        before = _thread_cpu_seconds("fp8scope-writer")
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        torch.cuda._sleep(100_000_000)  # cycles: how long this GPU takes for them
+        torch.cuda.synchronize()
+        cycles_per_s = 1e8 / (time.perf_counter() - t0)
+        torch.cuda._sleep(int(1.5 * cycles_per_s))  # about 1.5 s of GPU time queued before the step's copy
+        t0 = time.perf_counter()
+        _train(m, mon, steps=1)
+        mon.flush()  # returns once the writer has the step: after the GPU's sleep
+        waited = time.perf_counter() - t0
+        spent = _thread_cpu_seconds("fp8scope-writer") - before
+    assert waited > 0.5, waited  # the writer did wait for the GPU
+    assert spent < 0.25 * waited, (spent, waited)
 
 
 @pytest.mark.parametrize("fp8", ["off", "delayed", "current", "mxfp8"])

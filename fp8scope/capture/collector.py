@@ -271,7 +271,13 @@ class StepCollector:
     @staticmethod
     def _host_array(wide: list, blocks: list, tensor_scalars: list):
         """The step's wide rows, narrow rows and scalar tensors as one flat float64 host tensor, and
-        the CUDA event that says the copy has landed (None when it is valid already)."""
+        the CUDA event that says the copy has landed (None when it is valid already).
+
+        The event is blocking: the writer thread that waits on it sleeps until the copy lands. A
+        default event's wait spins, and the copy lands when the GPU reaches the end of the step,
+        which on a GPU-bound model is most of a step after ``step()`` returned: an H200 training a
+        1.1B Llama showed the writer at 23 ms of CPU a step for 465 rows, a core spinning beside
+        training (and beside its data loader's workers)."""
         parts = ([torch.stack(wide).reshape(-1)] if wide else []) + [b.reshape(-1) for b in blocks] + tensor_scalars
         if not parts:
             return torch.zeros(0, dtype=torch.float64), None
@@ -283,7 +289,7 @@ class StepCollector:
         if flat.is_cuda:
             host = torch.empty(flat.shape, dtype=torch.float64, pin_memory=True)
             host.copy_(flat, non_blocking=True)
-            ready = torch.cuda.Event()
+            ready = torch.cuda.Event(blocking=True)
             ready.record()
             return host, ready
         return flat, None
