@@ -248,3 +248,43 @@ def test_an_eval_forward_on_swapped_weights_reads_its_own():
     assert w.calls.item() == 2
     assert w.amax.item() == pytest.approx(ema[0].abs().max().item(), rel=1e-6)
 
+
+
+def test_a_compiled_cheap_step_reads_the_weights_in_one_batch_as_eager_does(tmp_path, monkeypatch):
+    """A compiled forward runs its graph with grad off, so a tap cannot tell a training forward by
+    grad mode when it runs; it is told the grad mode the forward was traced with. So a compiled
+    cheap step reads every weight in the step's one multi-tensor call, as an eager one does (on a
+    GPU: one read a step where it made one per layer). The multi-tensor form is CUDA's, taken here
+    on the CPU."""
+    import collections
+    import contextlib
+
+    from fp8scope.emulate import amax as amax_mod
+
+    class ByOp(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = collections.Counter()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n[func.__name__.split(".")[0]] += 1
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(amax_mod, "_multi_tensor_devices", lambda: ("cpu",))
+    reads = {}
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+        run = torch.compile(model) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=0.01)
+        with fp8scope.Monitor(run, tmp_path / str(compiled), every=100, detect=False, full_on_anomaly=0) as mon:
+            count = ByOp()
+            for step in range(4):  # the 4th: a cheap step whose weights are in the batch
+                with count if step == 3 else contextlib.nullcontext():
+                    run(torch.randn(8, 16)).square().mean().backward()
+                opt.step()
+                opt.zero_grad(set_to_none=True)
+                mon.step()
+        reads[compiled] = (count.n["aminmax"], count.n["_foreach_norm"])
+    assert reads[False] == (4, 1)  # two inputs and two gradients, and the weights in one call
+    assert reads[True] == reads[False]

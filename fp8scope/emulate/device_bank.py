@@ -122,12 +122,13 @@ class DeviceDelayedBank:
         and up projections another): the same tensor, unchanged since (its version), is not read
         again. Only the last such tensor is remembered, by a weak reference (holding it would keep
         a layer input alive through the backward), until the next shared capture or the step's end.
-        ``weight``: ``x`` is the layer's weight, read with the step's other weights in one batch
-        (:class:`~fp8scope.emulate.weight_reads.WeightReads`), in training forwards: an eval forward
-        (no grad) may run on weights swapped in through ``.data`` (an EMA), which bumps no version
-        counter, so it reads its own."""
+        ``weight``: ``x`` is the layer's weight in a training forward (the caller knows: a compiled
+        forward runs its graph with grad off), read with the step's other weights in one batch
+        (:class:`~fp8scope.emulate.weight_reads.WeightReads`). Not in an eval forward (no grad): it
+        may run on weights swapped in through ``.data`` (an EMA), which bumps no version counter, so
+        it reads its own."""
         remembered = not x.is_inference()  # an inference tensor has no version counter to check
-        if weight and remembered and torch.is_grad_enabled():
+        if weight and remembered:
             parts = self._weights.parts(slot, x)
         elif shared and remembered:
             memo = self._shared

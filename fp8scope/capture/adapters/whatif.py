@@ -59,12 +59,16 @@ class _WhatIfTap:
         from fp8scope import graph_taps
 
         # under torch.compile the hook hands its tensors to these taps (see graph_taps): one per
-        # role, and one taking the forward's tensors in one call of the op (each call is a dispatch)
+        # role, and one taking the forward's tensors in one call of the op (each call is a dispatch);
+        # each for a training forward and for one under no_grad, as traced: a compiled forward runs
+        # its graph with grad off, so the tap cannot ask (the weights' batched read is for training)
         self._forward_roles = tuple(r for r in ("activation", "weight", "output") if r in sink.roles)
-        self._graph_taps = {role: graph_taps.register(guarded(sink, partial(self._graph_capture, role)))
-                            for role in self.fmts}
-        self._graph_taps["forward"] = graph_taps.register(
-            guarded(sink, lambda *xs: self._graph_capture(self._forward_roles, *xs)))
+        self._graph_taps = {}
+        for training in (True, False):
+            for role in (*self.fmts, "forward"):
+                roles = self._forward_roles if role == "forward" else role
+                self._graph_taps[role, training] = graph_taps.register(
+                    guarded(sink, partial(self._graph_capture, roles, training)))
 
     def __deepcopy__(self, memo: dict) -> "_WhatIfTap":
         # A copy of the model (a shadow fork's replica, the user's deepcopy) keeps the hook as it
@@ -77,12 +81,12 @@ class _WhatIfTap:
         for tap in self._graph_taps.values():
             graph_taps.unregister(tap)
 
-    def _graph_capture(self, roles: str | tuple[str, ...], *tensors: torch.Tensor) -> None:
+    def _graph_capture(self, roles: str | tuple[str, ...], training: bool, *tensors: torch.Tensor) -> None:
         """Run by the compiled graph's op: one role's tensor, or the forward's tensors in
-        ``_forward_roles`` order."""
+        ``_forward_roles`` order; ``training``: the forward was traced with grad on."""
         if self.sink.active:
             for role, x in zip((roles,) if isinstance(roles, str) else roles, tensors):
-                self.capture(role, x)
+                self.capture(role, x, training)
 
     def traced_hook(self, mod, args, output):
         """The forward hook as dynamo traces it: the tensors go to the graph taps, whose Python runs
@@ -90,8 +94,9 @@ class _WhatIfTap:
         on it, and a compiled forward runs its graph with grad off."""
         from fp8scope.graph_taps import GradObserver, observe
 
-        taps = self._graph_taps
-        if self._forward_roles and (self.sink.capture_no_grad or torch.is_grad_enabled()):
+        training = torch.is_grad_enabled()
+        taps = {role: tap for (role, t), tap in self._graph_taps.items() if t == training}
+        if self._forward_roles and (self.sink.capture_no_grad or training):
             x = args[0] if args and isinstance(args[0], torch.Tensor) else first_tensor(args)
             by_role = {"activation": x, "weight": self.kind.weight(mod, x), "output": output_tensor(output)}
             tensors = [by_role[role] for role in self._forward_roles]
@@ -103,7 +108,7 @@ class _WhatIfTap:
                         observe(taps[role], t)
         out = output_tensor(output)
         if "gradient" in self.sink.roles and out is not None and out.requires_grad:
-            return replace_output(output, GradObserver.apply(out, taps["gradient"]))
+            return replace_output(output, GradObserver.apply(out, self._graph_taps["gradient", True]))
         return None
 
     def forward_hook(self, mod, args, output):
@@ -139,7 +144,9 @@ class _WhatIfTap:
         except Exception as exc:
             sink.fail(exc)
 
-    def capture(self, role: str, x: torch.Tensor) -> None:
+    def capture(self, role: str, x: torch.Tensor, training: bool | None = None) -> None:
+        """``training``: ``x`` is from a forward with grad on (None: ask grad mode now, as an eager
+        hook can)."""
         sink, layer, fmt = self.sink, self.layer, self.fmts[role]
         if not self.delayed:  # current scaling: the scale comes from this tensor's own amax
             state = self.states.get(role)
@@ -165,5 +172,8 @@ class _WhatIfTap:
             scale, scale_inv, expected = bank.scales(s)
             bank.record_amax(s, sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected))
         else:
-            sink.record_deferred(role, bank.capture(s, x, shared=role == "activation", weight=role == "weight"),
+            if training is None:
+                training = torch.is_grad_enabled()
+            weight = role == "weight" and training
+            sink.record_deferred(role, bank.capture(s, x, shared=role == "activation", weight=weight),
                                kid, x.numel())
