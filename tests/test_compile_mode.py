@@ -145,6 +145,32 @@ def test_compiled_emulated_layers_keep_te_scaling_and_do_not_recompile(tmp_path,
             assert ref.begin(torch.tensor([amax])).scale.item() == scale, (layer, role)
 
 
+def test_a_compiled_emulated_llama_with_micro_batches_compiles_only_at_its_first(tmp_path, fresh_families):
+    """A ``transformers`` Llama in emulated FP8, compiled and monitored, two micro-batches a step
+    (full stats every third step): whatever graphs its first micro-batch compiles serve every later
+    one. Its second micro-batch is the first forward with an update due, which compiled the model a
+    second time when the trace branched on the states' Python flags."""
+    model = llama()
+    convert_to_fp8(model, recipe=DelayedScaling(amax_history_len=8))
+    run = torch.compile(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    gen = torch.Generator().manual_seed(1)
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    first = None
+    with fp8scope.Monitor(run, tmp_path / "r", every=3, detect=False) as mon:
+        for _ in range(4):
+            for _ in range(2):
+                (loss_of(run, batch(run, gen)) / 2).backward()
+                first = compiled_graphs() if first is None else first
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    assert first >= 1 and compiled_graphs() == first, (first, compiled_graphs())
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    assert set(df.source) == {"emulated"} and (df.calls == 2).all() and df.step.nunique() == 4
+
+
 def test_a_monitor_adds_at_most_one_kernel_to_a_compiled_emulated_step(tmp_path):
     """The monitor's taps are opaque calls in the graph, which inductor orders its fused kernels
     around. One between an emulated layer's two FP8 round trips split them into kernels of their own
