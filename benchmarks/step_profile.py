@@ -134,7 +134,8 @@ def profiled(setup: Setup, mon, first: int, sync, n: int = 3) -> dict:
 
 def amax_kernels(shapes: list[tuple[int, ...]], device: str, dtype: torch.dtype, reps: int = 10) -> None:
     """The cheap capture's one pass over each captured tensor, timed alone on the step's shapes, with
-    other one-pass reductions that give the amax (and the weights' multi-tensor norm, a tensor a call): whether the pass runs at the memory's speed."""
+    other one-pass reductions that give the amax (and the weights' multi-tensor norm, a tensor a
+    call): whether the pass runs at the memory's speed."""
     ops = {"aminmax (the capture's)": torch.aminmax,
            "vector_norm(inf)": lambda x: torch.linalg.vector_norm(x, float("inf")),
            "_foreach_norm(inf) of one": lambda x: torch._foreach_norm([x], float("inf")),  # the weights' kernel
