@@ -68,6 +68,17 @@ def test_clean_run_has_no_warning(runs):
     assert _serious(ev).empty, _serious(ev).to_string()
 
 
+def test_an_info_event_is_reported_once_per_tensor_and_rule(runs):
+    """Info events are evidence about a tensor (its range exceeds one scale's, it sits far from its
+    peers): a tensor near a threshold crossing it again and again between steps is still one event.
+    Warnings and critical events still fire on every edge (the planted faults' tests)."""
+    for name in ("clean", "outlier"):
+        info = detect(runs[name]).query("severity == 'info'")
+        assert len(info) > 0
+        repeated = info[info.duplicated(["rule", "rank", "layer", "tensor"], keep=False)]
+        assert repeated.empty, repeated[["rule", "step", "layer", "tensor"]].to_string()
+
+
 def test_outlier_fires_spike_saturation_then_stale_scale(runs):
     ev = detect(runs["outlier"])
     L = "blocks.1.mlp.down"

@@ -53,11 +53,19 @@ def edge_rules(rules: list[RowRule]) -> list[str]:
     return [r.name for r in rules if r.edge] + ["nonfinite"]
 
 
-def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: list | None = None) -> list[dict]:
-    """Events of the rows where ``fired[rule]`` (bool per row of ``c``) is true.
+def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: list | None = None,
+                    info_seen: dict[str, np.ndarray] | None = None) -> list[dict]:
+    """Events of the rows where ``fired[rule]`` (bool per row of ``c``, sorted by tensor then step)
+    is true.
 
     Only those rows become python dicts. ``nonfinite`` rows are appended to ``nan_rows`` (they
-    need the whole run's order to find the NaN origin: :func:`nan_events`).
+    need the whole run's order to find the NaN origin: :func:`nan_events`). ``info_seen[rule]``
+    (bool per tensor key, updated here): the tensors that had an ``info`` event of that rule, whose
+    later ``info`` events are dropped. An info event is evidence about a tensor (its range exceeds
+    one scale's, it sits far from its peers), not an incident: a tensor near the threshold crossed
+    it again and again between full steps, and a healthy 200-step demo run logged 181
+    ``dynamic_range`` events and 25 ``layer_outlier`` events for one gradient. Warnings and
+    critical events fire on every edge, as before.
     """
     out: list[dict] = []
     for rule in list(rules) + [NONFINITE]:
@@ -75,10 +83,24 @@ def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: li
             val = np.broadcast_to(np.asarray(rule.value(sub), float), idx.shape)
             thr = np.broadcast_to(np.asarray(rule.threshold(sub), float), idx.shape)
             sev = np.broadcast_to(np.asarray(rule.severity(sub)), idx.shape)
-        for r, v, t, s in zip(rows, val.tolist(), thr.tolist(), sev.tolist()):
+        seen = None if info_seen is None else _grown(info_seen, rule.name, len(km.info))
+        for r, k, v, t, s in zip(rows, sub["key"].tolist(), val.tolist(), thr.tolist(), sev.tolist()):
+            if s == "info" and seen is not None:
+                if seen[k]:
+                    continue
+                seen[k] = True
             r["value"], r["threshold"] = none_if_nan(v), none_if_nan(t)
             out.append(event(r, rule.name, s, v, t, rule.message(r)))
     return out
+
+
+def _grown(flags: dict[str, np.ndarray], name: str, n: int) -> np.ndarray:
+    """``flags[name]``, a bool per tensor key, grown to ``n`` keys (new tensors: False)."""
+    have = flags.get(name)
+    if have is None or len(have) < n:
+        old = have if have is not None else np.zeros(0, bool)
+        have = flags[name] = np.concatenate([old, np.zeros(n - len(old), bool)])
+    return have
 
 
 def nan_events(rows: list[dict], state: dict) -> list[dict]:
@@ -252,6 +274,7 @@ class TensorPass:
         self.windows = WindowCarry(cfg)
         self.run_max = RunMax()
         self.edge_state = {r: np.zeros(0, bool) for r in edge_rules(self.rules)}  # per tensor key
+        self.info_seen: dict[str, np.ndarray] = {}  # per rule, per tensor key: had an info event
         self.nan_rows: list[dict] = []
 
     def events(self, part: pa.Table, ordered: bool) -> list[dict]:
@@ -267,13 +290,11 @@ class TensorPass:
         c["ever_max"] = self.run_max.before(c["key"], c["amax_f"])
         f, ev = flags(c, self.rules)
         fired = {r: (self._edges(r, c["key"], f[r], ev[r]) if r in ev else f[r]) for r in f}
-        return emit_row_events(c, fired, self.rules, self.km, self.nan_rows)
+        return emit_row_events(c, fired, self.rules, self.km, self.nan_rows, self.info_seen)
 
     def _edges(self, rule: str, key: np.ndarray, f: np.ndarray, ev: np.ndarray) -> np.ndarray:
         """Edges of ``rule`` in this slice against each tensor's flag from the slices before; updates it."""
-        state = self.edge_state[rule]
-        if len(state) < len(self.km.info):
-            state = self.edge_state[rule] = np.concatenate([state, np.zeros(len(self.km.info) - len(state), bool)])
+        state = _grown(self.edge_state, rule, len(self.km.info))
         out = edges_sorted(key, f, ev, state)
         last_evaluable(key, f, ev, state)
         return out
