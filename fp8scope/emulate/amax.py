@@ -150,7 +150,7 @@ def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     host sync; ``(0, 0)`` for an empty tensor."""
     if x.numel() == 0:
         return _empty_pair(x)
-    lo, hi = torch.aminmax(x.detach())
+    lo, hi = torch.aminmax(x.detach() if x.requires_grad else x)  # detach is a dispatch too: only where needed
     return hi, lo
 
 
