@@ -137,6 +137,27 @@ def adversarial(seed: int = 0) -> dict[str, torch.Tensor]:
 
 
 # ---- numerics --------------------------------------------------------------------------------
+def test_bf16_rounding_in_integer_ops_is_the_casts_bits():
+    """The compiled stats round to bf16 on the float's bits (a compiler may drop a cast pair: torch
+    2.11's Triton did): the cast's bits for every number and infinity, eagerly and compiled, ties to
+    even, subnormals and the largest finite values included; a NaN comes out infinite."""
+    from fp8scope.emulate.recipe_table import bf16_rounded
+
+    torch.manual_seed(0)
+    tie, odd = 1.0 + 2 ** -8, 1.0 + 3 * 2 ** -8  # halfway: down to 1.0, up to 1 + 2^-6
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), 3.4028235e38, -3.4028235e38, 1e-45,
+                             -1e-45, 1.1754942e-38, tie, -tie, odd, 3.3895314e38, 3.3961776e38])
+    bits = torch.randint(-2 ** 31, 2 ** 31 - 1, (200_000,), dtype=torch.int32).view(torch.float32)
+    x = torch.cat([specials, bits, torch.randn(10_000) * 1e3])
+    finite_or_inf = ~x.isnan()
+    want = x.to(torch.bfloat16).float()[finite_or_inf].view(torch.int32)
+    for fn in (bf16_rounded, torch.compile(bf16_rounded, dynamic=True)):
+        got = fn(x)
+        assert torch.equal(got[finite_or_inf].view(torch.int32), want)
+        assert got[~finite_or_inf].isinf().all()
+    assert bf16_rounded(torch.tensor([tie, odd])).tolist() == [1.0, 1.0 + 2 ** -6]
+
+
 def test_e2m1_rounding_matches_the_reference_grid():
     v = np.concatenate([np.linspace(-8, 8, 4001), [0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 5.0001, -5.0, 1e-30]])
     got = e2m1_round(torch.tensor(v, dtype=torch.float32)).double().numpy()
