@@ -76,6 +76,14 @@ def train_step(s: Setup, step: int, mon) -> None:
         mon.step(loss=loss.detach(), grad_norm=grad_norm, lr=1e-4)
 
 
+def full_steps(run_dir: str) -> list[int]:
+    """The steps a run logged with full stats. A timed "cheap" block holds only cheap steps unless the
+    monitor's triage took full ones after a flagged step (``full_on_anomaly``), which a fresh model's
+    early steps can do: printed beside the ratios so that a reader sees it."""
+    t = fp8scope.load_run(run_dir).tensors()
+    return sorted(int(s) for s in t[t.full].step.unique())
+
+
 def ops_on_meta(size: str, batch: int, seq: int) -> tuple[int, int, dict[str, int]]:
     """(plain ops, monitored ops, the monitored step's ops by name) of one cheap what-if step on "meta",
     the capture side wired as the monitor wires it (``tests/meta_training.py``; the writer thread,
@@ -152,6 +160,8 @@ def main() -> int:
                                                    step_fn=train_step)
                 mon.close()
                 n_tensors = len(fp8scope.load_run(os.path.join(tmp, "r")).tensors().query("step == 0"))
+                if kind == "cheap" and full_steps(os.path.join(tmp, "r")) != [0]:
+                    print(f"   (the cheap blocks held full steps: {full_steps(os.path.join(tmp, 'r'))})")
             ratio[kind] = paired["monitored"]
             plain_ms.append(medians["plain"] * 1e3)
         every50 = (49 * ratio["cheap"] + ratio["full"]) / 50

@@ -45,7 +45,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import fp8scope  # noqa: E402
-from large_model import Setup, model_args, train_step  # noqa: E402
+from large_model import Setup, full_steps, model_args, train_step  # noqa: E402
 from overhead import time_interleaved  # noqa: E402
 
 SYNC_CALLS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize", "cudaMemcpy")
@@ -203,9 +203,12 @@ def main() -> int:
                 print(f"   ({label}: torch.profiler failed: {type(exc).__name__}: {exc})")
         report(label, results[label])
     shapes = [k.shape for k in mons["monitored"].collector.keys]
-    for mon in mons.values():
+    for label, mon in mons.items():
         if mon is not None:
             mon.close()
+            full = full_steps(os.path.join(tmp.name, label.replace(" ", "_")))
+            if full != [0]:  # the monitor's triage took full steps: not every timed step was cheap
+                print(f"   ({label}: full steps {full})")
     tmp.cleanup()
     del setups, mons
     if on_gpu:
