@@ -249,7 +249,6 @@ def test_an_eval_forward_on_swapped_weights_reads_its_own():
     assert w.amax.item() == pytest.approx(ema[0].abs().max().item(), rel=1e-6)
 
 
-
 def test_a_compiled_cheap_step_reads_the_weights_in_one_batch_as_eager_does(tmp_path, monkeypatch):
     """A compiled forward runs its graph with grad off, so a tap cannot tell a training forward by
     grad mode when it runs; it is told the grad mode the forward was traced with. So a compiled
