@@ -160,8 +160,9 @@ def main() -> int:
                                                    step_fn=train_step)
                 mon.close()
                 n_tensors = len(fp8scope.load_run(os.path.join(tmp, "r")).tensors().query("step == 0"))
-                if kind == "cheap" and full_steps(os.path.join(tmp, "r")) != [0]:
-                    print(f"   (the cheap blocks held full steps: {full_steps(os.path.join(tmp, 'r'))})")
+                full = full_steps(os.path.join(tmp, "r")) if kind == "cheap" else [0]
+                if full != [0]:
+                    print(f"   (the cheap blocks held full steps: {full})")
             ratio[kind] = paired["monitored"]
             plain_ms.append(medians["plain"] * 1e3)
         every50 = (49 * ratio["cheap"] + ratio["full"]) / 50

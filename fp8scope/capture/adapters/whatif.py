@@ -172,8 +172,6 @@ class _WhatIfTap:
             scale, scale_inv, expected = bank.scales(s)
             bank.record_amax(s, sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected))
         else:
-            if training is None:
-                training = torch.is_grad_enabled()
-            weight = role == "weight" and training
+            weight = role == "weight" and (torch.is_grad_enabled() if training is None else training)
             sink.record_deferred(role, bank.capture(s, x, shared=role == "activation", weight=weight),
                                kid, x.numel())
