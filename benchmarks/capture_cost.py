@@ -21,6 +21,9 @@
    configurations timed interleaved in one run: unmonitored; cheap captures only (no online
    detection, no extra full steps after a suspicious one); those plus online detection; ``every=50``
    without detection or extra full steps; the default monitor.
+3c. Host-bound steps (``--sections hostbound``): the demo model made so small that a step is host
+   work, as a small or compiled model's step is on a GPU: unmonitored, cheap captures only, and
+   ``every=50`` with online detection in its child process (the default) and in a thread.
 4. The first steps of a fresh process (``--sections first``), with the stats eager
    (``FP8SCOPE_COMPILE=0``), compiled at first use on the training thread (``sync``) and compiled
    ahead in a child process (``ahead``; the default on a GPU): step 0's time, the slowest later
@@ -34,6 +37,7 @@
     python benchmarks/capture_cost.py --device cuda   # on a GPU
     python benchmarks/capture_cost.py --sections parts --rounds 10  # section 3b only
     python benchmarks/capture_cost.py --sections first   # section 4: does a compile stall a step?
+    python benchmarks/capture_cost.py --sections hostbound --rounds 16   # section 3c only
 
 Op and kernel counts are deterministic; timings are this machine's, printed as ratios measured in
 one run. Section 3 times the product's default: on a GPU the stats compiled (at their first use here,
@@ -290,6 +294,49 @@ def ratio_parts(device: str, rounds: int, block: int) -> None:
         print(f"   {name:45s} {medians[name] * 1e3:7.1f} ms/step   {paired[name]:.3f}x")
 
 
+HOST_BOUND = dict(d_model=16, batch_size=1, seq_len=8, n_heads=2)  # the demo model with next to no arithmetic
+
+
+def host_bound(device: str, rounds: int, block: int) -> None:
+    """Section 3c: the demo model made so small that a step is its host work (Python, op dispatch),
+    as a small or compiled model's step is on a GPU, where the host launches kernels while the GPU
+    runs them. The monitor's own host work then shows in full: its captures, and its online
+    detection in a child process (the default) or in a thread of the training process, where its
+    Python holds the GIL that the training thread needs after every op."""
+    print(f"\n3c. host-bound steps: the demo model at {HOST_BOUND}, what-if, eager, torch on one thread "
+          "(paired ratios, interleaved)")
+    os.environ["FP8SCOPE_COMPILE"] = "0" if device == "cpu" else "sync"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    configs = {
+        "plain": None,
+        "cheap captures only (no online detection)": dict(every=10**9, detect=False, full_on_anomaly=0),
+        "every=50, detection in a child process (default)": dict(every=50),
+        "every=50, detection in a thread": dict(every=50),
+    }
+    setups = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        try:
+            for i, (name, kwargs) in enumerate(configs.items()):
+                setup = train.build(fp8="off", quiet=True, device=device, **HOST_BOUND)
+                if "thread" in name:
+                    os.environ["FP8SCOPE_DETECT_PROCESS"] = "0"
+                try:
+                    mon = None if kwargs is None else fp8scope.Monitor(setup.model, os.path.join(tmp, str(i)), **kwargs)
+                finally:
+                    os.environ.pop("FP8SCOPE_DETECT_PROCESS", None)
+                setups[name] = (setup, mon)
+            sync = torch.cuda.synchronize if device.startswith("cuda") else None
+            medians, paired = time_interleaved(setups, rounds, block * 2, warmup=6, sync=sync)
+        finally:
+            for _, mon in setups.values():
+                if mon is not None:
+                    mon.close()
+            torch.set_num_threads(threads)
+    for name in configs:
+        print(f"   {name:50s} {medians[name] * 1e3:7.2f} ms/step   {paired[name]:.3f}x")
+
+
 def first_steps(device: str, steps: int, modes: tuple[str, ...], cap_s: float = 120.0, cold: bool = True) -> None:
     """Section 4: the first steps of a fresh process under each ``FP8SCOPE_COMPILE`` mode, each
     in a process of its own (a variant compiles once per process), with inductor's cache empty
@@ -378,6 +425,8 @@ def main() -> int:
         step_ops(args.device)
     if "parts" in sections:
         ratio_parts(args.device, args.rounds, args.block)
+    if "hostbound" in sections:
+        host_bound(args.device, args.rounds, args.block)
     if "ratio" in sections:
         compile_stats = args.compile_stats or (args.device != "cpu" and not args.no_compile_stats)
         from fp8scope.emulate.recipe_table import RECIPES

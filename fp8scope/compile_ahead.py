@@ -131,13 +131,10 @@ def _serve() -> None:
 
 
 def _child_env() -> dict:
-    import fp8scope
+    from fp8scope.child_env import child_env
 
-    env = dict(os.environ)
-    root = os.path.dirname(os.path.dirname(os.path.abspath(fp8scope.__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, *filter(None, [env.get("PYTHONPATH")])])
-    env["TORCHINDUCTOR_COMPILE_THREADS"] = "1"  # a few kernels: no pool of compile workers beside training
-    return env
+    # a few kernels: no pool of compile workers beside training
+    return child_env(TORCHINDUCTOR_COMPILE_THREADS="1")
 
 
 def _start_child() -> subprocess.Popen:

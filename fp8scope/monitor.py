@@ -374,13 +374,22 @@ class Monitor:
             self._writer.listeners.append(listener)
 
     def _start_detector(self, detect: Any, on_event: Any) -> None:
-        if detect is False or detect is None:
+        if detect is False or detect is None or self._writer is None:  # no writer: no steps to examine
             return
         try:
             from fp8scope.detect import DetectConfig
+            from fp8scope.detect import child
             from fp8scope.detect.online import BackgroundDetector, OnlineDetector
 
-            det = OnlineDetector(detect if isinstance(detect, DetectConfig) else None, on_event=on_event)
+            config = detect if isinstance(detect, DetectConfig) else None
+            det = None
+            if child.wanted():  # the rules' Python in a child process: none of it holds training's GIL
+                try:
+                    det = child.ChildDetector(config, on_event=on_event)
+                except Exception as exc:
+                    self._warn("detect-process", f"online detection runs in a thread ({type(exc).__name__}: {exc})")
+            if det is None:
+                det = OnlineDetector(config, on_event=on_event)
             # own thread: the writer thread (which step() waits for on CPU) only queues the step
             self.detector = BackgroundDetector(det, self._submit_events)
             self.add_step_listener(self.detector)

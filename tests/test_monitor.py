@@ -525,3 +525,44 @@ def test_background_detector_examines_a_backlog_in_batches_and_flush_does_not_wa
     assert [s for c in calls for s in c] == list(range(20))
     assert all(len(c) <= 8 for c in calls)
     bg.close()
+
+
+def test_steps_queued_while_the_detector_starts_are_no_lag():
+    """A detector that starts (a child process importing its libraries) lets steps queue; they are
+    examined in one batch then, without the lag warning, which still fires for a backlog after."""
+    import threading
+    import warnings
+
+    from fp8scope.detect.online import BackgroundDetector
+
+    started, hold, calls = threading.Event(), threading.Event(), []
+
+    class Det:
+        def wait_ready(self):
+            started.wait(10)
+
+        def process(self, steps):
+            calls.append([s[0] for s in steps])
+            if len(calls) == 2:
+                hold.wait(10)
+
+    bg = BackgroundDetector(Det(), lambda table, batch: None, lag_warn=8, pair_wait_s=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for s in range(30):
+            bg(s, 0, None, None)
+        started.set()
+        bg.flush()
+        assert not [w for w in caught if "behind" in str(w.message)]
+        assert calls == [list(range(30))]
+        bg(30, 0, None, None)  # examined alone; the detector then holds it while 20 more queue
+        deadline = time.monotonic() + 10
+        while len(calls) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for s in range(31, 51):
+            bg(s, 0, None, None)
+        hold.set()
+        bg.flush()
+    assert [w for w in caught if "fell 20 steps behind" in str(w.message)]
+    assert [s for c in calls for s in c] == list(range(51))
+    bg.close()

@@ -1,4 +1,5 @@
-"""Online detection: the offline rules on the steps as they are written, in a thread of their own.
+"""Online detection: the offline rules on the steps as they are written, in a thread of their own
+(and by default their Python in a child process: :mod:`fp8scope.detect.child`).
 
 ``OnlineDetector`` is a step listener (``Monitor.add_step_listener``). It runs the offline engine's
 slice pass (:class:`fp8scope.detect.engine.TensorPass`: tensor keys, each tensor's last window rows
@@ -75,6 +76,11 @@ class OnlineDetector:
 
     def process(self, steps: Sequence[Step]) -> dict[str, pa.RecordBatch] | None:
         """Examine consecutive logged steps in one pass; ``{"events": batch}`` or None."""
+        return self.emit(self.examine(steps))
+
+    def examine(self, steps: Sequence[Step]) -> list[dict]:
+        """The rules' pass over consecutive logged steps: their events, unsorted (the windows and
+        edge flags carried to the next pass are this object's state)."""
         events: list[dict] = []
         tensors = [t for _, _, t, _ in steps if t is not None and t.num_rows]
         if tensors:
@@ -82,6 +88,11 @@ class OnlineDetector:
         for _, _, _, scalars in steps:
             if scalars is not None and scalars.num_rows:
                 events += self._scalar_step(scalars)
+        return events
+
+    def emit(self, events: list[dict]) -> dict[str, pa.RecordBatch] | None:
+        """Report a pass's events: kept in :attr:`events`, logged, handed to ``on_event``, and
+        returned as ``{"events": batch}`` for the run (None when there are none)."""
         if not events:
             return None
         records = sort_events(events)
@@ -162,6 +173,7 @@ class BackgroundDetector:
         self.skipped = 0
         self._lag_warned = False
         self._failed = False
+        self._grace = 0  # steps queued before the detector was ready: no lag of its own
         self._thread = threading.Thread(target=self._run, name="fp8scope-detect", daemon=True)
         self._thread.start()
 
@@ -198,12 +210,12 @@ class BackgroundDetector:
             except queue.Empty:
                 break
         lag = sum(1 for it in items if it is not None and it is not _FLUSH) + self._q.qsize()
-        if lag > self.max_lag:
-            self.max_lag = lag
-            if lag > self.lag_warn and not self._lag_warned:
-                self._lag_warned = True
-                warnings.warn(f"fp8scope: online detection fell {lag} steps behind the run; it examines the backlog in "
-                              "batches to catch up (events may arrive late)", RuntimeWarning, stacklevel=2)
+        grace, self._grace = self._grace, 0
+        self.max_lag = max(self.max_lag, lag)
+        if lag - grace > self.lag_warn and not self._lag_warned:
+            self._lag_warned = True
+            warnings.warn(f"fp8scope: online detection fell {lag} steps behind the run; it examines the backlog in "
+                          "batches to catch up (events may arrive late)", RuntimeWarning, stacklevel=2)
         return items
 
     def _urgent(self, item: Step) -> bool:
@@ -234,6 +246,10 @@ class BackgroundDetector:
         return outs
 
     def _run(self) -> None:
+        wait_ready = getattr(self.detector, "wait_ready", None)
+        if wait_ready is not None:  # a child process starting (fp8scope.detect.child)
+            wait_ready()
+            self._grace = self._q.qsize()
         while True:
             items = self._collect()
             try:
@@ -269,3 +285,6 @@ class BackgroundDetector:
     def close(self, timeout: float = 60.0) -> None:
         self._put_marker(None)
         self._thread.join(timeout)
+        close = getattr(self.detector, "close", None)
+        if close is not None:  # a child process: every step it was sent has been examined
+            close()
