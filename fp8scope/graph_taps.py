@@ -7,10 +7,20 @@ and inside an autograd Function or a tensor hook dynamo refuses side effects out
 
 So under compilation a hook hands its tensors to one opaque op, ``fp8scope::observe``, and a
 layer's output goes through :class:`GradObserver`, an identity (a view) whose backward hands the
-gradient to the same op. Dynamo and inductor keep the op as a call in the graph (it declares a
-write to a one-element sink tensor, so it is never dead code) and never look inside; at run time
-it calls the tap registered under its id, the same Python capture code that eager hooks run, so
-compiled and eager runs log the same rows. Values the tap needs that the graph computes (an
+gradient to its twin, ``fp8scope::observe_grad``. Dynamo and inductor keep both as calls in the
+graph and never look inside; at run time they call the tap registered under the id they carry, the
+same Python capture code that eager hooks run, so compiled and eager runs log the same rows.
+
+Neither returns anything, so each must say why it is not dead code. ``observe`` declares a write
+to a one-element sink tensor, which inductor orders nothing else around: its fused kernels stay
+as they are. ``observe_grad`` is an ordered effect instead (``torch.library``'s effect types: AOT
+autograd threads a token through a graph's effectful calls). A backward cannot write the sink: it
+would take it from its forward, saved there as an input of the graph, and autograd checks a saved
+tensor's version when the backward runs. Any other graph that wrote the sink in between (the rest
+of the forward after a graph break, another micro-batch's forward, the other graph's backward)
+failed the user's backward ("modified by an inplace operation"). The effect orders the backward's
+taps among themselves, which on the demo's models costs no kernel: they come layer by layer there
+anyway. A sink made fresh for each call instead is dead code to the compiler, taps and all. Values the tap needs that the graph computes (an
 emulated layer's scales) travel as the op's tensor arguments: the Python attributes the graph
 writes are only updated after the graph has run.
 """
@@ -56,11 +66,46 @@ _LIB.define("observe(Tensor[] xs, Tensor(a!) sink, int tap) -> ()")
 _LIB.impl("observe", _observe, "CompositeExplicitAutograd")
 torch.library.register_fake("fp8scope::observe", lib=_LIB)(lambda xs, sink, tap: None)
 observe_op = torch.ops.fp8scope.observe.default
+_LIB.define("observe_grad(Tensor[] xs, int tap) -> ()")
+_LIB.impl("observe_grad", lambda xs, tap: _observe(xs, None, tap), "CompositeExplicitAutograd")
+torch.library.register_fake("fp8scope::observe_grad", lib=_LIB)(lambda xs, tap: None)
+observe_grad_op = torch.ops.fp8scope.observe_grad.default
+
+
+def _register_ordered(op) -> bool:
+    """Register ``op`` as an ordered effect: ``torch.library``'s entry point where torch has it,
+    else the one in ``torch._higher_order_ops.effects`` that earlier releases have."""
+    register, effect = getattr(torch.library, "_register_effectful_op", None), getattr(torch.library, "EffectType", None)
+    if register is not None and effect is not None:
+        register(op, effect.ORDERED, lib=_LIB)
+        return True
+    try:
+        from torch._higher_order_ops import effects
+    except ImportError:
+        return False
+    register = getattr(effects, "_register_effectful_op", None) or getattr(effects, "register_effectful_op", None)
+    effect = getattr(effects, "_EffectType", None) or getattr(effects, "EffectType", None)
+    if register is None or effect is None:
+        return False
+    register(op, effect.ORDERED)
+    return True
+
+
+GRAD_TAPS = _register_ordered(observe_grad_op)
+"""Whether this torch keeps ``observe_grad`` as an effect. Without it the compiler would drop
+every call (it returns nothing), so a compiled backward's taps are left out of the trace and the
+monitor says so once (``fp8scope.monitor``)."""
 
 
 def observe(tap: int, *xs: torch.Tensor) -> None:
-    """Hand ``xs`` to tap ``tap``: one opaque call in the graph."""
+    """Hand ``xs`` to tap ``tap``: one opaque call in the graph (from a forward)."""
     observe_op(list(xs), _SINK, tap)
+
+
+def observe_in_backward(tap: int, *xs: torch.Tensor) -> None:
+    """:func:`observe` from a backward (see the module's docstring for why it is another op)."""
+    if GRAD_TAPS:
+        observe_grad_op(list(xs), tap)
 
 
 class GradObserver(torch.autograd.Function):
@@ -73,5 +118,5 @@ class GradObserver(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        observe_op([grad], _SINK, ctx.tap)
+        observe_in_backward(ctx.tap, grad)
         return grad, None

@@ -229,6 +229,11 @@ class Monitor:
             self._warn("skipped", "no linear layer found in the model: nothing is monitored (see "
                        "fp8scope.register_linear_like for layer classes of your own)")
         self._retrace_compiled()
+        from fp8scope import graph_taps
+
+        if self.layers and not graph_taps.GRAD_TAPS:
+            self._warn("grad-taps", "this torch cannot keep an effectful op in a compiled backward: if the model "
+                       "is torch.compile'd, its gradients are not captured (eager ones are)")
         from fp8scope.compiled import prepare
 
         prepare({p.device.type for p in self.model.parameters()})  # now, not in a training step

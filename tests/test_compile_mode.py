@@ -115,6 +115,42 @@ def test_compiled_whatif_run_logs_the_eager_rows_without_recompiles(tmp_path):
     assert set(compiled.source) == {"whatif"} and compiled[compiled.full].overflow.notna().all()
 
 
+@pytest.mark.parametrize("kind", ["whatif", "emulated"])
+def test_a_compiled_model_with_a_graph_break_trains_monitored_and_logs_the_eager_rows(tmp_path, kind):
+    """A user's compiled model is often several graphs (a break anywhere). With two micro-batches
+    whose forwards both run before their backward, taps of four compiled forwards and backwards run
+    interleaved. The taps wrote one shared sink tensor, which a backward took from its forward and
+    autograd checked: the user's first backward failed ("modified by an inplace operation"). Now
+    each step trains and the run logs the rows an eager run logs."""
+
+    def run(compiled: bool, path):
+        model = tiny(kind)
+        model.blocks[0].mlp.register_forward_pre_hook(lambda mod, args: torch._dynamo.graph_break())
+        target = torch.compile(model) if compiled else model
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        with fp8scope.Monitor(target, path, every=3, detect=False) as mon:
+            for _ in range(4):
+                losses = [loss_of(target, batch(model, gen)) / 2 for _ in range(2)]  # both forwards first
+                sum(losses).backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step()
+        return fp8scope.load_run(path).tensors().sort_values(["step", "order"]).reset_index(drop=True)
+
+    eager = run(False, tmp_path / "eager")
+    torch._dynamo.reset()
+    torch._dynamo.utils.counters.clear()
+    compiled = run(True, tmp_path / "compiled")
+    assert compiled_graphs() >= 2  # the break is there
+    keys = ["step", "layer", "tensor", "full", "calls", "numel"]
+    assert len(compiled) == len(eager) == 4 * 6 * 3 and (compiled.calls == 2).all()
+    assert (eager[keys].values == compiled[keys].values).all()
+    for col in ("amax", "scale", "scale_inv", "expected_amax"):
+        torch.testing.assert_close(torch.tensor(compiled[col].values), torch.tensor(eager[col].values),
+                                   rtol=1e-4, atol=0)
+
+
 @pytest.fixture
 def fresh_families(monkeypatch):
     """The compiled families' caches of eager functions as a fresh process has them: empty (other
@@ -177,8 +213,9 @@ def test_a_monitor_adds_at_most_one_kernel_to_a_compiled_emulated_step(tmp_path)
     (a forward's 6 C++ kernels became 9; on a GPU, launches), and one before the gradient's scale
     update split that off too. The layer now reports its operands after both round trips and the
     update: a monitored training step (forward and backward, after the first steps) compiles to
-    the unmonitored step's kernels and one more, the backward's copy of the taps' one-element sink
-    (the update after the taps gave 2 more)."""
+    the unmonitored step's kernels and one more, in the forward (7 and 7 where the unmonitored
+    step has 6 and 7; the update after the taps gave 2 more). The backward's taps are ordered
+    effects (``graph_taps``), which cost none here; as writes of the shared sink they cost one."""
     from torch._inductor.utils import run_and_get_code
 
     kernels, taps = {}, {}

@@ -243,9 +243,9 @@ class Fp8Linear(nn.Linear):
         scaling, from its own amax ``pair``, already measured); record its amax for the next update and
         report it. Under torch.compile this runs as one opaque op."""
         if torch.compiler.is_compiling():
-            from fp8scope.graph_taps import observe
+            from fp8scope.graph_taps import observe_in_backward
 
-            observe(self._gradient_tap(), grad_out, g_deq, scale, scale_inv, expected)
+            observe_in_backward(self._gradient_tap(), grad_out, g_deq, scale, scale_inv, expected)
             return
         self._record_gradient(grad_out, g_deq, scale, scale_inv, expected, pair)
 
