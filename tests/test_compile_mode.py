@@ -29,9 +29,9 @@ def tiny(kind: str) -> torch.nn.Module:
     return m
 
 
-def llama() -> torch.nn.Module:
+def llama(layers: int = 1) -> torch.nn.Module:
     transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=layers,
                                    num_attention_heads=2, num_key_value_heads=2, max_position_embeddings=32)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(cfg)
@@ -149,6 +149,35 @@ def test_a_compiled_model_with_a_graph_break_trains_monitored_and_logs_the_eager
     for col in ("amax", "scale", "scale_inv", "expected_amax"):
         torch.testing.assert_close(torch.tensor(compiled[col].values), torch.tensor(eager[col].values),
                                    rtol=1e-4, atol=0)
+
+
+def test_a_llama_compiled_block_by_block_trains_monitored_and_logs_the_eager_rows(tmp_path):
+    """Compiling each decoder layer apart is how FSDP2 training compiles (torchtitan): one graph per
+    layer, the next layer's forward running between a layer's forward and its backward. With the
+    taps writing a shared sink, the first backward failed."""
+
+    def run(compiled: bool, path):
+        model = llama(layers=2)
+        if compiled:
+            for i, layer in enumerate(model.model.layers):
+                model.model.layers[i] = torch.compile(layer)
+        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+        gen = torch.Generator().manual_seed(1)
+        with fp8scope.Monitor(model, path, every=2, detect=False) as mon:
+            for _ in range(3):
+                loss_of(model, batch(model, gen)).backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step()
+        return fp8scope.load_run(path).tensors().sort_values(["step", "order"]).reset_index(drop=True)
+
+    eager = run(False, tmp_path / "eager")
+    torch._dynamo.reset()
+    compiled = run(True, tmp_path / "compiled")
+    keys = ["step", "layer", "tensor", "full", "calls", "numel"]
+    assert len(compiled) == len(eager) > 0 and (eager[keys].values == compiled[keys].values).all()
+    assert set(compiled.tensor) == {"activation", "weight", "gradient"}
+    torch.testing.assert_close(torch.tensor(compiled.amax.values), torch.tensor(eager.amax.values), rtol=1e-4, atol=0)
 
 
 @pytest.fixture
