@@ -56,7 +56,11 @@ _HEADER = struct.Struct("<Q")
 
 
 def wanted() -> bool:
-    """Whether online detection runs in a child process (``FP8SCOPE_DETECT_PROCESS``, default on)."""
+    """Whether online detection runs in a child process (``FP8SCOPE_DETECT_PROCESS``, default on).
+    Not where the pipes cannot be waited on with ``select`` (Windows), nor from a frozen
+    application, whose executable is not a Python that takes ``-m``."""
+    if sys.platform == "win32" or getattr(sys, "frozen", False) or not sys.executable:
+        return False
     return os.environ.get("FP8SCOPE_DETECT_PROCESS", "1").strip().lower() not in ("0", "false", "no", "off")
 
 
