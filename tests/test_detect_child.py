@@ -89,23 +89,28 @@ def test_a_killed_child_leaves_detection_in_the_training_process(tmp_path):
     assert list(run.events().query("rule == 'nan_origin'").step) == [20]
 
 
-def test_the_child_leaves_when_the_training_process_is_killed(tmp_path):
-    """A training process killed with SIGKILL cannot close the child: the child sees its pipe close
-    and leaves; no detection process outlives its run."""
+@pytest.mark.parametrize("forked", [False, True])
+def test_the_child_leaves_when_the_training_process_is_killed(tmp_path, forked):
+    """A training process killed with SIGKILL cannot stop the child: the child sees its pipe close,
+    or, where a process forked from training (a data loader's worker) still holds the pipe, sees
+    its parent gone, and leaves; no detection process outlives its run."""
+    fork = "worker = os.fork()\nif worker == 0:\n    time.sleep(60)\n    os._exit(0)\n" if forked else "worker = 0\n"
     script = textwrap.dedent(f"""
-        import sys, time, torch
+        import os, sys, time, torch
         sys.path.insert(0, {os.getcwd()!r})
         from fp8scope import Monitor
         from tests.conftest import MLP, train
         model = MLP()
         mon = Monitor(model, {str(tmp_path / "r")!r}, every=1)
-        print(mon.detector.detector._proc.pid, flush=True)
+    """) + fork + textwrap.dedent("""
+        print(mon.detector.detector._proc.pid, worker, flush=True)
         while True:
             train(model, mon, 5)
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    worker = 0
     try:
-        child = int(proc.stdout.readline())
+        child, worker = map(int, proc.stdout.readline().split())
         time.sleep(1.0)  # training, and the child examining its steps
         assert _alive(child)
         proc.send_signal(signal.SIGKILL)
@@ -117,7 +122,31 @@ def test_the_child_leaves_when_the_training_process_is_killed(tmp_path):
     finally:
         proc.kill()
         proc.wait()
+        if worker:
+            os.kill(worker, signal.SIGKILL)
     assert load_run(tmp_path / "r").tensors().step.nunique() >= 5  # logged before the kill
+
+
+def test_closing_the_monitor_ends_the_child_at_once_while_a_forked_worker_holds_its_pipe(tmp_path):
+    """A data loader's worker forked after the monitor started holds the child's pipe too: the
+    child is told to leave rather than waiting for the pipe to close, so close() does not wait."""
+    torch.manual_seed(0)
+    model = MLP()
+    mon = Monitor(model, tmp_path / "r", every=1)
+    pid = mon.detector.detector._proc.pid
+    worker = os.fork()
+    if worker == 0:
+        time.sleep(60)
+        os._exit(0)
+    try:
+        train(model, mon, 5)
+        t0 = time.monotonic()
+        mon.close()
+        assert time.monotonic() - t0 < 3
+        assert not _alive(pid)
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        os.waitpid(worker, 0)
 
 
 def test_detection_stays_in_a_thread_when_asked(tmp_path, monkeypatch):

@@ -19,9 +19,9 @@ The child is ``python -m fp8scope.detect.child``, started with the parent's inte
 fp8scope (``fp8scope.child_env``); it imports numpy, pyarrow and pandas, not torch. Messages on its
 stdin and stdout are a length-prefixed JSON header and the binary blobs it counts: the config (answered
 "ready"), then a pass's steps with their record batches as Arrow IPC blobs, answered by the pass's
-events or the error it raised. No pickle: nothing the child reads can run code. It leaves when its
-stdin closes (the monitor closed, or the training process died: SIGKILL closes the pipe too) or its
-parent is gone.
+events or the error it raised. No pickle: nothing the child reads can run code. It leaves when the
+monitor closes (a "stop" message), when its stdin closes, or when its parent is gone (the training
+process killed, also by SIGKILL, while a data loader's forked worker still holds the pipe).
 
 If the child cannot start, dies, or does not answer, detection goes on in the parent's thread,
 with one warning: windows start afresh there, so events that need history come later.
@@ -171,7 +171,7 @@ class ChildDetector(OnlineDetector):
                 for step, rank, *batches in steps:
                     index.append([int(step), int(rank)] + [_blob(blobs, b) for b in batches])
                 try:
-                    _send(proc.stdin, index, blobs)
+                    _send(proc.stdin, ["steps", index], blobs)
                 except OSError as exc:
                     raise self._lost(proc, exc) from exc
                 kind, value = self._reply(proc, REPLY_TIMEOUT_S)
@@ -208,12 +208,19 @@ class ChildDetector(OnlineDetector):
                       "training process, its windows starting afresh", RuntimeWarning, stacklevel=3)
 
     def _stop(self) -> None:
+        """Ask the child to leave, and close its pipes. Why a message and not only the pipe's end:
+        a process forked from the training process after the child started (a data loader's
+        worker) holds the pipe's write end too, so the child would not see it close."""
         proc, self._proc = self._proc, None
         if proc is None:
             return
+        try:
+            _send(proc.stdin, ["stop", None])
+        except OSError:  # it had left
+            pass
         for pipe in (proc.stdin, proc.stdout):
             try:
-                pipe.close()  # its stdin closed: the child leaves
+                pipe.close()
             except OSError:
                 pass
         try:
@@ -238,7 +245,7 @@ def _wait_for_input(fd: int, parent: int) -> bool:
 
 
 def main() -> int:
-    """Serve passes until stdin closes or the parent is gone (exit status 0 both ways)."""
+    """Serve passes until told to stop, stdin closes or the parent is gone (exit status 0)."""
     import signal
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C is for the training process, which closes the pipe
@@ -249,7 +256,9 @@ def main() -> int:
         detector = OnlineDetector(DetectConfig.from_dict(_recv(stdin)[0]))
         _send(out, ["ready", None])
         while _wait_for_input(stdin.fileno(), parent):
-            index, blobs = _recv(stdin)
+            (kind, index), blobs = _recv(stdin)
+            if kind == "stop":
+                break
             try:
                 steps = [(step, rank, _batch(blobs, t), _batch(blobs, sc)) for step, rank, t, sc in index]
                 reply = ["events", detector.examine(steps)]
