@@ -93,9 +93,10 @@ def _register_ordered(op) -> bool:
 
 
 GRAD_TAPS = _register_ordered(observe_grad_op)
-"""Whether this torch keeps ``observe_grad`` as an effect. Without it the compiler would drop
-every call (it returns nothing), so a compiled backward's taps are left out of the trace and the
-monitor says so once (``fp8scope.monitor``)."""
+"""Whether this torch keeps ``observe_grad`` as an effect. Without it the compiler would drop every
+call (it returns nothing), so a backward's taps write the shared sink as they did before, which
+holds for a model that compiles to one graph (an emulated layer's gradient amax feeds its scaling:
+it must not be dropped), and the monitor says so once (``fp8scope.monitor``)."""
 
 
 def observe(tap: int, *xs: torch.Tensor) -> None:
@@ -107,6 +108,8 @@ def observe_in_backward(tap: int, *xs: torch.Tensor) -> None:
     """:func:`observe` from a backward (see the module's docstring for why it is another op)."""
     if GRAD_TAPS:
         observe_grad_op(list(xs), tap)
+    else:
+        observe_op(list(xs), _SINK, tap)
 
 
 class GradObserver(torch.autograd.Function):

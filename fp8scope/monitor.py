@@ -232,8 +232,9 @@ class Monitor:
         from fp8scope import graph_taps
 
         if self.layers and not graph_taps.GRAD_TAPS:
-            self._warn("grad-taps", "this torch cannot keep an effectful op in a compiled backward: if the model "
-                       "is torch.compile'd, its gradients are not captured (eager ones are)")
+            self._warn("grad-taps", "this torch cannot mark an op as an effect: if the model is torch.compile'd "
+                       "into several graphs (a graph break, or blocks compiled one by one), its backward may fail; "
+                       "a newer torch does not have this problem")
         from fp8scope.compiled import prepare
 
         prepare({p.device.type for p in self.model.parameters()})  # now, not in a training step

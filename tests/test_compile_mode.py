@@ -126,29 +126,15 @@ def test_a_compiled_model_with_a_graph_break_trains_monitored_and_logs_the_eager
     def run(compiled: bool, path):
         model = tiny(kind)
         model.blocks[0].mlp.register_forward_pre_hook(lambda mod, args: torch._dynamo.graph_break())
-        target = torch.compile(model) if compiled else model
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        gen = torch.Generator().manual_seed(1)
-        with fp8scope.Monitor(target, path, every=3, detect=False) as mon:
-            for _ in range(4):
-                losses = [loss_of(target, batch(model, gen)) / 2 for _ in range(2)]  # both forwards first
-                sum(losses).backward()
-                opt.step()
-                opt.zero_grad()
-                mon.step()
-        return fp8scope.load_run(path).tensors().sort_values(["step", "order"]).reset_index(drop=True)
+        return trained_rows(model, torch.compile(model) if compiled else model, path, steps=4, every=3, micro=2)
 
     eager = run(False, tmp_path / "eager")
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     compiled = run(True, tmp_path / "compiled")
     assert compiled_graphs() >= 2  # the break is there
-    keys = ["step", "layer", "tensor", "full", "calls", "numel"]
-    assert len(compiled) == len(eager) == 4 * 6 * 3 and (compiled.calls == 2).all()
-    assert (eager[keys].values == compiled[keys].values).all()
-    for col in ("amax", "scale", "scale_inv", "expected_amax"):
-        torch.testing.assert_close(torch.tensor(compiled[col].values), torch.tensor(eager[col].values),
-                                   rtol=1e-4, atol=0)
+    assert len(compiled) == 4 * 6 * 3 and (compiled.calls == 2).all()
+    assert_same_rows(compiled, eager)
 
 
 def test_a_llama_compiled_block_by_block_trains_monitored_and_logs_the_eager_rows(tmp_path):
@@ -161,23 +147,37 @@ def test_a_llama_compiled_block_by_block_trains_monitored_and_logs_the_eager_row
         if compiled:
             for i, layer in enumerate(model.model.layers):
                 model.model.layers[i] = torch.compile(layer)
-        opt = torch.optim.SGD(model.parameters(), lr=1e-2)
-        gen = torch.Generator().manual_seed(1)
-        with fp8scope.Monitor(model, path, every=2, detect=False) as mon:
-            for _ in range(3):
-                loss_of(model, batch(model, gen)).backward()
-                opt.step()
-                opt.zero_grad()
-                mon.step()
-        return fp8scope.load_run(path).tensors().sort_values(["step", "order"]).reset_index(drop=True)
+        return trained_rows(model, model, path, steps=3, every=2)
 
     eager = run(False, tmp_path / "eager")
     torch._dynamo.reset()
     compiled = run(True, tmp_path / "compiled")
+    assert len(compiled) > 0 and set(compiled.tensor) == {"activation", "weight", "gradient"}
+    assert_same_rows(compiled, eager)
+
+
+def trained_rows(model, target, path, steps: int, every: int, micro: int = 1):
+    """Train ``target`` (``model``, or it compiled) monitored, with SGD; ``micro`` micro-batches a
+    step, whose forwards all run before their one backward. The run's rows, in logged order."""
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    gen = torch.Generator().manual_seed(1)
+    with fp8scope.Monitor(target, path, every=every, detect=False) as mon:
+        for _ in range(steps):
+            sum(loss_of(target, batch(model, gen)) / micro for _ in range(micro)).backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    return fp8scope.load_run(path).tensors().sort_values(["step", "order"]).reset_index(drop=True)
+
+
+def assert_same_rows(compiled, eager) -> None:
+    """The rows an eager run logs: the same tensors in the same order, values as close as compiled
+    numerics are to eager ones."""
     keys = ["step", "layer", "tensor", "full", "calls", "numel"]
-    assert len(compiled) == len(eager) > 0 and (eager[keys].values == compiled[keys].values).all()
-    assert set(compiled.tensor) == {"activation", "weight", "gradient"}
-    torch.testing.assert_close(torch.tensor(compiled.amax.values), torch.tensor(eager.amax.values), rtol=1e-4, atol=0)
+    assert len(compiled) == len(eager) and (eager[keys].values == compiled[keys].values).all()
+    for col in ("amax", "scale", "scale_inv", "expected_amax"):
+        torch.testing.assert_close(torch.tensor(compiled[col].values), torch.tensor(eager[col].values),
+                                   rtol=1e-4, atol=0)
 
 
 @pytest.fixture
