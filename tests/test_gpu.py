@@ -350,6 +350,33 @@ def test_compiled_model_monitored_on_cuda(tmp_path, kind):
     assert len(df) == 6 * n and df.amax.notna().all() and not df.layer.str.contains("_orig_mod").any()
 
 
+@pytest.mark.parametrize("kind", ["whatif", "emulated"])
+def test_a_model_compiled_block_by_block_trains_monitored_on_cuda(tmp_path, kind):
+    """Each block compiled apart (FSDP2's way), on CUDA with this torch's Triton: the backward's
+    taps are ordered effects (``graph_taps``), which failed the first backward as writes of a
+    shared sink; every tensor of every step is logged."""
+    from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    m = TinyGPT(GPTConfig(n_layers=2, d_model=64)).cuda()
+    if kind == "emulated":
+        convert_to_fp8(m, recipe=DelayedScaling(amax_history_len=16))
+    for i, block in enumerate(m.blocks):
+        m.blocks[i] = torch.compile(block)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    with fp8scope.Monitor(m, tmp_path / "r", every=3, detect=False) as mon:
+        for _ in range(4):
+            idx = torch.randint(0, 64, (4, 32), device="cuda")
+            loss = m(idx).float().logsumexp(-1).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss=loss.detach())
+    df = fp8scope.load_run(tmp_path / "r").tensors()
+    n = len(m.linear_names()) * 3
+    assert len(df) == 4 * n and df.amax.notna().all() and set(df.tensor) == {"activation", "weight", "gradient"}
+
+
 def _emulated_rows(recipe, device: str, tmp_path):
     """Three steps of an emulated-FP8 MLP on ``device`` from one seed, every step full."""
     torch.manual_seed(0)
