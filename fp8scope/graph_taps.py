@@ -74,21 +74,15 @@ observe_grad_op = torch.ops.fp8scope.observe_grad.default
 
 
 def _register_ordered(op) -> bool:
-    """Register ``op`` as an ordered effect: ``torch.library``'s entry point where torch has it,
-    else the one in ``torch._higher_order_ops.effects`` that earlier releases have."""
+    """Register ``op`` as an ordered effect through ``torch.library`` (``_register_effectful_op``,
+    with its ``EffectType``), where torch has that entry point: there an effect in a backward graph
+    is known to compile (``tests/test_compile_mode.py``). Earlier releases have effects only in the
+    private ``torch._higher_order_ops.effects``, whose effects in a backward graph no test here has
+    compiled: there the backward's taps keep the sink's form (see :data:`GRAD_TAPS`)."""
     register, effect = getattr(torch.library, "_register_effectful_op", None), getattr(torch.library, "EffectType", None)
-    if register is not None and effect is not None:
-        register(op, effect.ORDERED, lib=_LIB)
-        return True
-    try:
-        from torch._higher_order_ops import effects
-    except ImportError:
-        return False
-    register = getattr(effects, "_register_effectful_op", None) or getattr(effects, "register_effectful_op", None)
-    effect = getattr(effects, "_EffectType", None) or getattr(effects, "EffectType", None)
     if register is None or effect is None:
         return False
-    register(op, effect.ORDERED)
+    register(op, effect.ORDERED, lib=_LIB)
     return True
 
 

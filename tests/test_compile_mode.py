@@ -156,6 +156,19 @@ def test_a_llama_compiled_block_by_block_trains_monitored_and_logs_the_eager_row
     assert_same_rows(compiled, eager)
 
 
+def test_where_torch_cannot_mark_an_effect_the_backward_taps_keep_the_shared_sink(tmp_path, monkeypatch):
+    """A torch without ``torch.library``'s effect registration: a backward's taps write the shared
+    sink as before (dropping them would drop an emulated layer's gradient amax, and its scaling with
+    it), a model that is one graph logs every gradient, and the monitor says what can fail."""
+    from fp8scope import graph_taps
+
+    monkeypatch.setattr(graph_taps, "GRAD_TAPS", False)
+    model = tiny("emulated")
+    with pytest.warns(RuntimeWarning, match="cannot mark an op as an effect"):
+        rows = trained_rows(model, torch.compile(model), tmp_path / "r", steps=3, every=2)
+    assert len(rows) == 3 * 6 * 3 and (rows.tensor == "gradient").sum() == 3 * 6 and rows.amax.notna().all()
+
+
 def trained_rows(model, target, path, steps: int, every: int, micro: int = 1):
     """Train ``target`` (``model``, or it compiled) monitored, with SGD; ``micro`` micro-batches a
     step, whose forwards all run before their one backward. The run's rows, in logged order."""
