@@ -10,7 +10,8 @@
 #           ratios (emulated: three compiles of one whole graph each, over 125 s with a warm cache)
 #   PART=2  (about 4 minutes) the 1.1B Llama's ratios (large_model.py), where its cheap step goes
 #           (step_profile.py)
-#   PART=3  (about 1 minute) the eager demo model's ratios, the first steps with the stats compiled
+#   PART=3  (about 2 minutes) the eager demo model's ratios, the host-bound section (online detection's
+#           rules in their child process and in a thread), the first steps with the stats compiled
 #           ahead and at first use
 set -u
 cd "$(dirname "$0")/.."
@@ -39,6 +40,8 @@ case "${PART:-1}" in
 3)
   timeout 60 python3 benchmarks/capture_cost.py --device cuda --sections ratio --modes eager --rounds 3 2>&1 | quiet \
     | tee "$OUT/ratio_eager.txt"
+  timeout 90 python3 benchmarks/capture_cost.py --device cuda --sections hostbound --rounds 8 2>&1 | quiet \
+    | tee "$OUT/hostbound.txt"
   timeout 80 python3 benchmarks/capture_cost.py --device cuda --sections first --first-steps 40 \
     --first-modes sync,ahead --first-cap 30 2>&1 | quiet | tee "$OUT/first.txt";;
 esac
