@@ -314,6 +314,32 @@ def test_emulated_layer_compiles_without_breaks_on_cuda():
     assert dynamo.utils.counters["stats"]["unique_graphs"] == 1
 
 
+def _tiny_gpt_on_cuda(kind: str):
+    from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
+
+    torch.manual_seed(0)
+    m = TinyGPT(GPTConfig(n_layers=2, d_model=64)).cuda()
+    if kind == "emulated":
+        convert_to_fp8(m, recipe=DelayedScaling(amax_history_len=16))
+    return m
+
+
+def _train_monitored_on_cuda(m, run, path, steps: int, inside=None):
+    """``steps`` AdamW steps of ``run`` (``m``, compiled or not) monitored, full stats every third;
+    ``inside(last_batch)`` is called with the monitor still attached. Its result and the rows."""
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    with fp8scope.Monitor(run, path, every=3, detect=False) as mon:
+        for _ in range(steps):
+            idx = torch.randint(0, 64, (4, 32), device="cuda")
+            loss = run(idx).float().logsumexp(-1).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss=loss.detach())
+        got = inside(idx) if inside is not None else None
+    return got, fp8scope.load_run(path).tensors()
+
+
 @pytest.mark.parametrize("kind", ["whatif", "emulated"])
 def test_compiled_model_monitored_on_cuda(tmp_path, kind):
     """A torch.compile'd tiny GPT on CUDA (Triton): monitoring adds no graph break and logs every
@@ -322,30 +348,16 @@ def test_compiled_model_monitored_on_cuda(tmp_path, kind):
 
     import torch._dynamo as dynamo
 
-    from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
-
-    torch.manual_seed(0)
-    m = TinyGPT(GPTConfig(n_layers=2, d_model=64)).cuda()
-    if kind == "emulated":
-        convert_to_fp8(m, recipe=DelayedScaling(amax_history_len=16))
+    m = _tiny_gpt_on_cuda(kind)
     old = os.environ.get("FP8SCOPE_COMPILE")
     os.environ["FP8SCOPE_COMPILE"] = "1"
     try:
-        compiled = torch.compile(m)
-        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-        with fp8scope.Monitor(compiled, tmp_path / "r", every=3, detect=False) as mon:
-            for _ in range(6):
-                idx = torch.randint(0, 64, (4, 32), device="cuda")
-                loss = compiled(idx).float().logsumexp(-1).mean()
-                loss.backward()
-                opt.step()
-                opt.zero_grad()
-                mon.step(loss=loss.detach())
-            explain = dynamo.explain(lambda i: m(i).float().logsumexp(-1).mean())(idx)
+        explain, df = _train_monitored_on_cuda(
+            m, torch.compile(m), tmp_path / "r", 6,
+            inside=lambda idx: dynamo.explain(lambda i: m(i).float().logsumexp(-1).mean())(idx))
     finally:
         os.environ["FP8SCOPE_COMPILE"] = old if old is not None else "0"
     assert explain.graph_break_count == 0, explain.break_reasons
-    df = fp8scope.load_run(tmp_path / "r").tensors()
     n = len(m.linear_names()) * 3
     assert len(df) == 6 * n and df.amax.notna().all() and not df.layer.str.contains("_orig_mod").any()
 
@@ -355,24 +367,10 @@ def test_a_model_compiled_block_by_block_trains_monitored_on_cuda(tmp_path, kind
     """Each block compiled apart (FSDP2's way), on CUDA with this torch's Triton: the backward's
     taps are ordered effects (``graph_taps``), which failed the first backward as writes of a
     shared sink; every tensor of every step is logged."""
-    from fp8scope.demo.tiny_gpt import GPTConfig, TinyGPT
-
-    torch.manual_seed(0)
-    m = TinyGPT(GPTConfig(n_layers=2, d_model=64)).cuda()
-    if kind == "emulated":
-        convert_to_fp8(m, recipe=DelayedScaling(amax_history_len=16))
+    m = _tiny_gpt_on_cuda(kind)
     for i, block in enumerate(m.blocks):
         m.blocks[i] = torch.compile(block)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    with fp8scope.Monitor(m, tmp_path / "r", every=3, detect=False) as mon:
-        for _ in range(4):
-            idx = torch.randint(0, 64, (4, 32), device="cuda")
-            loss = m(idx).float().logsumexp(-1).mean()
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            mon.step(loss=loss.detach())
-    df = fp8scope.load_run(tmp_path / "r").tensors()
+    _, df = _train_monitored_on_cuda(m, m, tmp_path / "r", 4)
     n = len(m.linear_names()) * 3
     assert len(df) == 4 * n and df.amax.notna().all() and set(df.tensor) == {"activation", "weight", "gradient"}
 
