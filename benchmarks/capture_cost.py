@@ -238,22 +238,33 @@ def step_ops(device: str) -> None:
             print(f"   {label:22s} {kind:5s} step: +{extra:5d} ops for {n} tensors = {extra / n:5.2f} per tensor")
 
 
-def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: int, block: int):
+def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: int, block: int,
+                  build: dict | None = None, env: dict | None = None, warmup: int | None = None):
     """Medians and paired ratios (:func:`overhead.time_interleaved`) of the demo model under each
     configuration: ``configs`` maps a name to the Monitor's keyword arguments, None for the model
-    unmonitored ("plain", the ratios' reference). A monitor's what-if recipe is the model's own."""
+    unmonitored ("plain", the ratios' reference). A monitor's what-if recipe is the model's own.
+    ``build``: more ``train.build`` arguments (the model's size); ``env``: a configuration's name to
+    environment variables set while its Monitor is made."""
     setups = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for i, (name, kwargs) in enumerate(configs.items()):
-            setup = train.build(fp8=fp8, quiet=True, device=device)
-            if compiled:
-                setup.model = torch.compile(setup.model)
-            mon = None if kwargs is None else fp8scope.Monitor(setup.model, os.path.join(tmp, str(i)),
-                                                               recipe=setup.recipe or None, **kwargs)
-            setups[name] = (setup, mon)
-        sync = torch.cuda.synchronize if device.startswith("cuda") else None
         try:
-            return time_interleaved(setups, rounds, block, warmup=6 if compiled else 3, sync=sync)
+            for i, (name, kwargs) in enumerate(configs.items()):
+                setup = train.build(fp8=fp8, quiet=True, device=device, **(build or {}))
+                if compiled:
+                    setup.model = torch.compile(setup.model)
+                extra = (env or {}).get(name, {})
+                os.environ.update(extra)
+                try:
+                    mon = None if kwargs is None else fp8scope.Monitor(setup.model, os.path.join(tmp, str(i)),
+                                                                       recipe=setup.recipe or None, **kwargs)
+                finally:
+                    for var in extra:
+                        os.environ.pop(var, None)
+                setups[name] = (setup, mon)
+            sync = torch.cuda.synchronize if device.startswith("cuda") else None
+            if warmup is None:
+                warmup = 6 if compiled else 3
+            return time_interleaved(setups, rounds, block, warmup=warmup, sync=sync)
         finally:
             for _, mon in setups.values():
                 if mon is not None:
@@ -314,25 +325,12 @@ def host_bound(device: str, rounds: int, block: int) -> None:
         "every=50, detection in a child process (default)": dict(every=50),
         "every=50, detection in a thread": dict(every=50),
     }
-    setups = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        try:
-            for i, (name, kwargs) in enumerate(configs.items()):
-                setup = train.build(fp8="off", quiet=True, device=device, **HOST_BOUND)
-                if "thread" in name:
-                    os.environ["FP8SCOPE_DETECT_PROCESS"] = "0"
-                try:
-                    mon = None if kwargs is None else fp8scope.Monitor(setup.model, os.path.join(tmp, str(i)), **kwargs)
-                finally:
-                    os.environ.pop("FP8SCOPE_DETECT_PROCESS", None)
-                setups[name] = (setup, mon)
-            sync = torch.cuda.synchronize if device.startswith("cuda") else None
-            medians, paired = time_interleaved(setups, rounds, block * 2, warmup=6, sync=sync)
-        finally:
-            for _, mon in setups.values():
-                if mon is not None:
-                    mon.close()
-            torch.set_num_threads(threads)
+    try:
+        medians, paired = time_monitors(device, "off", False, configs, rounds, block * 2, build=HOST_BOUND,
+                                        env={"every=50, detection in a thread": {"FP8SCOPE_DETECT_PROCESS": "0"}},
+                                        warmup=6)
+    finally:
+        torch.set_num_threads(threads)
     for name in configs:
         print(f"   {name:50s} {medians[name] * 1e3:7.2f} ms/step   {paired[name]:.3f}x")
 

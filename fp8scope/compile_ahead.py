@@ -37,6 +37,8 @@ import threading
 import time
 from typing import Hashable
 
+from fp8scope.child_env import child_env
+
 TIMEOUT_S = 900.0
 CHILD_MODULE = "fp8scope.compile_child"
 
@@ -130,13 +132,6 @@ def _serve() -> None:
         build.done.set()
 
 
-def _child_env() -> dict:
-    from fp8scope.child_env import child_env
-
-    # a few kernels: no pool of compile workers beside training
-    return child_env(TORCHINDUCTOR_COMPILE_THREADS="1")
-
-
 def _start_child() -> subprocess.Popen:
     """A child that serves requests until none comes for ``compile_child.IDLE_S`` (its CUDA context
     then goes); its stderr goes to a file (a pipe nobody reads would fill and block it)."""
@@ -146,7 +141,9 @@ def _start_child() -> subprocess.Popen:
         path = os.path.join(_dir, f"child-{_children}.err")
     with open(path, "wb") as err:
         proc = subprocess.Popen([sys.executable, "-m", CHILD_MODULE], stdin=subprocess.PIPE,
-                                stdout=subprocess.PIPE, stderr=err, env=_child_env())
+                                stdout=subprocess.PIPE, stderr=err,
+                                # a few kernels: no pool of compile workers beside training
+                                env=child_env(TORCHINDUCTOR_COMPILE_THREADS="1"))
     proc.err_path = path
     return proc
 

@@ -113,10 +113,7 @@ def _blob(blobs: list[bytes], batch: pa.RecordBatch | None) -> int | None:
 
 
 def _batch(blobs: list[bytes], i: int | None) -> pa.RecordBatch | None:
-    if i is None:
-        return None
-    table = pa.ipc.open_stream(blobs[i]).read_all()
-    return table.to_batches()[0] if table.num_rows else pa.RecordBatch.from_pylist([], schema=table.schema)
+    return None if i is None else pa.ipc.open_stream(blobs[i]).read_next_batch()  # the one batch _blob wrote
 
 
 class _ChildGone(Exception):
@@ -163,18 +160,9 @@ class ChildDetector(OnlineDetector):
 
     def examine(self, steps: Sequence[Step]) -> list[dict]:
         self.wait_ready()
-        proc = self._proc
-        if proc is not None:
+        if self._proc is not None:
             try:
-                blobs: list[bytes] = []
-                index = []
-                for step, rank, *batches in steps:
-                    index.append([int(step), int(rank)] + [_blob(blobs, b) for b in batches])
-                try:
-                    _send(proc.stdin, ["steps", index], blobs)
-                except OSError as exc:
-                    raise self._lost(proc, exc) from exc
-                kind, value = self._reply(proc, REPLY_TIMEOUT_S)
+                kind, value = self._ask(steps)
             except _ChildGone as exc:
                 self._gone(exc)
             else:
@@ -183,6 +171,16 @@ class ChildDetector(OnlineDetector):
                 self.passes_in_child += 1
                 return value
         return super().examine(steps)
+
+    def _ask(self, steps: Sequence[Step]) -> tuple[str, Any]:
+        """One pass in the child: its steps sent, its reply read (:class:`_ChildGone` if it is gone)."""
+        proc, blobs = self._proc, []
+        index = [[int(step), int(rank)] + [_blob(blobs, b) for b in batches] for step, rank, *batches in steps]
+        try:
+            _send(proc.stdin, ["steps", index], blobs)
+        except OSError as exc:
+            raise self._lost(proc, exc) from exc
+        return self._reply(proc, REPLY_TIMEOUT_S)
 
     def _reply(self, proc: subprocess.Popen, timeout_s: float) -> tuple[str, Any]:
         ready, _, _ = select.select([proc.stdout], [], [], timeout_s)
