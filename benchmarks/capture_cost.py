@@ -239,19 +239,20 @@ def step_ops(device: str) -> None:
 
 
 def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: int, block: int,
-                  build: dict | None = None, env: dict | None = None, warmup: int | None = None):
+                  build: dict | None = None, env: dict | None = None, warmup: int | None = None,
+                  plain: "train.Setup | None" = None):
     """Medians and paired ratios (:func:`overhead.time_interleaved`) of the demo model under each
     configuration: ``configs`` maps a name to the Monitor's keyword arguments, None for the model
     unmonitored ("plain", the ratios' reference). A monitor's what-if recipe is the model's own.
     ``build``: more ``train.build`` arguments (the model's size); ``env``: a configuration's name to
-    environment variables set while its Monitor is made."""
+    environment variables set while its Monitor is made. ``plain``: an unmonitored setup an earlier
+    call built (see :func:`plain_setup`), for the configurations that are None: a compiled model
+    then compiles once for several calls."""
     setups = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for i, (name, kwargs) in enumerate(configs.items()):
-                setup = train.build(fp8=fp8, quiet=True, device=device, **(build or {}))
-                if compiled:
-                    setup.model = torch.compile(setup.model)
+                setup = plain if kwargs is None and plain is not None else plain_setup(device, fp8, compiled, build)
                 extra = (env or {}).get(name, {})
                 os.environ.update(extra)
                 try:
@@ -271,22 +272,31 @@ def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: 
                     mon.close()
 
 
+def plain_setup(device: str, fp8: str, compiled: bool, build: dict | None = None):
+    """The demo model (``train.build``), compiled when asked."""
+    setup = train.build(fp8=fp8, quiet=True, device=device, **(build or {}))
+    if compiled:
+        setup.model = torch.compile(setup.model)
+    return setup
+
+
 def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("eager", "compiled"),
            models=("off", "delayed"), whatif_recipes=()) -> None:
     print("\n3. monitored / unmonitored step time, demo model (paired ratios, interleaved)")
     os.environ["FP8SCOPE_COMPILE"] = "sync" if compile_stats else "0"
     for compiled in [m == "compiled" for m in modes]:
         for fp8, label in [(f, lab) for f, lab in (("off", "what-if"), ("delayed", "emulated")) if f in models]:
-            # one set of models for both rates: a compiled model's compile is most of this section's
-            # time on a GPU (the emulated demo model's, about a minute each there). A monitor's detection
-            # runs in its own process, and its writer is idle while another model's block runs.
-            configs = {"plain": None, "every=50": dict(every=50), "every=1": dict(every=1)}
-            if whatif_recipes:
-                configs |= {f"{rate} recipes": dict(every=int(rate[6:]), whatif_recipes=whatif_recipes)
-                            for rate in ("every=50", "every=1")}
-            medians, paired = time_monitors(device, fp8, compiled, configs, rounds, block)
-            cells = [f"{rate} {paired[rate]:.3f}x" + (f" (+recipes {paired[rate + ' recipes']:.3f}x)" if whatif_recipes
-                                                       else "") for rate in ("every=50", "every=1")]
+            # each rate timed apart (a monitor's writer and detection child must not load the other's
+            # blocks), against one unmonitored model: compiling a model is most of this section's time
+            # on a GPU (the compiled emulated demo model's, about a minute each there)
+            plain, cells = plain_setup(device, fp8, compiled), []
+            for every in (50, 1):
+                configs = {"plain": None, "monitored": dict(every=every)}
+                if whatif_recipes:
+                    configs["recipes"] = dict(every=every, whatif_recipes=whatif_recipes)
+                medians, paired = time_monitors(device, fp8, compiled, configs, rounds, block, plain=plain)
+                cells.append(f"every={every} {paired['monitored']:.3f}x"
+                             + (f" (+recipes {paired['recipes']:.3f}x)" if whatif_recipes else ""))
             mode = "compiled" if compiled else "eager   "
             print(f"   {mode} {label:9s} plain {medians['plain'] * 1e3:7.1f} ms/step   {'  '.join(cells)}")
 

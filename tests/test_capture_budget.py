@@ -4,6 +4,9 @@ benchmarks/capture_cost.py):
 - eager full stats: at most 40 aten ops per tensor, whatever its size (no chunking);
 - compiled full stats: at most 3 generated kernels per tensor (inductor's C++ here, Triton on CUDA);
 - a cheap step: at most 2 aten ops per monitored tensor, plus a constant, on the tiny GPT;
+- a cheap step's host work: at most 7 calls of fp8scope's Python functions per monitored tensor,
+  plus a constant (a small model on a GPU is bound by its host: an H100 spent about 73 us of host
+  time a capture, docs/benchmarks.md);
 - memory: the bytes the eager passes allocate per element of the tensor they read.
 
 Ops are counted with a TorchDispatchMode; views (no kernel on any device) are left out.
@@ -196,6 +199,43 @@ def test_a_cheap_step_costs_at_most_2_ops_per_tensor(fp8):
     extra = counts[True] - counts[False]
     assert n == 11 * 3  # 5 Linear per block x 2 + lm_head, activation / weight / gradient
     assert extra <= 2 * n + 40, (extra, n)
+
+
+@pytest.mark.parametrize("fp8", ["off", "delayed"])
+def test_a_cheap_step_makes_at_most_7_fp8scope_python_calls_per_tensor(fp8):
+    """Counted with ``sys.setprofile`` (the backward's hooks run on this thread on a CPU): calls of
+    functions defined in fp8scope (the demo model's own left out), monitored minus unmonitored."""
+    import os
+    import sys
+
+    pkg, demo = os.path.dirname(fp8scope.__file__), os.path.dirname(train.__file__)
+    counts, n = {}, 0
+    for monitored in (False, True):
+        setup = train.build(fp8=fp8, quiet=True, n_layers=2, d_model=64, batch_size=4, seq_len=32)
+        with tempfile.TemporaryDirectory() as tmp:
+            mon = fp8scope.Monitor(setup.model, tmp, every=100, detect=False, full_on_anomaly=0,
+                                   recipe=setup.recipe) if monitored else None
+            for step in range(1, 4):
+                train.train_step(setup, step, mon)
+            calls = [0]
+
+            def profile(frame, event, arg):
+                path = frame.f_code.co_filename
+                if event == "call" and path.startswith(pkg) and not path.startswith(demo):
+                    calls[0] += 1
+
+            sys.setprofile(profile)
+            try:
+                train.train_step(setup, 4, mon)
+            finally:
+                sys.setprofile(None)
+            counts[monitored] = calls[0]
+            if mon is not None:
+                n = len(mon.collector.keys)
+                mon.close()
+    extra = counts[True] - counts[False]
+    assert n == 11 * 3
+    assert extra <= 7 * n + 40, (extra, n)  # 6.3 a tensor and about 35 a step (what-if), 5.7 and 39 (emulated)
 
 
 def test_current_scaling_backward_measures_the_gradient_once():

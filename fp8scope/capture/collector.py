@@ -101,7 +101,8 @@ class StepCollector:
         # Activation checkpointing re-runs forwards during backward. Those captures go aside and
         # only count for tensors the step has no ordinary capture of (use_reentrant=True runs the
         # first forward under no_grad, where nothing was captured): no double counting either way.
-        if base_role(role) != "gradient" and in_backward():
+        # (``startswith``: ``base_role`` inline, as this runs for every capture.)
+        if not role.startswith("gradient") and in_backward():
             self._recomputed.append((row, kid, numel))
         else:
             self.caps.append((row, kid, numel))  # one append: atomic, so no lock between hook threads
@@ -174,10 +175,10 @@ class StepCollector:
             bank = self._device_banks[key] = DeviceDelayedBank(recipe, device)
         return bank
 
-    def record_deferred(self, role: str, row: DeferredRow, kid: int, numel: int) -> None:
-        """A cheap capture whose row a device bank fills when the step ends (its place in the step's
-        order is taken now); ``kid`` from :meth:`key_id`."""
-        self._append(role, row, kid, numel)
+    # A cheap capture whose row a device bank fills when the step ends (its place in the step's order
+    # is taken now; ``row`` a DeferredRow, ``kid`` from :meth:`key_id`): ``_append`` itself, so a
+    # capture costs one call here, not two.
+    record_deferred = _append
 
     def record_amax(self, layer, role, source, fmt, amax, scale, scale_inv, expected_amax, shape=()) -> None:
         """A narrow row from an amax someone else computed (e.g. TE's amax history), no tensor at hand

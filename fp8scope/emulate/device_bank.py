@@ -8,8 +8,8 @@ microseconds (``benchmarks/whatif_device_bank.py``). Here a capture is one amax 
 (``amax.amax_parts``: one eager ``aminmax``; a weight's comes from the step's one batched read of
 them all, :mod:`~fp8scope.emulate.weight_reads`) and a returned :class:`DeferredRow`; when the
 step ends, :meth:`DeviceDelayedBank.resolve` stacks the step's amaxes, runs the updates of all
-slots together (~30 ops whatever the slot count) and leaves the step's rows in
-:attr:`DeviceDelayedBank.values`, in capture order.
+slots together (~30 ops whatever the slot count) and keeps the step's rows, in capture order, for
+:meth:`DeviceDelayedBank.take_rows`.
 
 The numbers are :class:`ScalingState`'s: both run :func:`~fp8scope.emulate.scaling.delayed_update`
 (TE's rule on float32 tensors), the bank on a batch of slots, a state on one;
@@ -35,8 +35,9 @@ from .weight_reads import WeightReads
 
 
 class DeferredRow:
-    """One capture's cheap row ``(amax, scale, scale_inv, expected_amax)``: row ``index`` of
-    ``bank.values`` once the bank has resolved the step."""
+    """One capture's cheap row ``(amax, scale, scale_inv, expected_amax)``: row ``index`` of the
+    rows :meth:`DeviceDelayedBank.take_rows` returns. Immutable: the bank hands out the same object
+    for the same index every step."""
 
     __slots__ = ("bank", "index")
 
@@ -80,6 +81,7 @@ class DeviceDelayedBank:
         self._captured: list[int] = []  # the slot of each capture
         self._blocks: list[torch.Tensor] = []  # resolved rows [captures, 4] since the last take_rows
         self._taken = 0  # captures since the last take_rows (DeferredRow.index counts from there)
+        self._rows: list[DeferredRow] = []  # DeferredRow(self, i) for each i so far: a step's are the last's
         self._recorded: dict[int, torch.Tensor] = {}  # slot -> amax recorded on a full step, update pending
         self._plans: dict[tuple[int, ...], list] = {}  # capture sequence -> its rounds' index tensors
         self._indices: dict[tuple[int, ...], torch.Tensor] = {}  # slots -> their index tensor (a slot keeps its number)
@@ -141,8 +143,12 @@ class DeviceDelayedBank:
             parts = amax_parts(x)
         self._parts.extend(parts)
         self._captured.append(slot)
-        self._taken += 1
-        return DeferredRow(self, self._taken - 1)
+        i = self._taken
+        self._taken = i + 1
+        rows = self._rows
+        if i == len(rows):
+            rows.append(DeferredRow(self, i))
+        return rows[i]
 
     def resolve(self) -> None:
         """Apply every pending update and keep the rows of the captures so far for :meth:`take_rows`
