@@ -5,14 +5,14 @@
 # step's output reaches $OUT as it goes, so a call cut short by the lease still returns what ran.
 # Run from the repository root; logs go to $OUT (default ./gpu-out). WHEELS=DIR installs extra
 # wheels first (torchao, duckdb, plotly: what the machine lacks) into /tmp/site.
-#   PART=1  (about 8 minutes) the whole `pytest -m gpu` (the host-sync tests among them; on 8
-#           workers where pytest-xdist is installed: 94 s on an H100), the compiled emulated demo
-#           model's ratios (three compiles of one whole graph each: more than 250 s on an H100)
+#   PART=1  (about 8.5 minutes) the whole `pytest -m gpu` (the host-sync tests among them; on 8
+#           workers where pytest-xdist is installed: 94 s on an H100), the first steps with the stats
+#           compiled ahead and at first use (does a compile stall a step?), the compiled emulated
+#           demo model's ratios (three compiles of one whole graph each: more than 250 s on an H100)
 #   PART=2  (about 5 minutes) the 1.1B Llama's ratios (large_model.py), where its cheap step goes
 #           (step_profile.py: kernels, host syncs, CPU per thread, the training thread's Python)
-#   PART=3  (about 6 minutes) the eager demo model's ratios, the compiled what-if ones, the host-bound
-#           section (online detection's rules in their child process and in a thread), the first
-#           steps with the stats compiled ahead and at first use
+#   PART=3  (about 4 minutes) the eager demo model's ratios, the compiled what-if ones, the host-bound
+#           section (online detection's rules in their child process and in a thread)
 #   STEPS="large hostbound ..." runs the named steps (the functions below) instead, in that order:
 #           a lease that cannot hold every part runs what decides most first
 set -u
@@ -51,8 +51,8 @@ first() {
   timeout 120 python3 benchmarks/capture_cost.py --device cuda --sections first --first-steps 40 \
     --first-modes sync,ahead --first-cap 30 2>&1 | quiet | tee "$OUT/first.txt"; }
 case "${PART:-1}" in
-1) STEPS=${STEPS:-"pytest_gpu compiled_emulated"};;
+1) STEPS=${STEPS:-"pytest_gpu first compiled_emulated"};;
 2) STEPS=${STEPS:-"large profile"};;
-3) STEPS=${STEPS:-"eager compiled_whatif hostbound first"};;
+3) STEPS=${STEPS:-"eager compiled_whatif hostbound"};;
 esac
 for step in $STEPS; do "$step"; done
