@@ -17,15 +17,16 @@ steps), per step:
 - CPU time per thread (``/proc/self/task``): the training thread, autograd's device threads (which
   run the backward and its hooks on a GPU), the monitor's writer and detector, the rest;
 
-the training thread's Python profile (``cProfile``), monitored minus plain: which functions its
-extra CPU time goes to (an H100's host spent 27 ms more a step on it for 465 captures, where the
-kernels added 5 ms);
+- the training thread's Python profile (``cProfile``), monitored minus plain: which functions its
+  extra CPU time goes to (an H100's host spent 27 ms more a step on it for 465 captures, where the
+  kernels added 5 ms);
 
-and all of it again (but the Python profile) for the monitor without online detection (its thread's Python competes with
-the training thread for the GIL, whatever the number of cores). Then the cheap capture's amax pass
-alone (``aminmax``) on the step's tensor shapes, against other reductions that give the amax, in
-GB/s: whether that pass runs at the memory's speed (on an H200 ``aminmax`` read 925 GB/s where the
-weights' multi-tensor norm read about 2 TB/s, so that one is timed a tensor a call too).
+and all of it but the Python profile again for the monitor without online detection (its thread's
+Python competes with the training thread for the GIL, whatever the number of cores). Then the
+cheap capture's amax pass alone (``aminmax``) on the step's tensor shapes, against other
+reductions that give the amax, in GB/s: whether that pass runs at the memory's speed (on an H200
+``aminmax`` read 925 GB/s where the weights' multi-tensor norm read about 2 TB/s, so that one is
+timed a tensor a call too).
 
     python benchmarks/step_profile.py --device cuda            # the 1.1B Llama on a GPU
     python benchmarks/step_profile.py --size narrow --batch 2 --seq 32   # on a CPU: threads only
