@@ -180,8 +180,9 @@ def test_compiled_stats_with_recipes_serve_the_calls_capture_makes(monkeypatch):
     reset_dynamo()
 
 
-@pytest.mark.parametrize("fp8", ["off", "delayed"])  # what-if (plain FP32) and emulated FP8
-def test_a_cheap_step_costs_at_most_2_ops_per_tensor(fp8):
+def _cheap_step_extra(fp8: str, measure) -> tuple[int, int]:
+    """(what ``measure(run_step)`` counts for one cheap step of the 2-layer demo model, monitored
+    minus unmonitored; the tensors monitored)."""
     counts, n = {}, 0
     for monitored in (False, True):
         setup = train.build(fp8=fp8, quiet=True, n_layers=2, d_model=64, batch_size=4, seq_len=32)
@@ -190,51 +191,51 @@ def test_a_cheap_step_costs_at_most_2_ops_per_tensor(fp8):
                                    recipe=setup.recipe) if monitored else None
             for step in range(1, 4):  # cheap steps (step 0 would be full): keys made, states pending
                 train.train_step(setup, step, mon)
-            with OpCounter() as c:
-                train.train_step(setup, 4, mon)
-            counts[monitored] = len(c.ops)
+            counts[monitored] = measure(lambda: train.train_step(setup, 4, mon))
             if mon is not None:
                 n = len(mon.collector.keys)
                 mon.close()
-    extra = counts[True] - counts[False]
     assert n == 11 * 3  # 5 Linear per block x 2 + lm_head, activation / weight / gradient
+    return counts[True] - counts[False], n
+
+
+def _aten_ops(run_step) -> int:
+    with OpCounter() as c:
+        run_step()
+    return len(c.ops)
+
+
+def _fp8scope_python_calls(run_step) -> int:
+    """Calls of functions defined in fp8scope (the demo model's own left out), by ``sys.setprofile``:
+    this thread's, which on a CPU runs the backward's hooks too."""
+    import os
+    import sys
+
+    pkg, demo = os.path.dirname(fp8scope.__file__), os.path.dirname(train.__file__)
+    calls = [0]
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(pkg) and not path.startswith(demo):
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        run_step()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
+@pytest.mark.parametrize("fp8", ["off", "delayed"])  # what-if (plain FP32) and emulated FP8
+def test_a_cheap_step_costs_at_most_2_ops_per_tensor(fp8):
+    extra, n = _cheap_step_extra(fp8, _aten_ops)
     assert extra <= 2 * n + 40, (extra, n)
 
 
 @pytest.mark.parametrize("fp8", ["off", "delayed"])
 def test_a_cheap_step_makes_at_most_7_fp8scope_python_calls_per_tensor(fp8):
-    """Counted with ``sys.setprofile`` (the backward's hooks run on this thread on a CPU): calls of
-    functions defined in fp8scope (the demo model's own left out), monitored minus unmonitored."""
-    import os
-    import sys
-
-    pkg, demo = os.path.dirname(fp8scope.__file__), os.path.dirname(train.__file__)
-    counts, n = {}, 0
-    for monitored in (False, True):
-        setup = train.build(fp8=fp8, quiet=True, n_layers=2, d_model=64, batch_size=4, seq_len=32)
-        with tempfile.TemporaryDirectory() as tmp:
-            mon = fp8scope.Monitor(setup.model, tmp, every=100, detect=False, full_on_anomaly=0,
-                                   recipe=setup.recipe) if monitored else None
-            for step in range(1, 4):
-                train.train_step(setup, step, mon)
-            calls = [0]
-
-            def profile(frame, event, arg):
-                path = frame.f_code.co_filename
-                if event == "call" and path.startswith(pkg) and not path.startswith(demo):
-                    calls[0] += 1
-
-            sys.setprofile(profile)
-            try:
-                train.train_step(setup, 4, mon)
-            finally:
-                sys.setprofile(None)
-            counts[monitored] = calls[0]
-            if mon is not None:
-                n = len(mon.collector.keys)
-                mon.close()
-    extra = counts[True] - counts[False]
-    assert n == 11 * 3
+    extra, n = _cheap_step_extra(fp8, _fp8scope_python_calls)
     assert extra <= 7 * n + 40, (extra, n)  # 6.3 a tensor and about 35 a step (what-if), 5.7 and 39 (emulated)
 
 
