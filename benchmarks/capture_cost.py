@@ -246,13 +246,13 @@ def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: 
     unmonitored ("plain", the ratios' reference). A monitor's what-if recipe is the model's own.
     ``build``: more ``train.build`` arguments (the model's size); ``env``: a configuration's name to
     environment variables set while its Monitor is made. ``plain``: an unmonitored setup an earlier
-    call built (see :func:`plain_setup`), for the configurations that are None: a compiled model
+    call built (see :func:`demo_setup`), for the configurations that are None: a compiled model
     then compiles once for several calls."""
     setups = {}
     with tempfile.TemporaryDirectory() as tmp:
         try:
             for i, (name, kwargs) in enumerate(configs.items()):
-                setup = plain if kwargs is None and plain is not None else plain_setup(device, fp8, compiled, build)
+                setup = plain if kwargs is None and plain is not None else demo_setup(device, fp8, compiled, build)
                 extra = (env or {}).get(name, {})
                 os.environ.update(extra)
                 try:
@@ -272,7 +272,7 @@ def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: 
                     mon.close()
 
 
-def plain_setup(device: str, fp8: str, compiled: bool, build: dict | None = None):
+def demo_setup(device: str, fp8: str, compiled: bool, build: dict | None = None):
     """The demo model (``train.build``), compiled when asked."""
     setup = train.build(fp8=fp8, quiet=True, device=device, **(build or {}))
     if compiled:
@@ -289,7 +289,7 @@ def ratios(device: str, rounds: int, block: int, compile_stats: bool, modes=("ea
             # each rate timed apart (a monitor's writer and detection child must not load the other's
             # blocks), against one unmonitored model: compiling a model is most of this section's time
             # on a GPU (the compiled emulated demo model's, about a minute each there)
-            plain, cells = plain_setup(device, fp8, compiled), []
+            plain, cells = demo_setup(device, fp8, compiled), []
             for every in (50, 1):
                 configs = {"plain": None, "monitored": dict(every=every)}
                 if whatif_recipes:

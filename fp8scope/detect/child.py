@@ -42,6 +42,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
+from fp8scope.child_env import child_env
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.online import OnlineDetector, Step
 
@@ -126,8 +127,6 @@ class ChildDetector(OnlineDetector):
 
     def __init__(self, config: DetectConfig | None = None, on_event: Callable[[dict], Any] | None = None):
         super().__init__(config, on_event)
-        from fp8scope.child_env import child_env
-
         self.passes_in_child = 0  # passes the child answered
         self._ready = False  # the child's "ready" read
         self._proc: subprocess.Popen | None = subprocess.Popen(
