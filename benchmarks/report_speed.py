@@ -8,6 +8,10 @@
 (what the detection thread does per step) and prints CPU ms per step; ``--tile K`` repeats
 every step's tensors K times under new layer names (63 tensors x 16 = 1008).
 
+Each command runs twice per try: *fresh*, with the run's cached analysis (``RUN/analysis/``)
+deleted first, so that it detects over the whole run as the first command on a run does; then
+*cached*, reading what the fresh one left.
+
 Peak RSS is the child's ru_maxrss (resource.getrusage(RUSAGE_CHILDREN) after each run, which
 is the max over children so far: each command runs in a fresh interpreter, measured in order);
 CPU is its user + system time, less sensitive than wall time to other work on a shared machine.
@@ -18,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -100,10 +105,17 @@ def main(argv=None) -> int:
     if args.html:
         cmds["report --html"] = fp + ["report", args.run, "--html", "/tmp/fp8scope-big-report.html"]
     print(f"run: {args.run}  (cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.2f})")
+    cache = os.path.join(args.run, "analysis")  # store.layout.ANALYSIS_DIR: the commands' cached analysis
     for name, cmd in cmds.items():
         for i in range(args.repeat):
-            s, cpu, rss, rc = measure(cmd)
-            print(f"{name:15s} try {i + 1}: {s:6.2f} s  CPU {cpu:6.2f} s  peak RSS {rss:7.0f} MiB  rc={rc}", flush=True)
+            # fresh: the run's analysis computed by this command (the first command on a run); cached:
+            # the same command again, reading the analysis the fresh one left
+            for label in ("fresh", "cached"):
+                if label == "fresh":
+                    shutil.rmtree(cache, ignore_errors=True)
+                s, cpu, rss, rc = measure(cmd)
+                print(f"{name:15s} {label:6s} try {i + 1}: {s:6.2f} s  CPU {cpu:6.2f} s  peak RSS {rss:7.0f} MiB  "
+                      f"rc={rc}", flush=True)
     print(f"load average after: {os.getloadavg()[0]:.2f}")
     return 0
 
