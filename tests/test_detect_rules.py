@@ -37,6 +37,38 @@ def test_a_schedule_is_not_an_lr_event_and_a_jump_is():
     assert [(e["step"], e["severity"]) for e in feed("lr", step_drop)] == [(100, "info")]
 
 
+def test_a_whole_series_at_once_gives_what_value_by_value_gives():
+    """Offline detection feeds each series whole (``update_series``: the spike windows' statistics in
+    one matrix); online feeds it value by value. Same events, same state after, also when a series
+    goes on in batch after values fed one by one: over random series with spikes, NaN, Inf, None,
+    zeros and negatives, window sizes and warm-ups, for the loss, the grad norm and the lr."""
+    import json
+    import random
+
+    rng = random.Random(0)
+    events = 0
+    for _ in range(120):
+        cfg = DetectConfig(scalar_window=rng.choice([5, 20, 50]), scalar_min_history=rng.choice([1, 3, 10, 30]))
+        name = rng.choice([cfg.loss_name, cfg.grad_norm_name, cfg.lr_name])
+        n = rng.randint(0, 300)
+        values = [rng.choice([None, math.nan, math.inf, 0.0, -1.0]) if rng.random() < 0.1 else
+                  rng.uniform(5, 50) if rng.random() < 0.05 else
+                  math.exp(rng.gauss(0, 0.05)) * (2.0 if name != cfg.lr_name else 1e-3 * (1 + i / 100))
+                  for i in range(n)]
+        split = rng.randint(0, n)
+        one, whole = ScalarState(cfg), ScalarState(cfg)
+        expected = [e for i, v in enumerate(values) for e in one.update(i, 0, name, v)]
+        got = [e for i, v in enumerate(values[:split]) for e in whole.update(i, 0, name, v)]
+        got += whole.update_series(list(range(split, n)), 0, name, values[split:])
+        assert json.dumps(got, default=str) == json.dumps(expected, default=str)
+        a, b = one.series.get((0, name)), whole.series.get((0, name))
+        assert (a is None) == (b is None)
+        if a is not None:
+            assert (list(a.values), a.in_spike, a.bad) == (list(b.values), b.in_spike, b.bad)
+        events += len(expected)
+    assert events > 500  # the series do spike
+
+
 def test_loss_spike_adapts_to_the_run_noise():
     rng = np.random.default_rng(0)
     quiet = list(2.0 * np.exp(rng.normal(0, 0.01, 200)))

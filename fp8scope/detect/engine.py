@@ -336,8 +336,12 @@ def _scalar_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
         return []
     t = t.sort_by([("rank", "ascending"), ("name", "ascending"), ("step", "ascending")])
     out: list[dict] = []
-    for step, rank, name, value in zip(*(t[c].to_pylist() for c in ("step", "rank", "name", "value"))):
-        out += st.update(int(step), int(rank), name, value)
+    steps, ranks, names, values = (t[c].to_pylist() for c in ("step", "rank", "name", "value"))
+    start = 0
+    for i in range(1, len(steps) + 1):  # each (rank, name) series at once, in step order
+        if i == len(steps) or ranks[i] != ranks[start] or names[i] != names[start]:
+            out += st.update_series(steps[start:i], int(ranks[start]), names[start], values[start:i])
+            start = i
     return out
 
 

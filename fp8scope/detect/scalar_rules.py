@@ -47,6 +47,14 @@ class _Series:
         self.last: float | None = None
 
 
+def spike_stats(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Each row's median and raw spread (1.4826 x its median absolute deviation): the statistics a
+    loss or grad-norm spike is judged against, for a matrix of windows of log values (one row per
+    judged value; the online path passes one row)."""
+    med = np.median(windows, axis=1)
+    return med, 1.4826 * np.median(np.abs(windows - med[:, None]), axis=1)
+
+
 class ScalarState:
     """Per (rank, name) series state; :meth:`update` returns the events of one value."""
 
@@ -60,13 +68,63 @@ class ScalarState:
         return (c.loss_name, c.grad_norm_name, c.lr_name)
 
     def update(self, step: int, rank: int, name: str, value) -> list[dict]:
-        cfg = self.cfg
         if name not in self.names:
             return []
-        key = (rank, name)
-        s = self.series.get(key)
+        return self._update(self._series(rank, name), step, rank, name, value)
+
+    def update_series(self, steps, rank: int, name: str, values) -> list[dict]:
+        """:meth:`update` of each value of one series in step order, with the spike rules' window
+        statistics of all its values computed at once (:func:`spike_stats` over a matrix of
+        windows): the same events and the same state after. Why: offline detection feeds a run's
+        whole series, and one ``np.median`` call per value cost a fresh ``report`` on a 10,000-step
+        run about 2 s (docs/benchmarks.md, "Detection and report")."""
+        if name not in self.names:
+            return []
+        s = self._series(rank, name)
+        stats: list = [None] * len(values)
+        if name != self.cfg.lr_name:
+            stats = self._window_stats(s, values, name)
+        out: list[dict] = []
+        for step, value, st in zip(steps, values, stats):
+            out += self._update(s, int(step), rank, name, value, st)
+        return out
+
+    def _series(self, rank: int, name: str) -> _Series:
+        s = self.series.get((rank, name))
         if s is None:
-            s = self.series[key] = _Series(int(cfg.scalar_window))
+            s = self.series[(rank, name)] = _Series(int(self.cfg.scalar_window))
+        return s
+
+    def _window_stats(self, s: _Series, values, name: str) -> list:
+        """For each of ``values``, fed after ``s``'s current ones: the (median, raw spread) of the
+        window its spike rule will judge it against, or None where it will not judge (a non-finite
+        or non-positive value, or too few before it)."""
+        cfg = self.cfg
+        logs = [_log_if_judged(v) for v in values]
+        prior = list(s.values)
+        seq = np.array(prior + [lv for lv in logs if lv is not None], dtype=float)
+        width, least = int(s.values.maxlen), int(cfg.scalar_min_history)
+        full_from = max(width, len(prior))  # positions in seq with a whole window before them
+        full = (spike_stats(np.lib.stride_tricks.sliding_window_view(seq[:-1], width)[full_from - width:])
+                if len(seq) > full_from else (np.empty(0), np.empty(0)))
+        out, g = [], len(prior)
+        for lv in logs:
+            if lv is None:
+                out.append(None)
+                continue
+            n = min(g, width)
+            if n < least:
+                out.append(None)
+            elif g >= full_from:
+                out.append((full[0][g - full_from], full[1][g - full_from]))
+            else:  # a window still filling up: its own call
+                med, spread = spike_stats(seq[g - n:g][None, :])
+                out.append((med[0], spread[0]))
+            g += 1
+        return out
+
+    def _update(self, s: _Series, step: int, rank: int, name: str, value, stats=None) -> list[dict]:
+        cfg = self.cfg
         v = float("nan") if value is None else float(value)
         # a step's scalars come after its tensors (the loss and grad norm of step t are computed from
         # them, the lr of step t is applied after them): at equal steps events sort tensors first
@@ -80,21 +138,24 @@ class ScalarState:
             out.append(event(base, "loss_nonfinite", "critical", v, float("nan"),
                              f"{name} became non-finite ({'NaN' if v != v else _fmt(v)}) at step {step}"))
         if fin and v > 0:
-            out += self._spike(s, v, name, base)
+            out += self._spike(s, v, name, base, stats)
         return out
 
-    def _spike(self, s: _Series, v: float, name: str, base: dict) -> list[dict]:
+    def _spike(self, s: _Series, v: float, name: str, base: dict, stats=None) -> list[dict]:
+        """``stats``: :meth:`_window_stats`' (median, raw spread) for this value, else computed here."""
         cfg = self.cfg
         is_loss = name == cfg.loss_name
         rule = "loss_spike" if is_loss else "grad_norm_spike"
         lv = math.log(v)
-        hist = np.fromiter(s.values, float)
+        n = len(s.values)
+        if n >= int(cfg.scalar_min_history) and stats is None:
+            med_, spread_ = spike_stats(np.fromiter(s.values, float)[None, :])
+            stats = (med_[0], spread_[0])
         s.values.append(lv)
-        if len(hist) < int(cfg.scalar_min_history) or rule in cfg.disabled:
+        if n < int(cfg.scalar_min_history) or rule in cfg.disabled:
             return []
-        med = float(np.median(hist))
-        spread = max(1.4826 * float(np.median(np.abs(hist - med))),
-                     float(cfg.loss_noise_floor if is_loss else cfg.grad_noise_floor))
+        med = float(stats[0])
+        spread = max(float(stats[1]), float(cfg.loss_noise_floor if is_loss else cfg.grad_noise_floor))
         z = (lv - med) / spread
         ratio = math.exp(lv - med)
         min_ratio = float(cfg.loss_spike_factor if is_loss else cfg.grad_spike_factor)
@@ -106,7 +167,7 @@ class ScalarState:
             return []
         s.in_spike = True
         what = "loss" if is_loss else "grad norm"
-        msg = (f"{what} {_fmt(v)} is {_fmt(ratio)}x the median of its previous {len(hist)} steps "
+        msg = (f"{what} {_fmt(v)} is {_fmt(ratio)}x the median of its previous {n} steps "
                f"({_fmt(math.exp(med))}), {_fmt(z)} times their usual spread")
         return [event(base, rule, "warning", ratio, min_ratio, msg)]
 
@@ -128,3 +189,9 @@ class ScalarState:
                f"{_fmt(v)}); the schedule's largest step over the previous {len(s.ratios) - 1} was "
                f"{_fmt(math.exp(pace))}x")
         return [event(base, "lr_change", "warning" if up else "info", math.exp(r), factor, msg)]
+
+
+def _log_if_judged(value) -> float | None:
+    """log(value) where the spike rules judge the value (finite and > 0), else None."""
+    v = float("nan") if value is None else float(value)
+    return math.log(v) if math.isfinite(v) and v > 0 else None
