@@ -85,7 +85,7 @@ class DashboardApp:
         @app.callback(Output("prefetch", "children"), Input("tick", "n_intervals"), prevent_initial_call=True)
         def prefetch(n):
             """After the first page is drawn, an empty hidden figure: Chromium fetches and parses plotly.js
-            (~1.5 s on a small machine) while the user reads, not after the click that opens a run."""
+            while the user reads, not after the click that opens a run."""
             if n != 1:
                 return no_update
             return dcc.Graph(figure={"data": [], "layout": {}}, config={"staticPlot": True})

@@ -342,8 +342,8 @@ class Rollup:
 
 def _rows_from_step(t: pa.Table, x: int) -> pa.Table:
     """The rows of ``t`` with step >= x. A live run's table is thousands of record batches (one per
-    rank and step); filtering all of them costs ~0.1 s per refresh at 6M rows, so only the batches
-    whose largest step reaches x (the newest few per rank) are filtered."""
+    rank and step), and filtering all of them on every refresh grows with the run, so only the
+    batches whose largest step reaches x (the newest few per rank) are filtered."""
     i = t.schema.get_field_index("step")
     tail = []
     for b in t.to_batches():

@@ -27,7 +27,7 @@ RUN_COLORS = ("#1f77b4", "#ff7f0e")  # run A, run B: one colour per run everywhe
 
 def _default_template() -> None:
     """Every figure of the dashboard server on plotly_white, set once: setting it per figure deep-copies
-    and validates the template each time (~0.1 s a figure, most of a page's server time)."""
+    and validates the template each time, which was most of a page's server time."""
     import plotly.io as pio
 
     pio.templates.default = "plotly_white"

@@ -5,8 +5,8 @@ variant's family (the parent's ``sys.path`` first, so that what the parent impor
 the parent's torch thread count and CUDA device, traces and compiles the variant as the parent would
 (``fp8scope.compiled.build``), saves inductor's artifact to the requested path, writes its reply,
 JSON, beside it and says ``done``. One child serves a run's variants one after another: a child
-per variant paid a Python start, torch's import and a CUDA context each time (most of the 32 s an
-H100 took for the demo model's three variants)."""
+per variant paid a Python start, torch's import and a CUDA context each time (on an H100, most of
+the time the demo model's three variants took)."""
 
 from __future__ import annotations
 

@@ -111,9 +111,9 @@ def prepare(device_types) -> None:
 
     Why not on the thread that waits for the child, beside training: torch releases the GIL in
     every op, and a thread running Python meanwhile makes each op wait up to the interpreter's
-    switch interval to take it back. A 1.8 s warm-up there made the demo model's full step 1.4 s
-    instead of 0.2 s on a 2-core CPU, and the slowest of an H100's first steps 3.6 s, where its
-    median step was 20 ms. Failures are ignored: the load does the same, later."""
+    switch interval to take it back: a warm-up there made the demo model's full step several
+    times slower on a 2-core CPU, and the slowest of an H100's first steps a hundred times its
+    median step. Failures are ignored: the load does the same, later."""
     for device_type in sorted(set(device_types)):
         if device_type in _prepared or not ahead_on(device_type):
             continue

@@ -3,7 +3,7 @@
 A dashboard or a report reading a run on the training node competes with the trainer for CPU
 (the writer thread, the data loader, the host side of every kernel launch). Lowering a reader's
 priority protects the trainer, but it is the user's call: a niced ``fp8scope report`` on a busy
-login node took 29 s of wall time for 0.6 s of CPU, and a process cannot raise its priority back.
+login node waits for the CPU most of its wall time, and a process cannot raise its priority back.
 So it is opt-in: ``FP8SCOPE_NICE=N`` in the environment, or ``--nice`` (19) / ``--nice=N`` on the
 command line, makes the reading commands of the CLI (the dashboard server included) raise their
 own niceness to N before they start, the CLI before it imports anything. A script of your own

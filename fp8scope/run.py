@@ -235,7 +235,7 @@ def _filter_rows(t: pa.Table, masks: list, steps: Steps, last: int | None) -> pa
     """``t``'s rows passing every mask (None: no condition), the ``steps`` selection and, of what is
     left, the ``last`` N steps present. The conditions are combined first and the table filtered
     once: filtering column by column at each condition copied millions of rows into tables the
-    next condition threw away (2.2 s for a layer + role + last-3 query on 6.4M rows)."""
+    next condition threw away."""
     masks = [m for m in (*masks, _step_mask(t["step"], steps)) if m is not None]
     mask = None
     for m in masks:

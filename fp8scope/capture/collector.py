@@ -276,9 +276,9 @@ class StepCollector:
 
         The event is blocking: the writer thread that waits on it sleeps until the copy lands. A
         default event's wait spins, and the copy lands when the GPU reaches the end of the step,
-        which on a GPU-bound model is most of a step after ``step()`` returned: an H200 training a
-        1.1B Llama showed the writer at 23 ms of CPU a step for 465 rows, a core spinning beside
-        training (and beside its data loader's workers)."""
+        which on a GPU-bound model is most of a step after ``step()`` returned: a core spinning
+        beside training and its data loader's workers (an H200 training a 1.1B Llama showed it,
+        docs/benchmarks.md, "On a GPU")."""
         parts = ([torch.stack(wide).reshape(-1)] if wide else []) + [b.reshape(-1) for b in blocks] + tensor_scalars
         if not parts:
             return torch.zeros(0, dtype=torch.float64), None

@@ -11,7 +11,7 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
-if TYPE_CHECKING:  # the commands that print no frame (info) do not import pandas (~0.3 s per call)
+if TYPE_CHECKING:  # the commands that print no frame (info) do not import pandas (a noticeable part of a quick command)
     import pandas as pd
 
 

@@ -4,8 +4,8 @@ The tensors table is read in slices of whole steps; per slice the rows are sorte
 through a permutation and numpy computes the row features, the layer-kind features, the window
 features (sliding max and running counts, each tensor's last window rows carried over from the
 previous slice) and every rule's predicate (:mod:`fp8scope.detect.rules`); only the rows that fire
-become python dicts, where the one-line messages are written. A 10,000-step x 500-tensor run
-(5M rows) takes ~2 s in ~0.4 GiB.
+become python dicts, where the one-line messages are written. Memory is bounded by a slice, not
+the run (docs/benchmarks.md, "Detection and report", times a 5M-row run).
 
 The rule predicates, the event construction (:func:`emit_row_events`, :func:`nan_events`) and the
 scalar rules (:mod:`fp8scope.detect.scalar_rules`) are shared with the online detector, which
@@ -135,8 +135,8 @@ def small_pages() -> Iterator[None]:
 
     Offline detection makes a few dozen short-lived arrays of tens of MB. numpy advises huge pages for every
     large array, and on a VM a fresh huge page costs far more to fault in than the TLB misses it saves on one
-    or two passes: on the 2-core benchmark VM ``fp8scope report`` of a 5M-row run spent 2.2-3.7 s in the
-    kernel with the advice and 0.9-1.1 s without (docs/benchmarks.md). Only a hint: nothing else changes.
+    or two passes: on the 2-core benchmark VM ``fp8scope report`` of a 5M-row run spent twice to three times
+    as long in the kernel with the advice (docs/benchmarks.md). Only a hint: nothing else changes.
     """
     setter = _madvise_setter()
     if setter is None:

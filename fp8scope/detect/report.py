@@ -178,8 +178,8 @@ def _planted(meta: dict) -> list[str]:
 
 def _top_layers(serious: pd.DataFrame, n: int = 5) -> list[dict]:
     """The (layer, tensor) pairs with the most severe events, worst first. Plain python over the event
-    records: a pandas group-by with a sort, a value_counts and a drop_duplicates per pair cost ~5 ms a
-    pair, seconds on a run with hundreds of flagged tensors."""
+    records: a pandas group-by with a sort, a value_counts and a drop_duplicates per pair cost seconds
+    on a run with hundreds of flagged tensors."""
     t = serious[(serious["layer"] != "") & serious["layer"].notna() & serious["tensor"].notna()] \
         if not serious.empty else serious
     groups: dict[tuple, list[dict]] = {}
