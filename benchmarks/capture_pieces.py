@@ -2,8 +2,8 @@
 (a wrapper around each; about 1 us of its own per call), on a Llama with TinyLlama's 22 layers at
 tiny widths (155 linears, 465 tensors), eager, on the CPU, where a step is nearly all host time.
 
-Why: on a GPU a cheap step costs its host time (docs/benchmarks.md, "On a GPU": the 1.1B model's
-cheap step is 83 us per tensor on an H100), and this shows which part of it to cut.
+Why: on a GPU a cheap step costs its host time (docs/benchmarks.md, "On a GPU"), and this shows
+which part of it to cut.
 
     python benchmarks/capture_pieces.py
 """

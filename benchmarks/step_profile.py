@@ -1,8 +1,8 @@
 """Where a monitored cheap step's extra time goes: GPU kernels, the training thread's host time,
 host syncs, or the monitor's other threads.
 
-Why: on an H100 the 1.1B Llama's cheap step was 1.369x an unmonitored one (docs/benchmarks.md,
-"On a GPU"), and a ratio cannot say which of these it is. A step whose GPU work outlasts its host
+Why: a ratio of step times (the 1.1B Llama's cheap step on an H100, docs/benchmarks.md, "On a
+GPU") cannot say which of these it is. A step whose GPU work outlasts its host
 work hides the host's extra time, unless a sync makes the two add up; a step the host bounds shows
 every microsecond of it. So this prints, for the plain and the monitored model (what-if, cheap
 steps), per step:
@@ -18,8 +18,7 @@ steps), per step:
   run the backward and its hooks on a GPU), the monitor's writer and detector, the rest;
 
 - the training thread's Python profile (``cProfile``), monitored minus plain: which functions its
-  extra CPU time goes to (an H100's host spent 27 ms more a step on it for 465 captures, where the
-  kernels added 5 ms);
+  extra CPU time goes to (on an H100 the monitor added far more of it than kernel time);
 
 and all of it but the Python profile again for the monitor without online detection (its thread's
 Python competes with the training thread for the GIL, whatever the number of cores). Then the
