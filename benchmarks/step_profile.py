@@ -19,6 +19,9 @@ steps), per step:
 
 - the training thread's Python profile (``cProfile``), monitored minus plain: which functions its
   extra CPU time goes to (on an H100 the monitor added far more of it than kernel time);
+- ``torch.profiler``'s host side, monitored minus plain: each aten op's own host time (on a GPU
+  its dispatch and launch) and each CUDA runtime call's (launches, memsets, allocations), by
+  thread: which part of the extra host time is torch's and the driver's rather than Python's;
 
 and all of it but the Python profile again for the monitor without online detection (its thread's
 Python competes with the training thread for the GIL, whatever the number of cores). Then the
@@ -28,7 +31,7 @@ reductions that give the amax, in GB/s: whether that pass runs at the memory's s
 timed a tensor a call too).
 
     python benchmarks/step_profile.py --device cuda            # the 1.1B Llama on a GPU
-    python benchmarks/step_profile.py --size narrow --batch 2 --seq 32   # on a CPU: threads only
+    python benchmarks/step_profile.py --size narrow --batch 2 --seq 32   # on a CPU: no device tables
 """
 
 from __future__ import annotations
@@ -111,29 +114,55 @@ class ThreadCpu:
 
 
 def profiled(setup: Setup, mon, first: int, sync, n: int = 3) -> dict:
-    """``torch.profiler`` over ``n`` steps: kernels (launches, device ms) and host syncs per step."""
+    """``torch.profiler`` over ``n`` steps, per step: kernels (launches, device ms), host syncs, the
+    CUDA runtime calls by name and thread (count, host ms: launches, memsets, allocations), and the
+    aten ops (count, self host ms: an op's dispatch and launch on a GPU, its work too on a CPU).
+    ``sync``: None on a CPU (no device activity recorded)."""
     from torch.profiler import ProfilerActivity, profile as torch_profile
 
-    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if sync is not None else [])
+    with torch_profile(activities=activities) as prof:
         for step in range(first, first + n):
             train_step(setup, step, mon)
-        sync()
+        if sync is not None:
+            sync()
     kernels: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     syncs: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    runtime: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    ops: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
     threads = {t.native_id: t.name for t in threading.enumerate()}  # the profiler's thread ids are the OS's
     for ev in prof.events():
         if ev.device_type != torch.autograd.DeviceType.CPU:
             k = kernels[ev.name]
             k[0] += 1
             k[1] += ev.self_device_time_total / 1e3
-        elif ev.name.startswith(SYNC_CALLS) and not ev.name.startswith("cudaMemcpyAsync"):
+            continue
+        name = threads.get(ev.thread)
+        where = _group(name) if name else f"thread {ev.thread}"
+        if ev.name.startswith("aten::"):
+            o = ops[ev.name]
+            o[0] += 1
+            o[1] += ev.self_cpu_time_total / 1e3
+        elif ev.name.startswith("cu"):  # the CUDA runtime and driver calls
+            r = runtime[f"{ev.name} ({where})"]
+            r[0] += 1
+            r[1] += ev.cpu_time_total / 1e3
+        if ev.name.startswith(SYNC_CALLS) and not ev.name.startswith("cudaMemcpyAsync"):
             # whose wait: the training thread's stalls the launches, the writer's waits for a step's rows
-            name = threads.get(ev.thread)
-            s = syncs[f"{ev.name} ({_group(name) if name else f'thread {ev.thread}'})"]
+            s = syncs[f"{ev.name} ({where})"]
             s[0] += 1
             s[1] += ev.cpu_time_total / 1e3
-    return {"kernels": {k: (c / n, ms / n) for k, (c, ms) in kernels.items()},
-            "syncs": {k: (c / n, ms / n) for k, (c, ms) in syncs.items()}}
+    per_step = lambda d: {k: (c / n, ms / n) for k, (c, ms) in d.items()}  # noqa: E731
+    return {"kernels": per_step(kernels), "syncs": per_step(syncs), "runtime": per_step(runtime), "ops": per_step(ops)}
+
+
+def print_added(title: str, plain: dict, monitored: dict, top: int = 10) -> None:
+    """The entries of a ``profiled`` table the monitor adds the most host time to, per step."""
+    added = {k: (c - plain.get(k, (0, 0.0))[0], ms - plain.get(k, (0, 0.0))[1]) for k, (c, ms) in monitored.items()}
+    total = sum(ms for _, ms in added.values())
+    print(f"   {title}, monitored - plain: {total:+.2f} ms a step; most added:")
+    for k, (c, ms) in sorted(added.items(), key=lambda kv: -kv[1][1])[:top]:
+        print(f"      {ms:+7.2f} ms  {c:+7.0f} calls  {k[:100]}")
 
 
 def host_profile(setup: Setup, mon, first: int, sync, n: int = 3) -> dict[str, tuple[float, float]]:
@@ -199,7 +228,7 @@ def amax_kernels(shapes: list[tuple[int, ...]], device: str, dtype: torch.dtype,
 def report(label: str, r: dict) -> None:
     cpu = ", ".join(f"{k} {v:.1f}" for k, v in sorted(r["cpu"].items(), key=lambda kv: -kv[1]) if v >= 0.05)
     print(f"   {label:9s} step {r['wall']:8.1f} ms   CPU ms per step: {cpu}")
-    if "kernels" in r:
+    if r.get("kernels"):
         launches = sum(c for c, _ in r["kernels"].values())
         busy = sum(ms for _, ms in r["kernels"].values())
         syncs = ", ".join(f"{k} {c:.1f}x {ms:.2f} ms" for k, (c, ms) in sorted(r["syncs"].items())) or "none"
@@ -232,11 +261,11 @@ def main() -> int:
     results = {}
     for label in configs:
         results[label] = {"wall": walls[label] * 1e3, "cpu": cpu.medians(label)}
-        if on_gpu:  # after the timed blocks: the profiler's own cost stays out of them
-            try:  # the times above are worth printing whatever the profiler of this torch does
-                results[label] |= profiled(setups[label], mons[label], 0, sync)
-            except Exception as exc:
-                print(f"   ({label}: torch.profiler failed: {type(exc).__name__}: {exc})")
+        try:  # after the timed blocks (the profiler's own cost stays out of them); the times above are
+            # worth printing whatever the profiler of this torch does
+            results[label] |= profiled(setups[label], mons[label], 0, sync)
+        except Exception as exc:
+            print(f"   ({label}: torch.profiler failed: {type(exc).__name__}: {exc})")
         if label != "no detect":
             results[label]["python"] = host_profile(setups[label], mons[label], 0, sync)
         report(label, results[label])
@@ -263,7 +292,11 @@ def main() -> int:
           "monitored - plain: " + ", ".join(f"{k} {m['cpu'].get(k, 0) - p['cpu'].get(k, 0):+.1f} ms"
                                             for k in sorted(set(m["cpu"]) | set(p["cpu"]))))
     print_host_diff(p["python"], m["python"])
-    if "kernels" in m:
+    if "ops" in m and "ops" in p:
+        print_added("aten ops' own host time (every thread)", p["ops"], m["ops"])
+    if m.get("runtime"):
+        print_added("CUDA runtime calls' host time", p.get("runtime", {}), m["runtime"])
+    if m.get("kernels"):
         added = {k: m["kernels"][k][1] - p["kernels"].get(k, (0, 0.0))[1] for k in m["kernels"]}
         gpu = sum(ms for _, ms in m["kernels"].values()) - sum(ms for _, ms in p["kernels"].values())
         print(f"   GPU kernel time {gpu:+.2f} ms a step; most added:")

@@ -285,7 +285,8 @@ def test_a_layer_input_shared_by_several_layers_is_read_once():
         df = fp8scope.load_run(tmp).tensors()
     # 15 linears (7 a layer, the head) x activation / weight / gradient; a layer's q, k, v share one
     # input and its gate and up another: 3 fewer reads a layer
-    assert c.ops.count("aminmax.default") == 15 * 3 - 2 * 3, c.ops.count("aminmax.default")
+    reads = sum(op.startswith("aminmax.") for op in c.ops)  # into the bank's buffer: the out= overload
+    assert reads == 15 * 3 - 2 * 3, reads
     act = df[(df.tensor == "activation") & (df.step == 3)].set_index("layer").amax
     for layer in range(2):
         p = f"model.layers.{layer}."
@@ -307,5 +308,6 @@ def test_an_accelerator_reads_a_cheap_steps_weights_in_one_call():
     rows = train(model, collector, loss_of, steps=3, micro=2, last=counter)
     assert rows == 3 * 2 * 15 * 3  # every capture still has its row
     reads = 15 * 2 - 2 * 3  # a micro-batch's activations (q/k/v and gate/up share theirs) and gradients
-    assert counter.ops.count("aminmax.default") == 2 * reads, counter.ops.count("aminmax.default")
+    aminmax = sum(op.startswith("aminmax.") for op in counter.ops)  # any overload (the bank reads with out=)
+    assert aminmax == 2 * reads, aminmax
     assert counter.ops.count("_foreach_norm.Scalar") == 1, [op for op in counter.ops if "foreach" in op]

@@ -184,10 +184,10 @@ def test_a_shared_input_is_read_once_while_unchanged_and_kept_alive_by_nothing()
     x = torch.tensor([1.0, -3.0, 2.0])
     for s in slots[:3]:
         bank.capture(s, x, shared=True)
-    assert bank._parts[0] is bank._parts[2] is bank._parts[4]  # one aminmax for the three
+    assert bank._codes[0] == bank._codes[1] == bank._codes[2]  # one aminmax for the three
     x.mul_(2)  # changed in place: its version moved, so it is read again
     bank.capture(slots[3], x, shared=True)
-    assert bank._parts[6] is not bank._parts[0]
+    assert bank._codes[3] != bank._codes[0]
     rows = bank.take_rows()
     assert rows[:, 0].tolist() == [3.0, 3.0, 3.0, 6.0]
     y = torch.ones(5)
@@ -198,3 +198,42 @@ def test_a_shared_input_is_read_once_while_unchanged_and_kept_alive_by_nothing()
     z = torch.full((5,), 2.0)  # a new tensor, maybe where y was: read, not taken for y
     bank.capture(slots[1], z, shared=True)
     assert bank.take_rows()[:, 0].tolist() == [1.0, 2.0]
+
+
+def test_a_step_of_many_captures_in_several_dtypes_matches_scaling_state():
+    """The bank reads each capture's amax into the next row of the step's buffer of its dtype: a step of
+    300 captures (the buffers grow mid-step, keeping the rows read before), bf16, fp16 and float32
+    inputs interleaved, empty tensors, a NaN, an inference-mode tensor, micro-batches, and a slot added
+    mid-step that copies another bank's slot (which resolves that bank mid-step): every row and every
+    state as ScalingState has them, step after step."""
+    torch.manual_seed(0)
+    recipe = DelayedScaling(amax_history_len=3)
+    dtypes = (torch.bfloat16, torch.float16, torch.float32)
+    bank, other = DeviceDelayedBank(recipe, "cpu"), DeviceDelayedBank(recipe, "cpu")
+    slots = [bank.add(E4M3) for _ in range(60)]
+    states = [ScalingState(recipe, E4M3) for _ in slots]
+    for step in range(4):
+        rows, want = [], []
+        for k in range(300):  # 5 captures a slot: micro-batches
+            i = k % 60
+            x = (torch.randn(7, 5) * (k + 1)).to(dtypes[k % 3])
+            if k == 17 and step == 2:
+                x[3, 1] = NAN
+            if k == 23:
+                x = x[:0]  # empty
+            if k == 41:
+                with torch.inference_mode():
+                    x = x.clone()
+            if k == 100 and step == 1:  # resolves `bank` mid-step (a tensor moved in from it)
+                moved = other.add(E4M3, like=(bank, slots[7]))
+            want.append(cheap_row(states[i], x.float()) if x.numel() else state_row(states[i], x.float()))
+            rows.append(bank.capture(slots[i], x, shared=k % 5 == 0))
+        values = bank.take_rows()
+        assert bank._extra == [] and all(entry[2] == 0 for entry in bank._out.values())  # nothing kept
+        for row, w in zip(rows, want):
+            assert same(values[row.index].tolist(), w), (row.index, values[row.index].tolist(), w)
+        for slot, state in zip(slots, states):
+            state.update()
+            assert_same_state(bank, slot, state)
+    assert sorted(len(entry[1]) for entry in bank._out.values()) == [128, 128, 128]  # each grew once
+    assert other.updates[moved] >= 1

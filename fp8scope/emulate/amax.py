@@ -154,6 +154,14 @@ def amax_parts(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, lo
 
 
+def amax_parts_into(x: torch.Tensor, out: tuple[torch.Tensor, torch.Tensor]) -> None:
+    """:func:`amax_parts` of a non-empty ``x`` written into ``out = (c, a)``, two 0-d tensors of
+    ``x``'s dtype (rows of a buffer the caller keeps): the same one op, with no output to allocate
+    and no stack of the step's 0-d results later (a stack dispatches a view op per tensor: host
+    time on every device)."""
+    torch.aminmax(x.detach() if x.requires_grad else x, out=out)
+
+
 def amax_parts_many(xs: list[torch.Tensor],
                     multi_tensor: bool | None = None) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """:func:`amax_parts` of each of ``xs`` (non-empty tensors on one device), as one multi-tensor

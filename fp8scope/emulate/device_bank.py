@@ -5,11 +5,13 @@ Why a bank: with one :class:`~fp8scope.emulate.ScalingState` per tensor, a cheap
 on a GPU launched ~30 small kernels (the amax, the lazy delayed-scaling update, the row's stack):
 about 2,000 launches per step for the tiny GPT's 63 tensors, each costing the training thread
 microseconds (``benchmarks/whatif_device_bank.py``). Here a capture is one amax pass
-(``amax.amax_parts``: one eager ``aminmax``; a weight's comes from the step's one batched read of
-them all, :mod:`~fp8scope.emulate.weight_reads`) and a returned :class:`DeferredRow`; when the
-step ends, :meth:`DeviceDelayedBank.resolve` stacks the step's amaxes, runs the updates of all
-slots together (~30 ops whatever the slot count) and keeps the step's rows, in capture order, for
-:meth:`DeviceDelayedBank.take_rows`.
+(``amax.amax_parts_into``: one eager ``aminmax`` written into the next row of the step's buffer of
+the tensor's dtype; a weight's comes from the step's one batched read of them all,
+:mod:`~fp8scope.emulate.weight_reads`) and a returned :class:`DeferredRow`; when the step ends,
+:meth:`DeviceDelayedBank.resolve` gathers the step's amaxes in capture order (one cat and one
+index_select: a stack of each capture's two 0-d results dispatched a view op per result, host
+time on every device), runs the updates of all slots together (~30 ops whatever the slot count)
+and keeps the step's rows, in capture order, for :meth:`DeviceDelayedBank.take_rows`.
 
 The numbers are :class:`ScalingState`'s: both run :func:`~fp8scope.emulate.scaling.delayed_update`
 (TE's rule on float32 tensors), the bank on a batch of slots, a state on one;
@@ -29,9 +31,12 @@ import torch
 
 from ..formats import Fp8Format
 from .recipes import DelayedScaling
-from .amax import amax_parts, combine_parts
+from .amax import amax_parts, amax_parts_into, combine_parts
 from .scaling import delayed_update, scaled_max
-from .weight_reads import WeightReads
+from .weight_reads import _PLAIN, WeightReads
+
+
+_SPAN = 1 << 24  # codes of a capture's row: a buffer's number times this, plus the row
 
 
 class DeferredRow:
@@ -75,7 +80,14 @@ class DeviceDelayedBank:
         self.kept = torch.zeros(0, dtype=torch.bool, device=self.device)
         self._scaled_max = torch.zeros(0, **f32)
         self.updates: list[int] = []  # updates applied per slot (host ints)
-        self._parts: list[torch.Tensor] = []  # this step's amax_parts (a, b, a, b, ...), in capture order
+        # where each capture's amax parts (a, c) are, in capture order: row r of the step's buffer of
+        # dtype number d is the code d * _SPAN + r; the k-th pair of ``_extra`` is -1 - k
+        self._codes: list[int] = []
+        # dtype -> [buffer [rows, 2] (a, c), its rows' (c, a) views, rows used, its first code]
+        self._out: dict[torch.dtype, list] = {}
+        self._dtype_codes: dict[torch.dtype, int] = {}
+        self._extra: list[torch.Tensor] = []  # parts read elsewhere (the weights' batch, empty tensors): a, c, a, c...
+        self._gathers: dict[tuple, torch.Tensor | None] = {}  # (codes, layout) -> the rows' index into the pool
         self._shared: tuple | None = None  # (weak ref, version, parts) of the last shared capture's tensor
         self._weights = WeightReads(self.device)  # the step's weight reads, in one batch
         self._captured: list[int] = []  # the slot of each capture
@@ -130,18 +142,25 @@ class DeviceDelayedBank:
         may run on weights swapped in through ``.data`` (an EMA), which bumps no version counter, so
         it reads its own."""
         remembered = not x.is_inference()  # an inference tensor has no version counter to check
+        memo = self._shared if shared and remembered else None
         if weight and remembered:
-            parts = self._weights.parts(slot, x)
-        elif shared and remembered:
-            memo = self._shared
-            if memo is not None and memo[0]() is x and memo[1] == x._version:
-                parts = memo[2]
+            extra = self._extra
+            extra.extend(self._weights.parts(slot, x))
+            code = -(len(extra) // 2)
+        elif memo is not None and memo[0]() is x and memo[1] == x._version:
+            code = memo[2]
+        else:  # read into the next row of the step's buffer of x's dtype (inline: every capture runs it)
+            entry = self._out.get(x.dtype)
+            if entry is None or entry[2] == len(entry[1]) or x.numel() == 0 or type(x) not in _PLAIN:
+                code = self._read_elsewhere(x)
             else:
-                parts = amax_parts(x)
-                self._shared = (weakref.ref(x), x._version, parts)
-        else:
-            parts = amax_parts(x)
-        self._parts.extend(parts)
+                r = entry[2]
+                entry[2] = r + 1
+                amax_parts_into(x, entry[1][r])
+                code = entry[3] + r
+            if shared and remembered:
+                self._shared = (weakref.ref(x), x._version, code)
+        self._codes.append(code)
         self._captured.append(slot)
         i = self._taken
         self._taken = i + 1
@@ -150,15 +169,74 @@ class DeviceDelayedBank:
             rows.append(DeferredRow(self, i))
         return rows[i]
 
+    def _read_elsewhere(self, x: torch.Tensor) -> int:
+        """:meth:`capture`'s read when the buffer of ``x``'s dtype is full or not made yet (it grows),
+        or ``x`` is empty (its parts are 0, 0) or a tensor subclass (a ``DTensor``: its own parts,
+        not written into a plain buffer); the code of where its parts are."""
+        if x.numel() == 0 or type(x) not in _PLAIN:
+            extra = self._extra
+            extra.extend(amax_parts(x))
+            return -(len(extra) // 2)
+        entry = self._grow(x.dtype)
+        r = entry[2]
+        entry[2] = r + 1
+        amax_parts_into(x, entry[1][r])
+        return entry[3] + r
+
+    @torch.inference_mode(False)
+    def _grow(self, dtype: torch.dtype) -> list:
+        """The buffer of ``dtype`` with room for twice its rows (64 at first), what it holds kept."""
+        entry = self._out.get(dtype)
+        rows = 64 if entry is None else 2 * len(entry[1])
+        if rows > _SPAN:
+            raise RuntimeError(f"more than {_SPAN} captures of {dtype} in one step")
+        buffer = torch.zeros((rows, 2), dtype=dtype, device=self.device)
+        if entry is None:
+            number = self._dtype_codes.setdefault(dtype, len(self._dtype_codes))
+            entry = self._out[dtype] = [buffer, [], 0, number * _SPAN]
+        else:
+            buffer[:entry[2]].copy_(entry[0][:entry[2]])  # the step's rows so far (read in stream order on a GPU)
+            entry[0] = buffer
+        entry[1] = [(buffer[i, 1], buffer[i, 0]) for i in range(rows)]  # made once: no view op per capture
+        return entry
+
+    def _gathered(self, codes: list[int]) -> torch.Tensor:
+        """The captures' parts ``[captures, 2]`` (a, c), in capture order, from the step's buffers and
+        extra parts: one cat and one index_select whatever the capture count (the index made once
+        per capture sequence: a training loop repeats it)."""
+        blocks, layout = [], []
+        for dtype, entry in self._out.items():
+            if entry[2]:
+                layout.append((self._dtype_codes[dtype], entry[2]))
+                blocks.append(entry[0][:entry[2]])
+                entry[2] = 0
+        if self._extra:
+            layout.append((-1, len(self._extra) // 2))
+            blocks.append(torch.stack(self._extra).view(-1, 2))
+            self._extra = []
+        pool = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # promoted to the widest dtype, exactly
+        key = (tuple(codes), tuple(layout))
+        if key not in self._gathers:
+            start, offsets = 0, {}
+            for kind, n in layout:
+                offsets[kind] = start
+                start += n
+            index = [offsets[-1] - 1 - c if c < 0 else offsets[c // _SPAN] + c % _SPAN for c in codes]
+            if len(self._gathers) >= 16:
+                self._gathers.clear()
+            self._gathers[key] = None if index == list(range(start)) else self._on_device(index)
+        index = self._gathers[key]
+        return pool if index is None else pool.index_select(0, index)
+
     def resolve(self) -> None:
         """Apply every pending update and keep the rows of the captures so far for :meth:`take_rows`
         (the step's end; also before anything that needs the state current)."""
         self._shared = None  # a step's tensors are not the next step's
         self._weights.end_step()
         if self._captured:
-            captured, parts = self._captured, self._parts
-            self._captured, self._parts = [], []
-            ac = torch.stack(parts).view(-1, 2)
+            captured, codes = self._captured, self._codes
+            self._captured, self._codes = [], []
+            ac = self._gathered(codes)
             logged_t, recorded_t = combine_parts(ac[:, 0], ac[:, 1])
             values = None
             for slots, positions in self._plan(tuple(captured)):
