@@ -88,7 +88,7 @@ class DeviceDelayedBank:
         self._dtype_codes: dict[torch.dtype, int] = {}
         self._extra: list[torch.Tensor] = []  # parts read elsewhere (the weights' batch, empty tensors): a, c, a, c...
         self._gathers: dict[tuple, torch.Tensor | None] = {}  # (codes, layout) -> the rows' index into the pool
-        self._shared: tuple | None = None  # (weak ref, version, parts) of the last shared capture's tensor
+        self._shared: tuple | None = None  # (weak ref, version, code) of the last shared capture's tensor
         self._weights = WeightReads(self.device)  # the step's weight reads, in one batch
         self._captured: list[int] = []  # the slot of each capture
         self._blocks: list[torch.Tensor] = []  # resolved rows [captures, 4] since the last take_rows
