@@ -105,7 +105,10 @@ def main(argv=None) -> int:
     if args.html:
         cmds["report --html"] = fp + ["report", args.run, "--html", "/tmp/fp8scope-big-report.html"]
     print(f"run: {args.run}  (cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.2f})")
-    cache = os.path.join(args.run, "analysis")  # store.layout.ANALYSIS_DIR: the commands' cached analysis
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+    from fp8scope.store.layout import analysis_dir
+
+    cache = analysis_dir(args.run)  # the commands' cached analysis
     for name, cmd in cmds.items():
         for i in range(args.repeat):
             # fresh: the run's analysis computed by this command (the first command on a run); cached:

@@ -137,16 +137,17 @@ class ScalarState:
         if s.bad and not was_bad and "loss_nonfinite" not in cfg.disabled:
             out.append(event(base, "loss_nonfinite", "critical", v, float("nan"),
                              f"{name} became non-finite ({'NaN' if v != v else _fmt(v)}) at step {step}"))
-        if fin and v > 0:
-            out += self._spike(s, v, name, base, stats)
+        lv = _log_if_judged(v)
+        if lv is not None:
+            out += self._spike(s, v, lv, name, base, stats)
         return out
 
-    def _spike(self, s: _Series, v: float, name: str, base: dict, stats=None) -> list[dict]:
-        """``stats``: :meth:`_window_stats`' (median, raw spread) for this value, else computed here."""
+    def _spike(self, s: _Series, v: float, lv: float, name: str, base: dict, stats=None) -> list[dict]:
+        """``lv``: log(v); ``stats``: :meth:`_window_stats`' (median, raw spread) for this value, else
+        computed here."""
         cfg = self.cfg
         is_loss = name == cfg.loss_name
         rule = "loss_spike" if is_loss else "grad_norm_spike"
-        lv = math.log(v)
         n = len(s.values)
         if n >= int(cfg.scalar_min_history) and stats is None:
             med_, spread_ = spike_stats(np.fromiter(s.values, float)[None, :])

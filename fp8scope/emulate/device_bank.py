@@ -85,7 +85,6 @@ class DeviceDelayedBank:
         self._codes: list[int] = []
         # dtype -> [buffer [rows, 2] (a, c), its rows' (c, a) views, rows used, its first code]
         self._out: dict[torch.dtype, list] = {}
-        self._dtype_codes: dict[torch.dtype, int] = {}
         self._extra: list[torch.Tensor] = []  # parts read elsewhere (the weights' batch, empty tensors): a, c, a, c...
         self._gathers: dict[tuple, torch.Tensor | None] = {}  # (codes, layout) -> the rows' index into the pool
         self._shared: tuple | None = None  # (weak ref, version, code) of the last shared capture's tensor
@@ -144,16 +143,16 @@ class DeviceDelayedBank:
         remembered = not x.is_inference()  # an inference tensor has no version counter to check
         memo = self._shared if shared and remembered else None
         if weight and remembered:
-            extra = self._extra
-            extra.extend(self._weights.parts(slot, x))
-            code = -(len(extra) // 2)
+            code = self._extra_code(self._weights.parts(slot, x))
         elif memo is not None and memo[0]() is x and memo[1] == x._version:
             code = memo[2]
-        else:  # read into the next row of the step's buffer of x's dtype (inline: every capture runs it)
-            entry = self._out.get(x.dtype)
-            if entry is None or entry[2] == len(entry[1]) or x.numel() == 0 or type(x) not in _PLAIN:
-                code = self._read_elsewhere(x)
-            else:
+        else:
+            if x.numel() == 0 or type(x) not in _PLAIN:  # (0, 0), or a tensor subclass's (a DTensor's) own parts
+                code = self._extra_code(amax_parts(x))
+            else:  # into the next row of the step's buffer of x's dtype
+                entry = self._out.get(x.dtype)
+                if entry is None or entry[2] == len(entry[1]):
+                    entry = self._grow(x.dtype)
                 r = entry[2]
                 entry[2] = r + 1
                 amax_parts_into(x, entry[1][r])
@@ -169,19 +168,10 @@ class DeviceDelayedBank:
             rows.append(DeferredRow(self, i))
         return rows[i]
 
-    def _read_elsewhere(self, x: torch.Tensor) -> int:
-        """:meth:`capture`'s read when the buffer of ``x``'s dtype is full or not made yet (it grows),
-        or ``x`` is empty (its parts are 0, 0) or a tensor subclass (a ``DTensor``: its own parts,
-        not written into a plain buffer); the code of where its parts are."""
-        if x.numel() == 0 or type(x) not in _PLAIN:
-            extra = self._extra
-            extra.extend(amax_parts(x))
-            return -(len(extra) // 2)
-        entry = self._grow(x.dtype)
-        r = entry[2]
-        entry[2] = r + 1
-        amax_parts_into(x, entry[1][r])
-        return entry[3] + r
+    def _extra_code(self, parts: tuple[torch.Tensor, torch.Tensor]) -> int:
+        """The code of parts read elsewhere than the buffers (kept until the step's rows are gathered)."""
+        self._extra.extend(parts)
+        return -(len(self._extra) // 2)
 
     @torch.inference_mode(False)
     def _grow(self, dtype: torch.dtype) -> list:
@@ -191,9 +181,8 @@ class DeviceDelayedBank:
         if rows > _SPAN:
             raise RuntimeError(f"more than {_SPAN} captures of {dtype} in one step")
         buffer = torch.zeros((rows, 2), dtype=dtype, device=self.device)
-        if entry is None:
-            number = self._dtype_codes.setdefault(dtype, len(self._dtype_codes))
-            entry = self._out[dtype] = [buffer, [], 0, number * _SPAN]
+        if entry is None:  # buffers are numbered as made, never dropped
+            entry = self._out[dtype] = [buffer, [], 0, len(self._out) * _SPAN]
         else:
             buffer[:entry[2]].copy_(entry[0][:entry[2]])  # the step's rows so far (read in stream order on a GPU)
             entry[0] = buffer
@@ -202,12 +191,12 @@ class DeviceDelayedBank:
 
     def _gathered(self, codes: list[int]) -> torch.Tensor:
         """The captures' parts ``[captures, 2]`` (a, c), in capture order, from the step's buffers and
-        extra parts: one cat and one index_select whatever the capture count (the index made once
-        per capture sequence: a training loop repeats it)."""
+        extra parts, which are then free for the next captures: one cat and one index_select whatever
+        the capture count (the index made once per capture sequence: a training loop repeats it)."""
         blocks, layout = [], []
         for dtype, entry in self._out.items():
             if entry[2]:
-                layout.append((self._dtype_codes[dtype], entry[2]))
+                layout.append((entry[3] // _SPAN, entry[2]))
                 blocks.append(entry[0][:entry[2]])
                 entry[2] = 0
         if self._extra:
