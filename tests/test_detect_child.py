@@ -56,6 +56,8 @@ def test_the_rules_run_in_the_child_and_report_in_the_training_process(tmp_path)
     with open(f"/proc/{pid}/cmdline", "rb") as f:
         assert b"fp8scope.detect.child" in f.read()
     train(model, mon, 20, poison=_nan_at(15))
+    with open(f"/proc/{pid}/maps") as f:  # the child starts beside training, on the cores that train:
+        assert "/pandas/" not in f.read()  # pandas alone was two thirds of its start, and no rule needs it
     mon.close()
     assert det.passes_in_child > 0 and not det._pass.km.info  # no rule ran in this process
     origin = [e for e in got if e["rule"] == "nan_origin"]

@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from fp8scope.capture import stats as stats_mod
 from fp8scope.capture.stats import full_stats, saturation_floor, stats_call
 from fp8scope.emulate.amax import amax_pair
 from fp8scope.formats import get_format, recipe_format
@@ -114,6 +115,10 @@ def test_amax_pair_logs_nan_and_records_te_amax():
     assert float(logged) == math.inf and float(recorded) == math.inf
     assert [float(v) for v in amax_pair(torch.zeros(0))] == [0.0, 0.0]
     assert [float(v) for v in amax_pair(torch.tensor([1.0, -7.0, 3.0], dtype=torch.bfloat16))] == [7.0, 7.0]
+    logged, recorded = amax_pair(torch.tensor([-9.0, math.nan, 2.0], dtype=torch.bfloat16))
+    assert math.isnan(float(logged)) and float(recorded) == 9.0
+    for zeros in (torch.zeros(4), torch.full((4,), -0.0)):  # +0.0, as max(|x|) gives it, whatever the sign
+        assert [math.copysign(1.0, float(v)) for v in amax_pair(zeros)] == [1.0, 1.0]
 
 
 def test_full_stats_return_te_amax_for_a_whatif_state():
@@ -198,3 +203,60 @@ def test_the_fused_amax_pair_gives_the_eager_pair():
             for g, w in zip(got, want):
                 assert g.dtype == w.dtype == torch.float32
                 assert (math.isnan(g) and math.isnan(w)) or float(g) == float(w), (v, dtype, got, want)
+
+
+def _finite_row_cases():
+    """Tensors for the CPU's finite pass: zeros, a NaN, an Inf, tiny and huge magnitudes, -0.0, with
+    scales that clip, saturate, underflow or fit, per tensor and per row (one row's scale NaN)."""
+    gen = torch.Generator().manual_seed(0)
+    for case in range(40):
+        rows, cols = [(64, 96), (1, 300), (130, 7), (3, 4)][case % 4]
+        x = torch.randn(rows, cols, generator=gen) * 10.0 ** (case % 13 - 6)
+        if case % 5 == 1:
+            x[x.abs() < 0.5 * 10.0 ** (case % 13 - 6)] = 0
+        if case % 7 == 2:
+            x[0, 0] = math.nan
+        if case % 11 == 3:
+            x[0, -1] = -math.inf
+        if case % 6 == 4:
+            x[:] = 0
+        if case % 9 == 5:
+            x[0, 0] = -0.0
+        yield case, x, [1.0, 0.5, 2.0, 1e-3, 1e3, 1.0001][case % 6]
+
+
+@pytest.mark.parametrize("fmt_name", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("has_deq", [False, True])
+def test_the_cpus_finite_pass_gives_the_general_passs_row(fmt_name, dtype, per_row, has_deq):
+    """On the CPU a finite tensor's stats skip what it cannot hold (``stats._make_finite_row``); the
+    row must be the general form's, bit for bit (a NaN as a NaN, the sign of a zero), and a tensor
+    or decoded copy (or scale) with a NaN or an Inf must go to the general form."""
+    key = ("cpu", dtype, fmt_name, per_row, has_deq)
+    fmt = get_format(fmt_name)
+    full, general, finite = stats_mod._make_full(key), stats_mod._make_general(key), stats_mod._make_finite_row(key)
+    taken = 0
+    for case, x, factor in _finite_row_cases():
+        x = x.to(dtype)
+        rows = x.shape[0]
+        amax = x.float().abs().nan_to_num(nan=0.0, posinf=0.0).amax().item() or 1.0
+        scale = torch.tensor(fmt.max / amax * factor)
+        if per_row:
+            scale = (scale * (1 + torch.arange(rows, dtype=torch.float32) / rows)).reshape(rows, 1)
+            if case % 8 == 0:
+                scale[0] = math.nan
+        deq = None
+        if has_deq:
+            deq = (x.float() * scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).float() / scale
+            if case % 10 == 7:
+                deq[0, 0] = math.inf
+        args = (x, scale, 1 / scale, torch.tensor(amax), deq)
+        got, want = full(*args), general(x.to(torch.float32), *args[1:])
+        assert torch.equal(got.nan_to_num(nan=-7.0), want.nan_to_num(nan=-7.0)), (case, got, want)
+        assert torch.equal(got.signbit(), want.signbit()), (case, got, want)
+        finite_input = (bool(torch.isfinite(x).all()) and bool(torch.isfinite(scale).all())  # (a NaN scale decodes NaN)
+                        and (deq is None or bool(torch.isfinite(deq).all())))
+        assert (finite(x.to(torch.float32), *args[1:]) is not None) == finite_input, case
+        taken += finite_input
+    assert taken >= 20  # the finite pass ran on most cases

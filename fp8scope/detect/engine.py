@@ -19,10 +19,9 @@ from __future__ import annotations
 import contextlib
 import math
 from collections import deque
-from typing import Callable, Iterator
+from typing import TYPE_CHECKING, Callable, Iterator
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 import pyarrow.compute as pc
 
@@ -34,6 +33,9 @@ from fp8scope.detect.events import (EVENT_COLUMNS, empty_events, event, events_b
                                     nan_value, none_if_nan, rows_of, sort_events, to_frame)
 from fp8scope.detect.scalar_rules import ScalarState
 from fp8scope.detect.shadow_rule import SHADOW_TABLE, shadow_events
+
+if TYPE_CHECKING:  # the online child imports this module, and pandas only costs it start-up time
+    import pandas as pd
 
 
 # ---- shared evaluation (offline and online) ---------------------------------------------------

@@ -8,12 +8,17 @@ cross-rank checks), offline and online, builds its events with :func:`event`, so
 
 from __future__ import annotations
 
+import sys
+from typing import TYPE_CHECKING
+
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from fp8scope.detect.rules import SEVERITY_RANK
 from fp8scope.schema import EVENT_SCHEMA
+
+if TYPE_CHECKING:  # imported where a frame is made: the online child never makes one, and pandas costs its start
+    import pandas as pd
 
 EVENT_COLUMNS = list(EVENT_SCHEMA.names)
 
@@ -34,7 +39,10 @@ def rows_of(sub: dict, km) -> list[dict]:
 
 
 def is_null(v) -> bool:
-    if v is None or v is pd.NA or v is pd.NaT:
+    if v is None:
+        return True
+    pd = sys.modules.get("pandas")  # pandas' missing values exist only once pandas is imported
+    if pd is not None and (v is pd.NA or v is pd.NaT):
         return True
     try:
         return isinstance(v, float) and np.isnan(v)
@@ -62,6 +70,8 @@ def event(r: dict, rule: str, severity: str, value, threshold, message: str) -> 
 def to_frame(events: list[dict]) -> pd.DataFrame:
     if not events:
         return empty_events()
+    import pandas as pd
+
     df = pd.DataFrame(events)
     df["_sev"] = df["severity"].map(SEVERITY_RANK)
     df = df.sort_values(["step", "rank", "_order", "rule"], kind="stable").reset_index(drop=True)

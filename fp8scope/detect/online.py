@@ -29,10 +29,9 @@ import logging
 import queue
 import threading
 import warnings
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from fp8scope.detect.config import DetectConfig
@@ -41,6 +40,9 @@ from fp8scope.detect.events import events_batch_from_records, sort_events, to_fr
 from fp8scope.detect.scalar_rules import ScalarState
 from fp8scope.detect.triage import suspicious_cheap_step
 from fp8scope.detect.features import TENSOR_COLUMNS
+
+if TYPE_CHECKING:  # the online detection child starts without pandas (annotations only here)
+    import pandas as pd
 
 log = logging.getLogger("fp8scope.detect")
 _LEVELS = {"info": logging.INFO, "warning": logging.WARNING, "critical": logging.CRITICAL}

@@ -21,13 +21,17 @@ report ranks layers with it.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
-import pandas as pd
 import pyarrow as pa
 
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.events import event
 from fp8scope.detect.rules import _fmt
+
+if TYPE_CHECKING:  # the online detection child starts without pandas (imported where a frame is made here)
+    import pandas as pd
 
 SHADOW_TABLE = "shadow_compare"
 METRICS = {"output_rel_err": "output", "wgrad_rel_err": "wgrad"}
@@ -38,6 +42,8 @@ def departures(table: pa.Table | pd.DataFrame, cfg: DetectConfig) -> pd.DataFram
     """One row per (compare step, rank, layer, metric): ``err``, ``baseline`` (median of the layer's
     earlier errors of that metric; NaN while it forms), ``n_prev``, ``departure`` (err / baseline),
     ``departs`` (bool) and ``fires`` (first departure of an excursion)."""
+    import pandas as pd
+
     df = table.to_pandas() if isinstance(table, pa.Table) else table
     cols = [c for c in METRICS if c in df.columns]
     if df.empty or not cols or not {"step", "layer"} <= set(df.columns):

@@ -12,7 +12,7 @@ Two numbers come out of the same pass over ``x``:
 
 Both come from :data:`AMAX`: on CUDA compiled (ahead, in a compile child) into one pass over the tensor's
 rows and one over the rows (2 launches, called without dynamo: see ``fp8scope.compiled``);
-elsewhere four eager ops.
+elsewhere eagerly: one pass on the CPU, four ops on an accelerator (:func:`amaxes_of`).
 
 :func:`amax_parts` is the what-if monitor's per-capture pass on cheap steps, and it is one eager
 op on every device, ``aminmax``, whose ``(max, min)`` is ``(a, c)``: with ``b = -c`` the logged
@@ -73,9 +73,29 @@ def row_matrix(x: torch.Tensor) -> torch.Tensor:
     return v
 
 
+def logged_on_host(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """``max |x|`` (NaN propagating; +0.0 for a tensor of zeros, as ``x.abs().amax()`` gives it) as
+    a 0-d tensor of ``x``'s dtype, and its value read on the host: one ``aminmax`` pass, no copy of
+    ``x``. For a CPU tensor only, where the read is a read of host memory and not a sync."""
+    lo, hi = torch.aminmax(x)
+    logged = torch.maximum(0.0 - lo, hi)  # 0.0 - lo first: maximum keeps its first argument on a tie of zeros
+    return logged, logged.item()
+
+
 def amaxes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logged, recorded)`` of ``x`` as 0-d float32 tensors, ``max`` propagating NaN: four eager
-    ops over one temporary, ``|x|``, which TE's amax then cleans in place."""
+    """``(logged, recorded)`` of ``x`` as 0-d float32 tensors, ``max`` propagating NaN, eagerly.
+
+    On the CPU: one pass, ``aminmax``, gives the logged amax, and it is TE's too unless it is NaN;
+    reading that on the host costs no sync there (the CPU is the host), so only a tensor that holds
+    a NaN pays for the second pass that ignores its NaN elements. Elsewhere (an accelerator whose
+    compiled pair is not ready, or traced code) a read would be a sync per tensor, so both passes
+    run: four ops over one temporary, ``|x|``, which TE's amax then cleans in place."""
+    if x.device.type == "cpu" and not tracing():
+        logged, value = logged_on_host(x)
+        logged = logged.to(torch.float32)
+        if value == value:  # not NaN
+            return logged, logged
+        return logged, recorded_amax(x.abs(), scratch=True).to(torch.float32)
     a = x.abs()
     logged = a.amax().to(torch.float32)  # before the clean-up below overwrites a
     return logged, recorded_amax(a, scratch=True).to(torch.float32)
@@ -115,7 +135,7 @@ def _options(key) -> dict:
     return {"split_reductions": False}
 
 
-# eagerly: its 4 ops (abs, amax, nan_to_num, amax)
+# eagerly: one pass on the CPU, else its 4 ops (abs, amax, nan_to_num, amax): amaxes_of
 AMAX = CompiledFn("amax", _make_pair, _examples, devices=("cuda",), options=_options)
 
 
