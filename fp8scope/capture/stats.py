@@ -103,6 +103,7 @@ def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq):
 
 _EXACT_ROW = 1 << 24  # a float32 sum of ones is exact while it stays below 2**24
 _ROUNDING = 2.0 ** -20  # more than a float32 product's rounding (2**-24), as a fraction of it
+_F32_MAX = torch.finfo(torch.float32).max
 
 
 def _counting(a: torch.Tensor):
@@ -244,50 +245,51 @@ def _make_finite_row(key):
     fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
 
     def finite_row(a, scale, scale_inv, expected, deq):
-        logged, peak = logged_on_host(a)
+        lo, hi = torch.aminmax(a)  # NaN propagates into both
+        peak = abs(max(-lo.item(), hi.item()))  # reads of host memory, not syncs; abs: +0.0 for zeros
         if not math.isfinite(peak):
             return None
         rows, cols = a.shape
         n = a.numel()
         m = a.abs()
-        block, parts, row_sums = _counting(a)
+        block, parts, row_sums = _counting(a)  # parts' rows that no pass fills are left unread
         mask = block[:n].view(rows, cols)
-        parts[0].fill_(cols)
-        parts[2].fill_(cols)  # every element finite
         y = m * scale  # the scaled magnitudes the cast sees
-        min_nonzero = m.amin()
-        least = min_nonzero.item()
-        if least == 0:  # zeros: count them, and divide them to NaN, then to inf, for the smallest non-zero
-            row_sums(torch.eq(m, 0, out=mask), 1)
-            min_nonzero = m.div_(mask.neg_().add_(1.0)).nan_to_num_(nan=_INF).amin()  # m / (1 - zero)
-            least = min_nonzero.item()
-        else:
-            parts[1].zero_()
         if per_row:
-            s_lo, s_hi = (v.item() for v in torch.aminmax(scale))
+            least, s_lo, s_hi = torch.stack([m.amin(), *torch.aminmax(scale)]).tolist()
         else:
-            s_lo = s_hi = scale.item()
+            least, s_lo = torch.stack([m.amin(), scale]).tolist()
+            s_hi = s_lo
+        zeros = 0.0
+        if least == 0:  # zeros: count them, and lift them to float32's largest for the smallest non-zero
+            row_sums(torch.eq(m, 0, out=mask), 1)
+            least = m.add_(mask, alpha=_F32_MAX).amin().item()  # exact: m + 0 and 0 + max
+            # (no zero is below the peak; with every element zero, none is non-zero)
+            least = _INF if peak == 0 else least
+            zeros = None  # summed below
         # the scaled magnitudes' extremes, bounded with room for the float32 product's rounding
         top, low = peak * s_hi * (1 + _ROUNDING), least * s_lo * (1 - _ROUNDING)
-        for i, limit in ((3, fmax), (5, sat)):
-            if top <= limit:  # (a NaN scale is counted)
-                parts[i].zero_()
-            else:
-                row_sums(torch.gt(y, limit, out=mask), i)
-        if low > under:
-            parts[4].zero_()
-        else:  # at or below the threshold, less the zeros
+        counted = [i for i, limit in ((3, fmax), (5, sat)) if not top <= limit]  # (a NaN scale is counted)
+        for i in counted:
+            row_sums(torch.gt(y, fmax if i == 3 else sat, out=mask), i)
+        if not low > under:  # the elements above the threshold; the rest, less the zeros, underflow
             row_sums(torch.gt(y, under, out=mask), 4)
-            torch.sub(parts[0], parts[4], out=parts[4]).sub_(parts[1])
+            counted.append(4)
         q = deq.to(torch.float32) if has_deq else quantize_dequantize(a, scale, scale_inv, fmt, out=y)[1]
         err = q.sub_(a) if q is y else torch.sub(q, a, out=y)
-        sq_err, sq_signal = (v.item() for v in _squared_sums(a, err, block, finite=True))
+        sq_err, sq_signal = _squared_sums(a, err, block, finite=True)
+        inv = scale_inv.amax() if per_row else scale_inv
+        one = (1,)
+        *sums, sq_err, sq_signal, inv, expect = torch.cat([  # every value the row needs, in one read
+            parts.sum(-1, dtype=torch.float64), sq_err.view(one), sq_signal.view(one), inv.reshape(one),
+            expected.reshape(one)]).tolist()
         if not math.isfinite(sq_err):  # a non-finite decoded value: the general form cleans it
             return None
-        # the row from the values read here: one op, where a cat of eleven pieces was some fifty
-        counts = parts.sum(-1, dtype=torch.float64).tolist()
-        counts[2] = 0.0  # non-finite: none
-        inv, expect = (scale_inv.amax() if per_row else scale_inv).item(), expected.item()
+        zeros = sums[1] if zeros is None else zeros
+        counts = [float(n), zeros, 0.0, *(sums[i] if i in counted else 0.0 for i in (3, 4, 5))]
+        if 4 in counted:
+            counts[4] = n - sums[4] - zeros
+        # one op for the row, where a cat of eleven pieces was some fifty
         return torch.tensor([peak, least, peak, s_lo, inv, expect, expect, expect, *counts, sq_err, sq_signal],
                             dtype=torch.float64)  # step_payload.WIDE_FIELDS
 
