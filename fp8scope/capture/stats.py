@@ -9,8 +9,9 @@ arithmetic is one function, compiled once per (device type, dtype, format, scale
 written for the compiler (:func:`_make_full_fused`): 3 Triton kernels and 3 launches per tensor on a
 GPU (``benchmarks/triton_kernels.py`` counts them), one C++ kernel on the CPU. Where a variant is
 not compiled (the CPU's default, ``FP8SCOPE_COMPILE=0``), the eager form runs
-(:func:`_make_full`): about 38 aten ops whatever the tensor's size, no chunking, computed in place
-in a few scratch copies of the tensor.
+(:func:`_make_full`): at most 38 aten ops whatever the tensor's size, no chunking, computed in place
+in a few scratch copies of the tensor; on the CPU a finite tensor's pass skips what it cannot hold
+(:func:`_make_finite_row`: 23-34 ops, about half the passes).
 
 What each field means:
 
@@ -156,7 +157,7 @@ def _make_full(key):
     variant with other recipes (``recipes``, the tensor's base ``role``) also measures each of them
     on the same tensor (``emulate.recipe_table.counts``) and returns their vectors as a second
     output: ``whole_given`` when the matrix they read is not ``x`` itself (``x`` is then a view of
-    blocks). ``x`` is a matrix (``stats_call``'s). About 38 ops whatever the size, each a pass over
+    blocks). ``x`` is a matrix (``stats_call``'s). At most 38 ops whatever the size, each a pass over
     the tensor at most: what runs while the compiled form (:func:`_make_full_fused`, the same
     numbers) is not ready or not wanted.
 
@@ -173,11 +174,11 @@ def _make_full(key):
       times slower than one that writes float32, and a float sum is faster than ``count_nonzero``
       (docs/benchmarks.md).
     - On the CPU a value is read on the host without a sync (the CPU is the host), so the pass
-      first asks whether the tensor is finite and runs :func:`_finite_row` for one that is: the
-      same numbers in about half the passes, because what a finite tensor cannot hold needs no
-      pass (no NaN to clean, every element finite, TE's amax the logged one) and a count the
-      amaxes already decide needs none either. A tensor with a NaN or an Inf, an accelerator
-      (where a read would be a sync per tensor) and traced code run the general form below.
+      first asks whether the tensor is finite and runs :func:`_make_finite_row`'s form for one that
+      is: the same numbers in about half the passes, because what a finite tensor cannot hold
+      needs no pass (no NaN to clean, every element finite, TE's amax the logged one) and a count
+      the amaxes already decide needs none either. A tensor with a NaN or an Inf, an accelerator
+      (where a read would be a sync per tensor) and traced code run :func:`_make_general`'s.
 
     ``x`` and ``deq`` are the caller's: only read."""
     _fmt, _fmax, _sat, _under, _dtype8, _per_row, _has_deq, recipes, role, whole_given = _variant(key)
@@ -194,7 +195,7 @@ def _make_full(key):
 
 
 def _make_general(key):
-    """The eager pass for any tensor on any device (``a``: the float32 matrix): about 38 ops."""
+    """The eager pass for any tensor on any device (``a``: the float32 matrix): at most 38 ops."""
     fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
 
     def general(a, scale, scale_inv, expected, deq):
@@ -241,7 +242,10 @@ def _make_finite_row(key):
     - with every element finite, "non-zero before the cast" is "not zero", so the underflow count
       is the elements at or below the threshold less the zeros, from sums the pass has;
     - the smallest magnitude (one ``amin``) is the smallest non-zero one unless it is 0; only then
-      are the zeros counted and set aside (a tensor with none has a zero count of 0)."""
+      are the zeros counted and set aside (a tensor with none has a zero count of 0);
+    - the values it reads on the host (the extremes, the smallest magnitude with the scales, then
+      the sums and scalars in one read) make the row in one op, where the general form's row is a cat of
+      eleven device values (some fifty ops on a CPU)."""
     fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
 
     def finite_row(a, scale, scale_inv, expected, deq):
@@ -289,7 +293,6 @@ def _make_finite_row(key):
         counts = [float(n), zeros, 0.0, *(sums[i] if i in counted else 0.0 for i in (3, 4, 5))]
         if 4 in counted:
             counts[4] = n - sums[4] - zeros
-        # one op for the row, where a cat of eleven pieces was some fifty
         return torch.tensor([peak, least, peak, s_lo, inv, expect, expect, expect, *counts, sq_err, sq_signal],
                             dtype=torch.float64)  # step_payload.WIDE_FIELDS
 
