@@ -260,3 +260,15 @@ def test_the_cpus_finite_pass_gives_the_general_passs_row(fmt_name, dtype, per_r
         assert (finite(x.to(torch.float32), *args[1:]) is not None) == finite_input, case
         taken += finite_input
     assert taken >= 20  # the finite pass ran on most cases
+
+
+def test_the_cpus_eager_forms_run_on_fake_tensors():
+    """Under a ``FakeTensorMode`` (a memory estimate, an export) there is no value to read on the host:
+    the amax pair and the stats pass take their forms that read nothing, where a read would raise."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        x = torch.randn(64, 32)
+        logged, recorded = amax_pair(x)
+        row, _, _ = stats_call(x, torch.tensor(2.0), torch.tensor(0.5), torch.tensor(4.0), E4M3)
+    assert logged.shape == recorded.shape == () and row.shape == (N_WIDE,)

@@ -249,8 +249,8 @@ def _make_finite_row(key):
     fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
 
     def finite_row(a, scale, scale_inv, expected, deq):
-        _, peak = logged_on_host(a)  # a read of host memory, not a sync
-        if not math.isfinite(peak):
+        _, peak = logged_on_host(a)  # a read of host memory, not a sync (None: a fake tensor)
+        if peak is None or not math.isfinite(peak):
             return None
         rows, cols = a.shape
         n = a.numel()

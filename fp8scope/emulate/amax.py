@@ -73,12 +73,16 @@ def row_matrix(x: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def logged_on_host(x: torch.Tensor) -> tuple[torch.Tensor, float]:
+def logged_on_host(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     """``max |x|`` (NaN propagating; +0.0 for a tensor of zeros, as ``x.abs().amax()`` gives it) as
     a 0-d tensor of ``x``'s dtype, and its value read on the host: one ``aminmax`` pass, no copy of
-    ``x``. For a CPU tensor only, where the read is a read of host memory and not a sync."""
+    ``x``. For a CPU tensor only, where the read is a read of host memory and not a sync. The value
+    is None when there is none to read: a fake tensor (a ``FakeTensorMode``, an export), whose
+    read would raise; the caller then takes its form that reads nothing."""
     lo, hi = torch.aminmax(x)
     logged = torch.maximum(0.0 - lo, hi)  # 0.0 - lo first: maximum keeps its first argument on a tie of zeros
+    if type(logged) is not torch.Tensor:
+        return logged, None
     return logged, logged.item()
 
 
@@ -92,10 +96,11 @@ def amaxes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     run: four ops over one temporary, ``|x|``, which TE's amax then cleans in place."""
     if x.device.type == "cpu" and not tracing():
         logged, value = logged_on_host(x)
-        logged = logged.to(torch.float32)
-        if value == value:  # not NaN
-            return logged, logged
-        return logged, recorded_amax(x.abs(), scratch=True).to(torch.float32)
+        if value is not None:
+            logged = logged.to(torch.float32)
+            if value == value:  # not NaN
+                return logged, logged
+            return logged, recorded_amax(x.abs(), scratch=True).to(torch.float32)
     a = x.abs()
     logged = a.amax().to(torch.float32)  # before the clean-up below overwrites a
     return logged, recorded_amax(a, scratch=True).to(torch.float32)
