@@ -181,7 +181,7 @@ def _make_full(key):
       (where a read would be a sync per tensor) and traced code run :func:`_make_general`'s.
 
     ``x`` and ``deq`` are the caller's: only read."""
-    _fmt, _fmax, _sat, _under, _dtype8, _per_row, _has_deq, recipes, role, whole_given = _variant(key)
+    *_, recipes, role, whole_given = _variant(key)
     finite_row, general = _make_finite_row(key), _make_general(key)
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
@@ -263,17 +263,18 @@ def _make_finite_row(key):
         else:
             least, s_lo = torch.stack([m.amin(), scale]).tolist()
             s_hi = s_lo
-        zeros = 0.0
+        counted = []  # the rows of parts a pass filled (the others' counts are 0)
         if least == 0:  # zeros: count them, and lift them to float32's largest for the smallest non-zero
             row_sums(torch.eq(m, 0, out=mask), 1)
             least = m.add_(mask, alpha=_F32_MAX).amin().item()  # exact: m + 0 and 0 + max
             least = _INF if peak == 0 else least  # every element zero: none is non-zero (the general form's inf)
-            zeros = None  # summed below
+            counted.append(1)
         # the scaled magnitudes' extremes, bounded with room for the float32 product's rounding
         top, low = peak * s_hi * (1 + _ROUNDING), least * s_lo * (1 - _ROUNDING)
-        counted = [i for i, limit in ((3, fmax), (5, sat)) if not top <= limit]  # (a NaN scale is counted)
-        for i in counted:
-            row_sums(torch.gt(y, fmax if i == 3 else sat, out=mask), i)
+        for i, limit in ((3, fmax), (5, sat)):
+            if not top <= limit:  # (a NaN scale is counted)
+                row_sums(torch.gt(y, limit, out=mask), i)
+                counted.append(i)
         if not low > under:  # the elements above the threshold; the rest, less the zeros, underflow
             row_sums(torch.gt(y, under, out=mask), 4)
             counted.append(4)
@@ -287,10 +288,9 @@ def _make_finite_row(key):
             expected.reshape(one)]).tolist()
         if not math.isfinite(sq_err):  # a non-finite decoded value: the general form cleans it
             return None
-        zeros = sums[1] if zeros is None else zeros
-        counts = [float(n), zeros, 0.0, *(sums[i] if i in counted else 0.0 for i in (3, 4, 5))]
+        counts = [float(n), *(sums[i] if i in counted else 0.0 for i in range(1, 6))]  # [2], non-finite: none
         if 4 in counted:
-            counts[4] = n - sums[4] - zeros
+            counts[4] = n - sums[4] - counts[1]
         return torch.tensor([peak, least, peak, s_lo, inv, expect, expect, expect, *counts, sq_err, sq_signal],
                             dtype=torch.float64)  # step_payload.WIDE_FIELDS
 

@@ -75,11 +75,11 @@ def row_matrix(x: torch.Tensor) -> torch.Tensor:
 
 def logged_on_host(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     """``max |x|`` (NaN propagating; +0.0 for a tensor of zeros, as ``x.abs().amax()`` gives it) as
-    a 0-d tensor of ``x``'s dtype, and its value read on the host: one ``aminmax`` pass, no copy of
-    ``x``. For a CPU tensor only, where the read is a read of host memory and not a sync. The value
+    a 0-d tensor of ``x``'s dtype, and its value read on the host: :func:`amax_parts`' one pass, no
+    copy of ``x``. For a CPU tensor only, where the read is a read of host memory and not a sync. The value
     is None when there is none to read: a fake tensor (a ``FakeTensorMode``, an export), whose
     read would raise; the caller then takes its form that reads nothing."""
-    lo, hi = torch.aminmax(x)
+    hi, lo = amax_parts(x)
     logged = torch.maximum(0.0 - lo, hi)  # 0.0 - lo first: maximum keeps its first argument on a tie of zeros
     if type(logged) is not torch.Tensor:
         return logged, None
