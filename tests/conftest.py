@@ -101,6 +101,20 @@ def train(model, mon, steps: int, micro: int = 1, batch: int = 8, poison=None):
             mon.step(loss=loss.detach(), lr=0.05)
 
 
+def assert_same_row(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-9, *context) -> None:
+    """Two stats rows (``step_payload.WIDE_FIELDS``) from two forms of the one definition: NaN where
+    NaN, the values within ``rtol``, and the squared sums within 2e-6, as the CPU's eager pass over
+    a finite tensor sums each row's squares in float32 where the other forms sum in float64
+    (``stats._make_finite_row``)."""
+    from fp8scope.step_payload import WIDE_FIELDS
+
+    squares = [i for i, name in enumerate(WIDE_FIELDS) if name.startswith("sq_")]
+    others = [i for i in range(len(WIDE_FIELDS)) if i not in squares]
+    assert torch.equal(got.isnan(), want.isnan()), (*context, got, want)
+    assert torch.allclose(got[others], want[others], rtol=rtol, equal_nan=True), (*context, got, want)
+    assert torch.allclose(got[squares], want[squares], rtol=max(rtol, 2e-6), equal_nan=True), (*context, got, want)
+
+
 def fused_stats_case(variant: str, fmt_name: str, rows: int, cols: int, trial: int, g: torch.Generator):
     """``(key, args)`` of one check of the fused full-stats form against the eager one: an adversarial
     tensor (magnitudes over 18 decades and one NaN, Inf, -Inf, zero, subnormal or out-of-range value)

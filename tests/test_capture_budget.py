@@ -14,6 +14,7 @@ Ops are counted with a TorchDispatchMode; views (no kernel on any device) are le
 
 from __future__ import annotations
 
+import math
 import re
 import tempfile
 
@@ -89,6 +90,28 @@ def test_eager_full_stats_allocate_five_float32_copies_at_most(dtype, with_deq):
     with ByteCounter() as c:
         stats_mod.stats_call(x, scale, 1 / scale, torch.tensor(4.0), fmt, deq=deq)
     assert c.bytes / x.numel() <= 21.5, c.bytes / x.numel()
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("with_deq", [False, True])
+def test_the_cpus_finite_pass_allocates_two_float32_copies(dtype, with_deq):
+    """On the CPU a finite tensor's pass (``stats._make_finite_row``) works in one float32 copy (the
+    magnitudes, then the scaled magnitudes, the error and its squares) and one mask: 8 bytes per
+    element, plus the cast's FP8 copy without a decoded copy and a bf16 tensor's float32 copy. A
+    tensor with a NaN hands its magnitudes to the general form, which allocates no more than alone."""
+    fmt = get_format("e4m3")
+    x = torch.randn(512, 384, dtype=dtype)
+    scale = torch.tensor(2.0)
+    deq = (x.float() * 2).to(fmt.dtype).float() / 2 if with_deq else None
+    extra = (0 if with_deq else 1) + (4 if dtype == torch.bfloat16 else 0)
+    stats_mod.stats_call(x, scale, 1 / scale, torch.tensor(4.0), fmt, deq=deq)
+    with ByteCounter() as c:
+        stats_mod.stats_call(x, scale, 1 / scale, torch.tensor(4.0), fmt, deq=deq)
+    assert c.bytes / x.numel() <= 8 + extra + 0.1, c.bytes / x.numel()
+    x[0, 0] = math.nan
+    with ByteCounter() as c:
+        stats_mod.stats_call(x, scale, 1 / scale, torch.tensor(4.0), fmt, deq=deq)
+    assert c.bytes / x.numel() <= 16 + extra + 0.1, c.bytes / x.numel()
 
 
 def test_the_emulated_layers_operand_allocates_nothing_for_its_amax_and_one_float32_copy_for_its_round_trip():

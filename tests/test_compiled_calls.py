@@ -20,6 +20,7 @@ from fp8scope.capture import stats as st
 from fp8scope.compiled import CompiledFn, reset_dynamo
 from fp8scope.emulate import amax as amax_mod
 from fp8scope.formats import get_format
+from tests.conftest import assert_same_row
 
 FMT = get_format("e4m3")
 
@@ -41,8 +42,7 @@ def _adversarial(shape, dtype, seed):
 
 
 def _same(got, want):
-    assert torch.equal(got.isnan(), want.isnan()), (got, want)
-    assert torch.allclose(got, want, rtol=1e-9, equal_nan=True), (got, want)
+    assert_same_row(got, want, 1e-9)
 
 
 def test_full_stats_compile_to_a_direct_call_that_gives_the_eager_numbers(compiling):

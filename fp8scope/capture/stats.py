@@ -11,7 +11,7 @@ GPU (``benchmarks/triton_kernels.py`` counts them), one C++ kernel on the CPU. W
 not compiled (the CPU's default, ``FP8SCOPE_COMPILE=0``), the eager form runs
 (:func:`_make_full`): at most 38 aten ops whatever the tensor's size, no chunking, computed in place
 in a few scratch copies of the tensor; on the CPU a finite tensor's pass skips what it cannot hold
-(:func:`_make_finite_row`: 24-35 ops, about half the passes).
+(:func:`_make_finite_row`: about half the passes and half the scratch).
 
 What each field means:
 
@@ -23,7 +23,9 @@ What each field means:
   half the smallest subnormal becomes 0 (underflow: non-zero before, zero after), and a magnitude
   above the midpoint below ``fp8_max`` rounds onto the top code (``saturation_floor``).
 - ``sq_err`` and ``sq_signal``: sums of squares of the quantization error and of ``x`` over the
-  finite elements, accumulated in float64 (the real cast, decoded back; or the caller's ``deq``).
+  finite elements, accumulated in float64 (the real cast, decoded back; or the caller's ``deq``);
+  the CPU's eager pass over a finite tensor sums each row's float32 squares in float32 first
+  (within a few float32 roundings, about 1e-6).
 - ``min_nonzero``: the smallest non-zero ``|x|`` (inf when there is none).
 - ``scale``, ``scale_inv``, ``expected_amax``: the scales in use; per-row or per-block scales are
   summarised by their most conservative member (smallest scale, largest scale_inv and amax).
@@ -54,7 +56,7 @@ from functools import lru_cache
 import torch
 
 from fp8scope.compiled import CompiledFn, tracing
-from fp8scope.emulate.amax import logged_on_host, recorded_amax, row_matrix
+from fp8scope.emulate.amax import recorded_amax, row_matrix
 from fp8scope.emulate.blocks import as_matrix, e2m1_round
 from fp8scope.emulate.quantize import quantize_dequantize
 from fp8scope.emulate.recipe_table import E2M1, counts as recipe_counts
@@ -105,36 +107,37 @@ def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq):
 _EXACT_ROW = 1 << 24  # a float32 sum of ones is exact while it stays below 2**24
 _ROUNDING = 2.0 ** -20  # more than a float32 product's rounding (2**-24), as a fraction of it
 _F32_MAX = torch.finfo(torch.float32).max
+_SQUARES_FLOOR = 2.0 ** -120  # a float32 sum of squares at or above this an element lost under 2**-30 of itself to underflow
 
 
-def _counting(a: torch.Tensor):
-    """The eager pass's scratch for a float32 matrix ``a``: one block whose first ``2 * a.numel()``
-    floats hold the 0/1 masks and later the float64 copy for the squared sums, and ``parts``, one
-    row per count (numel, zeros, finite, overflow, underflow, saturated) of one sum per row of
-    ``a``; with ``row_sums(mask, i)``, which sums a mask's rows into ``parts[i]``."""
+def _counting(a: torch.Tensor, masks: int = 2, sums: int = 6):
+    """The eager pass's scratch for a float32 matrix ``a``: one block whose first ``masks * a.numel()``
+    floats hold 0/1 masks (the general form's two, later its float64 copy for the squared sums),
+    and ``parts``, one row per sum (numel, zeros, finite, overflow, underflow, saturated, then the
+    finite form's squared sums) of one sum per row of ``a``; with ``row_sums(values, i)``, which
+    sums a matrix's rows into ``parts[i]``."""
     rows, cols = a.shape
     n = a.numel()
-    block = torch.empty(2 * n + 6 * rows, dtype=torch.float32, device=a.device)
+    block = torch.empty(masks * n + sums * rows, dtype=torch.float32, device=a.device)
     exact = cols < _EXACT_ROW
-    parts = block[2 * n:].view(6, rows) if exact else torch.empty(6, rows, dtype=torch.float64, device=a.device)
+    parts = (block[masks * n:].view(sums, rows) if exact
+             else torch.empty(sums, rows, dtype=torch.float64, device=a.device))
 
-    def row_sums(ones, i):
+    def row_sums(values, i):
         if exact:
-            return torch.sum(ones, -1, out=parts[i])
-        return torch.sum(ones, -1, dtype=torch.float64, out=parts[i])
+            return torch.sum(values, -1, out=parts[i])
+        return torch.sum(values, -1, dtype=torch.float64, out=parts[i])
 
     return block, parts, row_sums
 
 
-def _squared_sums(a, err, block, finite: bool = False):
+def _squared_sums(a, err, block):
     """``(sum err**2, sum a**2)`` in float64, through the block's float64 space (``a`` may be strided);
-    ``a``'s non-finite elements count as no signal (``finite``: it has none)."""
+    ``a``'s non-finite elements count as no signal."""
     rows, cols = a.shape
     wide = block[:2 * a.numel()].view(torch.float64)
     sq_err = torch.dot(wide.view(rows, cols).copy_(err).view(-1), wide)
-    signal = wide.view(rows, cols).copy_(a)
-    if not finite:
-        signal.nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
+    signal = wide.view(rows, cols).copy_(a).nan_to_num_(nan=0.0, posinf=0.0, neginf=0.0)
     return sq_err, torch.dot(signal.view(-1), wide)
 
 
@@ -175,10 +178,11 @@ def _make_full(key):
       (docs/benchmarks.md).
     - On the CPU a value is read on the host without a sync (the CPU is the host), so the pass
       first asks whether the tensor is finite and runs :func:`_make_finite_row`'s form for one that
-      is: the same numbers in about half the passes, because what a finite tensor cannot hold
-      needs no pass (no NaN to clean, every element finite, TE's amax the logged one) and a count
-      the amaxes already decide needs none either. A tensor with a NaN or an Inf, an accelerator
-      (where a read would be a sync per tensor) and traced code run :func:`_make_general`'s.
+      is: the same numbers in about half the passes and half the scratch, because what a finite
+      tensor cannot hold needs no pass (no NaN to clean, every element finite, TE's amax the logged
+      one), a count the amaxes already decide needs none either, and its squares fit float32. A
+      tensor with a NaN or an Inf, an accelerator (where a read would be a sync per tensor) and
+      traced code run :func:`_make_general`'s.
 
     ``x`` and ``deq`` are the caller's: only read."""
     *_, recipes, role, whole_given = _variant(key)
@@ -186,22 +190,24 @@ def _make_full(key):
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
         a = x.to(torch.float32)  # x itself when it is float32
-        row = finite_row(a, scale, scale_inv, expected, deq) if a.device.type == "cpu" and not tracing() else None
+        on_host = a.device.type == "cpu" and not tracing()
+        row, m = finite_row(a, scale, scale_inv, expected, deq) if on_host else (None, None)
         if row is None:
-            row = general(a, scale, scale_inv, expected, deq)
+            row = general(a, scale, scale_inv, expected, deq, m)
         return row if not recipes else (row, _recipe_matrix(x, whole, recipes, role, whole_given))
 
     return full_stats
 
 
 def _make_general(key):
-    """The eager pass for any tensor on any device (``a``: the float32 matrix): at most 38 ops."""
+    """The eager pass for any tensor on any device (``a``: the float32 matrix; ``m``, if given, its
+    magnitudes, which it overwrites): at most 38 ops."""
     fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
 
-    def general(a, scale, scale_inv, expected, deq):
+    def general(a, scale, scale_inv, expected, deq, m=None):
         rows, cols = a.shape
         n = a.numel()
-        m = a.abs()  # the magnitudes
+        m = a.abs() if m is None else m  # the magnitudes (``m``: the finite form's, untouched)
         block, parts, row_sums = _counting(a)
         o1, o2 = block[:n].view(rows, cols), block[n:2 * n].view(rows, cols)  # two 0/1 masks
         logged = m.amax()  # NaN propagates
@@ -226,13 +232,16 @@ def _make_general(key):
 
 
 def _make_finite_row(key):
-    """The eager pass on the CPU for a tensor with no NaN and no Inf: the general form's row, value for
-    value (``tests/test_stats.py`` compares them), or None when the tensor (or the caller's decoded
-    copy) holds a non-finite value and the general form must run. What it leaves out, and why
-    that changes no number:
+    """The eager pass on the CPU for a tensor with no NaN and no Inf: ``(row, None)``, the general
+    form's row, its counts and amaxes value for value and its squared sums to float32's rounding
+    (``tests/test_stats.py`` compares them). The general form must run instead when the tensor holds
+    a NaN or an Inf (``(None, magnitudes)``: its first pass, for the general form to reuse), or its
+    decoded copy or a scale does, or a squared sum leaves float32's range (``(None, None)``). What
+    it leaves out, and why that changes no count:
 
-    - one ``aminmax`` gives the logged amax; finite, it is also TE's (no NaN to ignore), and every
-      element is finite: no clean-up passes and no count of the finite elements;
+    - one ``aminmax`` of the magnitudes gives the logged amax (``max |x|``, as the general form's
+      ``amax``) and the smallest magnitude; finite, the amax is also TE's (no NaN to ignore), and
+      every element is finite: no clean-up passes and no count of the finite elements;
     - the scaled magnitudes are at most ``amax * scale`` (with room for the float32 product's
       rounding; per-row scales: their largest), so when that stays at or below the saturation
       floor (``fp8_max``) no element saturates (overflows), and the count is 0 without a pass;
@@ -241,35 +250,46 @@ def _make_finite_row(key):
       decides a count it could get wrong;
     - with every element finite, "non-zero before the cast" is "not zero", so the underflow count
       is the elements at or below the threshold less the zeros, from sums the pass has;
-    - the smallest magnitude (one ``amin``) is the smallest non-zero one unless it is 0; only then
-      are the zeros counted and set aside (a tensor with none has a zero count of 0);
-    - the values it reads on the host (the extremes, the smallest magnitude with the scales, then
-      the sums and scalars in one read) make the row in one op, where the general form's row is a cat of
-      eleven device values (some fifty ops on a CPU)."""
+    - the smallest magnitude is the smallest non-zero one unless it is 0; only then are the zeros
+      counted, and lifted out of the way of one ``amin`` and put back;
+    - the magnitudes become the scaled magnitudes, then the error, then its squares, in place: one
+      tensor-sized scratch beside one mask, where the general form needs four;
+    - the squares are float32, summed per row in float32 (torch's pairwise sums: a relative error
+      of a few float32 roundings, about 1e-6 at most) and over the rows in float64, where the
+      general form copies both tensors to float64 first (twice the bytes, and the largest part of
+      its time). A row sum past float32's range (magnitudes above about ``1e19``), or a sum small
+      enough that squares may have underflowed (under ``2**-120`` an element: what underflow can
+      lose is then below ``2**-30`` of it), sends the tensor to the general form;
+    - the values it reads on the host (the extremes with the scales, then the sums and scalars in
+      one read) make the row in one op, where the general form's row is a cat of eleven device
+      values (some fifty ops on a CPU)."""
     fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
 
     def finite_row(a, scale, scale_inv, expected, deq):
-        _, peak = logged_on_host(a)  # a read of host memory, not a sync (None: a fake tensor)
-        if peak is None or not math.isfinite(peak):
-            return None
+        if type(a) is not torch.Tensor:  # a fake tensor (a FakeTensorMode, an export) has no value to read
+            return None, None
         rows, cols = a.shape
         n = a.numel()
-        m = a.abs()
-        block, parts, row_sums = _counting(a)  # parts' rows that no pass fills are left unread
-        mask = block[:n].view(rows, cols)
-        y = m * scale  # the scaled magnitudes the cast sees
-        if per_row:
-            least, s_lo, s_hi = torch.stack([m.amin(), *torch.aminmax(scale)]).tolist()
+        m = a.abs()  # the magnitudes; then the scaled magnitudes, the error and its squares
+        ends = torch.aminmax(m)  # NaN propagates
+        if per_row:  # a read of host memory, not a sync
+            least, peak, s_lo, s_hi = torch.stack([*ends, *torch.aminmax(scale)]).tolist()
         else:
-            least, s_lo = torch.stack([m.amin(), scale]).tolist()
+            least, peak, s_lo = torch.stack([*ends, scale]).tolist()
             s_hi = s_lo
+        if not math.isfinite(peak):
+            return None, m  # untouched: the general form's magnitudes
+        block, parts, row_sums = _counting(a, masks=1, sums=8)  # parts' rows that no pass fills are left unread
+        mask = block[:n].view(rows, cols)
         counted = []  # the rows of parts a pass filled (the others' counts are 0)
         if least == 0:  # zeros: count them, and lift them to float32's largest for the smallest non-zero
             row_sums(torch.eq(m, 0, out=mask), 1)
             least = m.add_(mask, alpha=_F32_MAX).amin().item()  # exact: m + 0 and 0 + max
+            m.sub_(mask, alpha=_F32_MAX)  # exact: back to m (max - max is +0.0)
             least = _INF if peak == 0 else least  # every element zero: none is non-zero (the general form's inf)
             counted.append(1)
-        # the scaled magnitudes' extremes, bounded with room for the float32 product's rounding
+        y = m.mul_(scale)  # the scaled magnitudes the cast sees
+        # their extremes, bounded with room for the float32 product's rounding
         top, low = peak * s_hi * (1 + _ROUNDING), least * s_lo * (1 - _ROUNDING)
         for i, limit in ((3, fmax), (5, sat)):
             if not top <= limit:  # (a NaN scale is counted)
@@ -278,21 +298,21 @@ def _make_finite_row(key):
         if not low > under:  # the elements above the threshold; the rest, less the zeros, underflow
             row_sums(torch.gt(y, under, out=mask), 4)
             counted.append(4)
-        q = deq.to(torch.float32) if has_deq else quantize_dequantize(a, scale, scale_inv, fmt, out=y)[1]
-        err = q.sub_(a) if q is y else torch.sub(q, a, out=y)
-        sq_err, sq_signal = _squared_sums(a, err, block, finite=True)
+        # the quantization error, in y's place: the real cast decoded, or the caller's decoded copy
+        err = torch.sub(deq, a, out=y) if has_deq else quantize_dequantize(a, scale, scale_inv, fmt, out=y)[1].sub_(a)
+        row_sums(err.mul_(err), 6)
+        row_sums(torch.mul(a, a, out=mask), 7)
         inv = scale_inv.amax() if per_row else scale_inv
         one = (1,)
         *sums, sq_err, sq_signal, inv, expect = torch.cat([  # every value the row needs, in one read
-            parts.sum(-1, dtype=torch.float64), sq_err.view(one), sq_signal.view(one), inv.reshape(one),
-            expected.reshape(one)]).tolist()
-        if not math.isfinite(sq_err):  # a non-finite decoded value: the general form cleans it
-            return None
+            parts.sum(-1, dtype=torch.float64), inv.reshape(one), expected.reshape(one)]).tolist()
+        if not all(s == 0 and peak == 0 or n * _SQUARES_FLOOR <= s < _INF for s in (sq_err, sq_signal)):
+            return None, None  # a non-finite decoded value or scale, a square past float32, or one that may have underflowed
         counts = [float(n), *(sums[i] if i in counted else 0.0 for i in range(1, 6))]  # [2], non-finite: none
         if 4 in counted:
             counts[4] = n - sums[4] - counts[1]
         return torch.tensor([peak, least, peak, s_lo, inv, expect, expect, expect, *counts, sq_err, sq_signal],
-                            dtype=torch.float64)  # step_payload.WIDE_FIELDS
+                            dtype=torch.float64), None  # step_payload.WIDE_FIELDS
 
     return finite_row
 

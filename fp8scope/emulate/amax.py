@@ -227,9 +227,12 @@ def _multi_tensor_devices() -> tuple[str, ...]:
 
 
 def combine_parts(a: torch.Tensor, c: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(logged, recorded)`` float32 amaxes from :func:`amax_parts`' ``(a, c)`` (any shapes)."""
-    a, b = a.to(torch.float32), c.to(torch.float32).neg()
-    return torch.maximum(a, b), torch.fmax(a, b)
+    """``(logged, recorded)`` float32 amaxes from :func:`amax_parts`' ``(a, c)`` (any shapes). ``b`` is
+    ``0.0 - c``, never -0.0, and goes first: ``maximum`` keeps its first argument on a tie of zeros,
+    so a tensor of zeros logs +0.0 whatever their signs, as ``max |x|`` (and :func:`logged_on_host`)
+    gives it."""
+    a, b = a.to(torch.float32), 0.0 - c.to(torch.float32)
+    return torch.maximum(b, a), torch.fmax(b, a)
 
 
 def logged_amax(x: torch.Tensor) -> torch.Tensor:
