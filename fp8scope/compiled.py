@@ -462,6 +462,8 @@ class CompiledFn:
 
         if _is_compiling():
             return self.traced(key)
+        if self._devices is not None and key[0] not in self._devices:  # never compiled there
+            return self.fallback(key)
         setting = os.environ.get(_ENV)
         wanted = self._wanted.get(key)
         if wanted is None or wanted[0] != setting:  # read under each setting: a test may switch it

@@ -125,6 +125,25 @@ def test_amax_pair_logs_nan_and_records_te_amax():
             assert [math.copysign(1.0, float(v)) for v in combine_parts(a, c)] == [1.0, 1.0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_cpus_logged_amax_is_the_magnitudes_max(dtype):
+    """``amax.logged_on_host`` picks an end of ``aminmax`` on the host: the value, its sign (+0.0 for
+    zeros of either sign) and the dtype of ``x.abs().amax()``, NaN where it is NaN."""
+    from fp8scope.emulate.amax import logged_on_host
+
+    for v in ([1.0, -3.0], [3.0, -1.0], [2.0, -2.0], [0.0, -0.0], [-0.0, -0.0], [0.0], [math.nan, 1.0],
+              [-math.inf, 1.0], [math.inf], [-5.0, -7.0], [1e-40, -1e-41]):
+        x = torch.tensor(v, dtype=dtype)
+        logged, value = logged_on_host(x)
+        want = x.abs().amax()
+        assert logged.dtype == dtype and logged.shape == (), v
+        if math.isnan(want):
+            assert math.isnan(value) and math.isnan(logged), v
+            continue
+        assert value == float(logged) == float(want), (v, logged, want)
+        assert math.copysign(1.0, value) == math.copysign(1.0, float(logged)) == 1.0, v
+
+
 def test_full_stats_return_te_amax_for_a_whatif_state():
     row, recorded, _ = stats_call(torch.tensor([math.nan, 3.0, -5.0]), 1.0, 1.0, 1.0, E4M3)
     assert math.isnan(float(wide_stats(row)[FIELD_INDEX["amax"]])) and float(recorded) == 5.0

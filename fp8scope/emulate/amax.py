@@ -76,14 +76,23 @@ def row_matrix(x: torch.Tensor) -> torch.Tensor:
 def logged_on_host(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     """``max |x|`` (NaN propagating; +0.0 for a tensor of zeros, as ``x.abs().amax()`` gives it) as
     a 0-d tensor of ``x``'s dtype, and its value read on the host: :func:`amax_parts`' one pass, no
-    copy of ``x``. For a CPU tensor only, where the read is a read of host memory and not a sync. The value
-    is None when there is none to read: a fake tensor (a ``FakeTensorMode``, an export), whose
-    read would raise; the caller then takes its form that reads nothing."""
+    copy of ``x``. For a CPU tensor only, where the read is a read of host memory and not a sync:
+    both ends are read, and the larger magnitude is the end ``aminmax`` returned (negated when it
+    is the minimum), so most tensors cost that one op and two reads (every emulated operand, every
+    step: host time, which bounds a small model's step). The value is None when there is none to
+    read: a fake tensor (a ``FakeTensorMode``, an export), whose read would raise; the caller then
+    takes its form that reads nothing."""
     hi, lo = amax_parts(x)
-    logged = torch.maximum(0.0 - lo, hi)  # 0.0 - lo first: maximum keeps its first argument on a tie of zeros
-    if type(logged) is not torch.Tensor:
-        return logged, None
-    return logged, logged.item()
+    if type(hi) is not torch.Tensor:
+        return torch.maximum(0.0 - lo, hi), None  # 0.0 - lo first: maximum keeps its first argument on a tie of zeros
+    top, low = hi.item(), lo.item()  # both NaN if x holds a NaN
+    if top > -low:
+        return hi, top  # the result aminmax made: no op
+    if -low > top:
+        return lo.neg(), -low
+    if top == 0:  # (-low == top) zeros of either sign: +0.0
+        return torch.zeros((), dtype=x.dtype, device=x.device), 0.0
+    return hi, top  # NaN, or max == -min
 
 
 def amaxes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
