@@ -107,7 +107,7 @@ def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq):
 _EXACT_ROW = 1 << 24  # a float32 sum of ones is exact while it stays below 2**24
 _ROUNDING = 2.0 ** -20  # more than a float32 product's rounding (2**-24), as a fraction of it
 _F32_MAX = torch.finfo(torch.float32).max
-_SQUARES_FLOOR = 2.0 ** -120  # a float32 sum of squares at or above this an element lost under 2**-30 of itself to underflow
+_SQUARES_FLOOR = 2.0 ** -120  # a float32 sum of squares above this an element lost < 2**-30 of itself to underflow
 
 
 def _counting(a: torch.Tensor, masks: int = 2, sums: int = 6):
@@ -307,7 +307,7 @@ def _make_finite_row(key):
         *sums, sq_err, sq_signal, inv, expect = torch.cat([  # every value the row needs, in one read
             parts.sum(-1, dtype=torch.float64), inv.reshape(one), expected.reshape(one)]).tolist()
         if not all(s == 0 and peak == 0 or n * _SQUARES_FLOOR <= s < _INF for s in (sq_err, sq_signal)):
-            return None, None  # a non-finite decoded value or scale, a square past float32, or one that may have underflowed
+            return None, None  # a non-finite decoded value or scale, a square past float32, or underflow
         counts = [float(n), *(sums[i] if i in counted else 0.0 for i in range(1, 6))]  # [2], non-finite: none
         if 4 in counted:
             counts[4] = n - sums[4] - counts[1]

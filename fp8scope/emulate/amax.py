@@ -86,6 +86,8 @@ def logged_on_host(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
     if type(hi) is not torch.Tensor:
         return torch.maximum(0.0 - lo, hi), None  # 0.0 - lo first: maximum keeps its first argument on a tie of zeros
     top, low = hi.item(), lo.item()  # both NaN if x holds a NaN
+    if low != low:
+        return lo, low
     if top > -low:
         return hi, top  # the result aminmax made: no op
     if -low > top:
