@@ -578,6 +578,44 @@ def test_a_training_step_updates_every_emulated_state_in_one_batch():
     assert all(m.activation_state.updates == m.gradient_state.updates == 1 for m in model)
 
 
+def test_a_repeated_batch_stacks_only_the_recorded_amaxes_and_restacks_a_changed_state():
+    """A training loop updates the same states every step: the batch then reads the last batch's
+    outputs, which the states hold as rows, and stacks only the amaxes recorded since (one stack
+    instead of six). A state changed in between (a reset here) makes it stack again, and every
+    state still sees the scales it would see alone, bit for bit."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Stacks(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += func.__name__ == "stack.default"
+            return func(*args, **(kwargs or {}))
+
+    rng = torch.Generator().manual_seed(0)
+    amaxes = torch.rand(12, 4, generator=rng) * 100
+    recipe = DelayedScaling(amax_history_len=4)
+    together, alone = [ScalingState(recipe, E4M3) for _ in range(4)], [ScalingState(recipe, E4M3) for _ in range(4)]
+    group = UpdateGroup()
+    for state in together:
+        group.join(state)
+    stacks = []
+    for t in range(12):
+        if t == 6:  # one state starts over: its values are no longer the last batch's rows
+            together[2].reset()
+            alone[2].reset()
+        with Stacks() as c:
+            got = [s.begin(torch.tensor([float(a)])).scale.item() for s, a in zip(together, amaxes[t])]
+        stacks.append(c.n)
+        want = [s.begin(torch.tensor([float(a)])).scale.item() for s, a in zip(alone, amaxes[t])]
+        assert got == want, t
+    # step 0: nothing pending; 1: the first batch; 6: the three states the reset left pending; 7: all
+    # four again (not the last batch's states); from then on the same batch
+    assert stacks == [0, 6, 1, 1, 1, 1, 6, 6, 1, 1, 1, 1], stacks
+
+
 def test_a_models_batched_update_leaves_other_models_alone():
     """Two models: training one must not apply the other's pending updates (its ``scale`` still
     says what its last step used, which the shadow's compare reads)."""

@@ -442,6 +442,9 @@ class UpdateGroup:
 
     def __init__(self, process_group=None) -> None:
         self.pending: dict[tuple, "weakref.WeakValueDictionary[int, ScalingState]"] = {}
+        # per batch key: the last batched update's states (their ids), its outputs, and the views each
+        # state got (``_batch_inputs``)
+        self.batches: dict[tuple, tuple] = {}
         self.process_group = process_group
         self._joined = 0
 
@@ -499,15 +502,34 @@ def _update_pending(state: ScalingState) -> bool:
         return False
     states.sort(key=lambda s: s._seq)
     lasts = reduced_amax(torch.stack([s._last for s in states]), state.recipe, group)
-    new = delayed_update(torch.stack([s._history for s in states]), lasts,
-                         *(torch.stack([getattr(s, a) for s in states]) for a in ("_scaled_max_t", "_scale", "_expected")),
-                         state._most_recent)
-    updates = (torch.stack([s._updates for s in states]) + 1).unbind(0)
-    for s, hist, scale, scale_inv, expected, kept, n in zip(states, *(t.unbind(0) for t in new), updates):
+    inputs = _batch_inputs(group, key, states)
+    new = delayed_update(inputs[0], lasts, *inputs[1:4], state._most_recent)
+    updates = inputs[4] + 1
+    views = [t.unbind(0) for t in (*new, updates)]
+    for s, hist, scale, scale_inv, expected, kept, n in zip(states, *views):
         s._history, s._scale, s._scale_inv, s._expected, s._kept, s._updates = hist, scale, scale_inv, expected, kept, n
         s._last = s._unset
         s._set_flags(False, False)
+    hist, scale, scale_inv, expected, kept, n = views
+    group.batches[key] = ([id(s) for s in states], (new[0], inputs[1], new[1], new[3], updates), (hist, scale, expected, n))
     return True
+
+
+def _batch_inputs(group: UpdateGroup, key: tuple, states: list[ScalingState]) -> tuple[torch.Tensor, ...]:
+    """``(history, scaled_max, scale, expected, updates)`` of ``states`` stacked, for one batched
+    update. A training loop updates the same states every step, and each then holds the rows of
+    the last batch's outputs (views that :func:`_update_pending` gave it): where that still holds,
+    those outputs are the stacks, and no state's values are stacked again (five stacks of one 0-d
+    tensor a state, host time every step). A state changed since (a reset, an update of its own,
+    one traced by ``torch.compile``, a moved model) holds other tensors, and the batch is stacked."""
+    last = group.batches.get(key)
+    if last is not None and last[0] == [id(s) for s in states]:  # (ids: the group keeps no state alive)
+        stacked, (hist, scale, expected, n) = last[1], last[2]
+        if all(s._history is h and s._scale is c and s._expected is e and s._updates is u
+               for s, h, c, e, u in zip(states, hist, scale, expected, n)):
+            return stacked
+    return tuple(torch.stack([getattr(s, a) for s in states])
+                 for a in ("_history", "_scaled_max_t", "_scale", "_expected", "_updates"))
 
 
 def _make_update(key):
