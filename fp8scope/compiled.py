@@ -462,7 +462,7 @@ class CompiledFn:
 
         if _is_compiling():
             return self.traced(key)
-        if self._devices is not None and key[0] not in self._devices:  # never compiled there
+        if not self._for_device(key):  # never compiled there: no setting to read
             return self.fallback(key)
         setting = os.environ.get(_ENV)
         wanted = self._wanted.get(key)
@@ -555,7 +555,11 @@ class CompiledFn:
 
     def _compiles(self, key: Hashable) -> bool:
         """Whether ``key`` is compiled at all: compilation on, and a device type worth it."""
-        return compiles_on(key[0]) and (self._devices is None or key[0] in self._devices)
+        return compiles_on(key[0]) and self._for_device(key)
+
+    def _for_device(self, key: Hashable) -> bool:
+        """Whether the family compiles for ``key``'s device type at all (its ``devices``)."""
+        return self._devices is None or key[0] in self._devices
 
     def fallback(self, key: Hashable) -> Callable:
         """The eager function that runs where ``key`` is not compiled (never compiled itself)."""

@@ -41,10 +41,6 @@ def _adversarial(shape, dtype, seed):
     return x.to(dtype)
 
 
-def _same(got, want):
-    assert_same_row(got, want, 1e-9)
-
-
 def test_full_stats_compile_to_a_direct_call_that_gives_the_eager_numbers(compiling):
     """Per-tensor (any rank, refolded by ``row_matrix``), with a dequantized copy, and with per-row
     scales: each variant is called directly, no call is turned away, and the numbers are the eager
@@ -71,7 +67,7 @@ def test_full_stats_compile_to_a_direct_call_that_gives_the_eager_numbers(compil
         want = st.FULL_STATS.fallback(key)(xv, (scale.reshape(70, 1) if per_row else scale),
                                            (1 / scale).reshape(70, 1) if per_row else 1 / scale, three,
                                            d.reshape(xv.shape) if d is not None else None)
-        _same(row, want)
+        assert_same_row(row, want)
         assert recorded.item() == want[2].item()
 
 
@@ -100,13 +96,13 @@ def test_calls_the_compiled_code_was_not_made_for_run_eagerly(compiling):
     assert st.FULL_STATS.direct(key)
     runner, eager = st.FULL_STATS._ready[key], st.FULL_STATS.fallback(key)
     ok = runner.rejected
-    _same(runner(x, s, si, e, None), eager(x, s, si, e, None))
+    assert_same_row(runner(x, s, si, e, None), eager(x, s, si, e, None))
     assert runner.rejected == ok
     for args in ((x.t(), s, si, e, None),  # strided
                  (x[:1], s, si, e, None),  # one row: dynamo would specialise on it too
                  (x.float(), s, si, e, None),  # another dtype
                  (x, s, si, e, x.float())):  # an argument the variant does not take
-        _same(runner(*args), eager(*args))
+        assert_same_row(runner(*args), eager(*args))
     assert runner.rejected == ok + 4
 
     Count.ops = 0

@@ -293,6 +293,31 @@ def test_the_cpus_finite_pass_gives_the_general_passs_row(fmt_name, dtype, per_r
     assert taken >= 20  # the finite pass ran on most cases
 
 
+def test_a_frozen_weight_takes_the_cpus_finite_pass():
+    """A frozen ``Parameter`` (a fine-tune's base weight) reaches the stats as itself; its values are
+    as readable as a tensor's, so it takes the same finite pass: the same ops and the same row."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    w = torch.nn.Parameter(torch.randn(64, 32), requires_grad=False)
+    args = (torch.tensor(2.0), torch.tensor(0.5), torch.tensor(3.0), E4M3)
+    stats_call(w.detach(), *args)  # the variant made
+    rows = []
+    for x in (w, w.detach()):
+        with Ops() as c:
+            rows.append(stats_call(x, *args)[0])
+        rows.append(c.n)
+    assert torch.equal(rows[0], rows[2]) and rows[1] == rows[3], rows
+
+
 def test_the_cpus_eager_forms_run_on_fake_tensors():
     """Under a ``FakeTensorMode`` (a memory estimate, an export) there is no value to read on the host:
     the amax pair and the stats pass take their forms that read nothing, where a read would raise."""

@@ -56,7 +56,7 @@ from functools import lru_cache
 import torch
 
 from fp8scope.compiled import CompiledFn, tracing
-from fp8scope.emulate.amax import recorded_amax, row_matrix
+from fp8scope.emulate.amax import readable, reads_on_host, recorded_amax, row_matrix
 from fp8scope.emulate.blocks import as_matrix, e2m1_round
 from fp8scope.emulate.quantize import quantize_dequantize
 from fp8scope.emulate.recipe_table import E2M1, counts as recipe_counts
@@ -190,8 +190,7 @@ def _make_full(key):
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
         a = x.to(torch.float32)  # x itself when it is float32
-        on_host = a.device.type == "cpu" and not tracing()
-        row, m = finite_row(a, scale, scale_inv, expected, deq) if on_host else (None, None)
+        row, m = finite_row(a, scale, scale_inv, expected, deq) if reads_on_host(a) else (None, None)
         if row is None:
             row = general(a, scale, scale_inv, expected, deq, m)
         return row if not recipes else (row, _recipe_matrix(x, whole, recipes, role, whole_given))
@@ -266,11 +265,11 @@ def _make_finite_row(key):
     fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
 
     def finite_row(a, scale, scale_inv, expected, deq):
-        if type(a) is not torch.Tensor:  # a fake tensor (a FakeTensorMode, an export) has no value to read
-            return None, None
         rows, cols = a.shape
         n = a.numel()
         m = a.abs()  # the magnitudes; then the scaled magnitudes, the error and its squares
+        if not readable(m):  # a fake tensor (a FakeTensorMode, an export): nothing to read
+            return None, m
         ends = torch.aminmax(m)  # NaN propagates
         if per_row:  # a read of host memory, not a sync
             least, peak, s_lo, s_hi = torch.stack([*ends, *torch.aminmax(scale)]).tolist()

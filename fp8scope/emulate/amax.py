@@ -73,18 +73,31 @@ def row_matrix(x: torch.Tensor) -> torch.Tensor:
     return v
 
 
-def logged_on_host(x: torch.Tensor) -> tuple[torch.Tensor, float | None]:
+def reads_on_host(x: torch.Tensor) -> bool:
+    """Whether reading a value of ``x`` is a read of host memory, not a device sync: a CPU tensor,
+    eagerly (traced code has no value to read). Where it is, the eager forms read what decides
+    their work (:func:`amaxes_of`, ``capture.stats``' finite pass)."""
+    return x.device.type == "cpu" and not tracing()
+
+
+def readable(t: torch.Tensor) -> bool:
+    """Whether ``t``, an op's result, holds values to read: a plain tensor, not a fake one (a
+    ``FakeTensorMode``, an export) nor a subclass's, whose read would raise or mean something else.
+    Asked of a result, not of the input: a ``Parameter``'s ops give plain tensors."""
+    return type(t) is torch.Tensor
+
+
+def logged_on_host(x: torch.Tensor) -> tuple[torch.Tensor, float] | None:
     """``max |x|`` (NaN propagating; +0.0 for a tensor of zeros, as ``x.abs().amax()`` gives it) as
     a 0-d tensor of ``x``'s dtype, and its value read on the host: :func:`amax_parts`' one pass, no
     copy of ``x``. For a CPU tensor only, where the read is a read of host memory and not a sync:
     both ends are read, and the larger magnitude is the end ``aminmax`` returned (negated when it
     is the minimum), so most tensors cost that one op and two reads (every emulated operand, every
-    step: host time, which bounds a small model's step). The value is None when there is none to
-    read: a fake tensor (a ``FakeTensorMode``, an export), whose read would raise; the caller then
-    takes its form that reads nothing."""
+    step: host time, which bounds a small model's step). None when there is nothing to read
+    (:func:`readable`); the caller then takes its form that reads nothing."""
     hi, lo = amax_parts(x)
-    if type(hi) is not torch.Tensor:
-        return torch.maximum(0.0 - lo, hi), None  # 0.0 - lo first: maximum keeps its first argument on a tie of zeros
+    if not readable(hi):
+        return None
     top, low = hi.item(), lo.item()  # both NaN if x holds a NaN
     if low != low:
         return lo, low
@@ -105,13 +118,13 @@ def amaxes_of(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     a NaN pays for the second pass that ignores its NaN elements. Elsewhere (an accelerator whose
     compiled pair is not ready, or traced code) a read would be a sync per tensor, so both passes
     run: four ops over one temporary, ``|x|``, which TE's amax then cleans in place."""
-    if x.device.type == "cpu" and not tracing():
-        logged, value = logged_on_host(x)
-        if value is not None:
-            logged = logged.to(torch.float32)
-            if value == value:  # not NaN
-                return logged, logged
-            return logged, recorded_amax(x.abs(), scratch=True).to(torch.float32)
+    read = logged_on_host(x) if reads_on_host(x) else None
+    if read is not None:
+        logged, value = read
+        logged = logged.to(torch.float32)
+        if value == value:  # not NaN
+            return logged, logged
+        return logged, recorded_amax(x.abs(), scratch=True).to(torch.float32)
     a = x.abs()
     logged = a.amax().to(torch.float32)  # before the clean-up below overwrites a
     return logged, recorded_amax(a, scratch=True).to(torch.float32)

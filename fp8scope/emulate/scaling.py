@@ -502,7 +502,8 @@ def _update_pending(state: ScalingState) -> bool:
         return False
     states.sort(key=lambda s: s._seq)
     lasts = reduced_amax(torch.stack([s._last for s in states]), state.recipe, group)
-    inputs = _batch_inputs(group, key, states)
+    ids = [id(s) for s in states]  # the group keeps ids, never the states: it keeps no layer alive
+    inputs = _batch_inputs(group.batches.get(key), ids, states)
     new = delayed_update(inputs[0], lasts, *inputs[1:4], state._most_recent)
     updates = inputs[4] + 1
     views = [t.unbind(0) for t in (*new, updates)]
@@ -511,19 +512,19 @@ def _update_pending(state: ScalingState) -> bool:
         s._last = s._unset
         s._set_flags(False, False)
     hist, scale, scale_inv, expected, kept, n = views
-    group.batches[key] = ([id(s) for s in states], (new[0], inputs[1], new[1], new[3], updates), (hist, scale, expected, n))
+    group.batches[key] = (ids, (new[0], inputs[1], new[1], new[3], updates), (hist, scale, expected, n))
     return True
 
 
-def _batch_inputs(group: UpdateGroup, key: tuple, states: list[ScalingState]) -> tuple[torch.Tensor, ...]:
+def _batch_inputs(last: tuple | None, ids: list[int], states: list[ScalingState]) -> tuple[torch.Tensor, ...]:
     """``(history, scaled_max, scale, expected, updates)`` of ``states`` stacked, for one batched
     update. A training loop updates the same states every step, and each then holds the rows of
     the last batch's outputs (views that :func:`_update_pending` gave it): where that still holds,
     those outputs are the stacks, and no state's values are stacked again (five stacks of one 0-d
     tensor a state, host time every step). A state changed since (a reset, an update of its own,
-    one traced by ``torch.compile``, a moved model) holds other tensors, and the batch is stacked."""
-    last = group.batches.get(key)
-    if last is not None and last[0] == [id(s) for s in states]:  # (ids: the group keeps no state alive)
+    one traced by ``torch.compile``, a moved model) holds other tensors, and the batch is stacked.
+    ``last``: the group's record of its last batch of this kind; ``ids``: the states'."""
+    if last is not None and last[0] == ids:
         stacked, (hist, scale, expected, n) = last[1], last[2]
         if all(s._history is h and s._scale is c and s._expected is e and s._updates is u
                for s, h, c, e, u in zip(states, hist, scale, expected, n)):
