@@ -69,6 +69,27 @@ def test_a_whole_series_at_once_gives_what_value_by_value_gives():
     assert events > 500  # the series do spike
 
 
+def test_one_windows_statistics_are_the_matrix_forms_bit_for_bit():
+    """Online detection judges one value at a time with ``window_stats`` (Python floats), offline
+    detection a whole series with ``spike_stats`` (numpy, a matrix of windows): the same medians and
+    spreads, bit for bit, over odd and even lengths, ties, one value, and values of both signs."""
+    from fp8scope.detect.scalar_rules import spike_stats, window_stats
+
+    rng = np.random.default_rng(0)
+    for n in [1, 2, 3, 4, 5, 8, 31, 50, 64]:
+        for kind in range(4):
+            w = rng.normal(0, 10.0 ** rng.integers(-6, 3), n)
+            if kind == 1:
+                w = np.round(w, 1)  # ties
+            elif kind == 2:
+                w = np.full(n, rng.normal())  # all equal: spread 0
+            elif kind == 3:
+                w = np.log(np.exp(rng.normal(0, 0.05, n)) * 2.0)  # a quiet loss's log values
+            med, spread = spike_stats(w[None, :])
+            got = window_stats(list(w))
+            assert got == (med[0], spread[0]) and all(type(v) is float for v in got), (n, kind)
+
+
 def test_loss_spike_adapts_to_the_run_noise():
     rng = np.random.default_rng(0)
     quiet = list(2.0 * np.exp(rng.normal(0, 0.01, 200)))
