@@ -137,6 +137,37 @@ def test_a_compiled_model_with_a_graph_break_trains_monitored_and_logs_the_eager
     assert_same_rows(compiled, eager)
 
 
+@pytest.mark.parametrize("recipe, in_graph", [("current", False), ("delayed", True), ("current", True)])
+def test_a_compiled_backwards_gradient_rows_are_the_eager_ones(tmp_path, monkeypatch, recipe, in_graph):
+    """A compiled backward hands the gradient's scales to the emulated layer's tap, and its amaxes
+    where the graph measures them (``amax.fused_when_traced``: an accelerator's; ``in_graph`` makes
+    the CPU do it too). They are the graph's intermediates, whose memory inductor gives to later
+    values once the tap has run, while the state and the step's rows keep them: under current
+    scaling (the gradient's own scales) a compiled model's gradient rows logged other layers'
+    scales, and with the amaxes measured in the graph, delayed scaling logged and recorded other
+    layers' amaxes. Two micro-batches and a graph break, as above."""
+    from fp8scope.emulate import CurrentScaling
+    from fp8scope.emulate import amax as amax_module
+    from fp8scope.emulate import linear as linear_module
+
+    if in_graph:
+        for module in (amax_module, linear_module):
+            monkeypatch.setattr(module, "fused_when_traced", lambda device: True)
+
+    def run(compiled: bool, path):
+        torch.manual_seed(0)
+        model = TinyGPT(GPTConfig(**CFG))
+        convert_to_fp8(model, recipe=CurrentScaling() if recipe == "current" else DelayedScaling(amax_history_len=8))
+        model.blocks[0].mlp.register_forward_pre_hook(lambda mod, args: torch._dynamo.graph_break())
+        return trained_rows(model, torch.compile(model) if compiled else model, path, steps=4, every=3, micro=2)
+
+    eager = run(False, tmp_path / "eager")
+    torch._dynamo.reset()
+    compiled = run(True, tmp_path / "compiled")
+    assert (compiled.tensor == "gradient").sum() == 4 * 6 and (compiled.calls == 2).all()
+    assert_same_rows(compiled, eager)
+
+
 def test_a_llama_compiled_block_by_block_trains_monitored_and_logs_the_eager_rows(tmp_path):
     """Compiling each decoder layer apart is how FSDP2 training compiles (torchtitan): one graph per
     layer, the next layer's forward running between a layer's forward and its backward. With the

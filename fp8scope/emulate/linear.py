@@ -45,7 +45,7 @@ from ..formats import Fp8Format
 from .quantize import quantize_dequantize
 from .recipes import BLOCK_RECIPES, CurrentScaling, DelayedScaling, Recipe
 from ..autograd_phase import in_backward
-from .amax import amax_pair
+from .amax import amax_pair, fused_when_traced
 from .autocast import autocast_off, fp8_globally_disabled, note_recorded, region_open
 from .scaling import Scales, ScalingState, UpdateGroup, current_scales
 
@@ -241,17 +241,35 @@ class Fp8Linear(nn.Linear):
                        scale_inv: torch.Tensor, expected: torch.Tensor, pair=None) -> None:
         """Backward: the gradient was quantized with the scales prepared at forward time (or, under current
         scaling, from its own amax ``pair``, already measured); record its amax for the next update and
-        report it. Under torch.compile this runs as one opaque op."""
+        report it. Under torch.compile this runs as one opaque op. Its amaxes are measured in the
+        graph where they are already (current scaling) or where the traced pair is an accelerator's
+        fused one (``amax.fused_when_traced``): its two launches in the graph, where the op's Python
+        made a compiled call of its own. On the CPU the op measures them eagerly, faster there."""
         if torch.compiler.is_compiling():
             from fp8scope.graph_taps import observe_in_backward
 
-            observe_in_backward(self._gradient_tap(), grad_out, g_deq, scale, scale_inv, expected)
+            if pair is None and fused_when_traced(grad_out.device):
+                pair = amax_pair(grad_out)
+            observe_in_backward(self._gradient_tap(), grad_out, g_deq, scale, scale_inv, expected, *(pair or ()))
             return
-        self._record_gradient(grad_out, g_deq, scale, scale_inv, expected, pair)
+        if pair is None:
+            pair = amax_pair(grad_out)
+        self._record_gradient(grad_out, g_deq, scale, scale_inv, expected, *pair)
 
-    def _record_gradient(self, grad_out, g_deq, scale, scale_inv, expected, pair=None) -> None:
+    def _record_gradient_from_graph(self, grad_out, g_deq, *values) -> None:
+        """The compiled backward's tap: :meth:`_record_gradient` on a copy of the graph's values (the
+        scales, and the amaxes where the graph measured them; one stack). They may be the graph's
+        intermediates, whose memory inductor hands to later values once the op has read them (its
+        plan knows no reader after the call), while the state keeps the recorded amax for its next
+        update and the monitor the row until the step ends: without the copy, a compiled backward
+        under current scaling logged other layers' scales in its gradient rows."""
+        kept = torch.stack(values).unbind()
+        if len(kept) == 3:  # the amaxes are measured here (see _gradient_done)
+            kept += amax_pair(grad_out)
+        self._record_gradient(grad_out, g_deq, *kept)
+
+    def _record_gradient(self, grad_out, g_deq, scale, scale_inv, expected, logged, recorded) -> None:
         state = self.gradient_state
-        logged, recorded = pair if pair is not None else amax_pair(grad_out)
         state.observe(logged, recorded)
         self._emit("gradient", grad_out, g_deq, logged, Scales(scale, scale_inv, expected), self._formats[1], True)
 
@@ -266,7 +284,7 @@ class Fp8Linear(nn.Linear):
         if self.__dict__.get("_gradient_tap_for") != id(self):
             from fp8scope.graph_taps import register
 
-            self.__dict__["_gradient_tap_id"] = register(self._record_gradient)
+            self.__dict__["_gradient_tap_id"] = register(self._record_gradient_from_graph)
             self.__dict__["_gradient_tap_for"] = id(self)
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
