@@ -58,9 +58,9 @@ def spike_stats(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 def window_stats(values) -> tuple[float, float]:
     """:func:`spike_stats` of one window (a sequence of log values), in Python floats: the same
     numbers, bit for bit (``np.median`` averages the two middle values of an even count as
-    ``(a + b) / 2`` too; ``tests/test_scalar_rules.py`` compares them). Why: online detection
-    judges one value at a time, and two ``np.median`` calls of a 1-row matrix cost about 40 us each
-    in numpy's Python wrappers, a fifth of a detection pass's CPU on the demo's 63 tensors."""
+    ``(a + b) / 2`` too; ``tests/test_detect_rules.py`` compares them). Why: online detection
+    judges one value at a time, and two ``np.median`` calls of a 1-row matrix cost tens of us each
+    in numpy's Python wrappers, a tenth or more of a detection pass's CPU on the demo's 63 tensors."""
     med = _median(sorted(values))
     return med, 1.4826 * _median(sorted([abs(v - med) for v in values]))
 
