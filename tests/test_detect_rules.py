@@ -48,7 +48,7 @@ def test_a_whole_series_at_once_gives_what_value_by_value_gives():
     rng = random.Random(0)
     events = 0
     for _ in range(120):
-        cfg = DetectConfig(scalar_window=rng.choice([5, 20, 50]), scalar_min_history=rng.choice([1, 3, 10, 30]))
+        cfg = DetectConfig(scalar_window=rng.choice([5, 20, 50]), scalar_min_history=rng.choice([0, 1, 3, 10, 30]))
         name = rng.choice([cfg.loss_name, cfg.grad_norm_name, cfg.lr_name])
         n = rng.randint(0, 300)
         values = [rng.choice([None, math.nan, math.inf, 0.0, -1.0]) if rng.random() < 0.1 else
@@ -88,6 +88,7 @@ def test_one_windows_statistics_are_the_matrix_forms_bit_for_bit():
             med, spread = spike_stats(w[None, :])
             got = window_stats(list(w))
             assert got == (med[0], spread[0]) and all(type(v) is float for v in got), (n, kind)
+    assert all(v != v for v in window_stats([]))  # no values: NaN, as np.median's
 
 
 def test_loss_spike_adapts_to_the_run_noise():

@@ -61,6 +61,8 @@ def window_stats(values) -> tuple[float, float]:
     ``(a + b) / 2`` too; ``tests/test_detect_rules.py`` compares them). Why: online detection
     judges one value at a time, and two ``np.median`` calls of a 1-row matrix cost tens of us each
     in numpy's Python wrappers, a tenth or more of a detection pass's CPU on the demo's 63 tensors."""
+    if not len(values):  # a rule judging from no history (scalar_min_history=0): numpy's NaN
+        return math.nan, math.nan
     med = _median(sorted(values))
     return med, 1.4826 * _median(sorted([abs(v - med) for v in values]))
 
