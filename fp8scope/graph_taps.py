@@ -41,7 +41,9 @@ _SINK = torch.zeros(1)
 def register(tap: Callable[..., None]) -> int:
     """Register ``tap(*tensors)`` (called eagerly, at run time) and return its id. Call it outside
     compiled code (at attach time). A bound method is held weakly: registering a layer's method
-    does not keep the layer alive."""
+    does not keep the layer alive. A tap may read its tensors during the call, not keep them past
+    it: they may be the graph's intermediates, whose memory inductor gives to later values once
+    the op has run; a tap that keeps a value keeps a copy (``Fp8Linear._record_gradient_from_graph``)."""
     _TAPS.append(weakref.WeakMethod(tap) if inspect.ismethod(tap) else tap)
     return len(_TAPS) - 1
 

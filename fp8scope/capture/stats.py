@@ -107,7 +107,7 @@ def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq):
 _EXACT_ROW = 1 << 24  # a float32 sum of ones is exact while it stays below 2**24
 _ROUNDING = 2.0 ** -20  # more than a float32 product's rounding (2**-24), as a fraction of it
 _F32_MAX = torch.finfo(torch.float32).max
-_SQUARES_FLOOR = 2.0 ** -120  # a float32 sum of squares above this an element lost < 2**-30 of itself to underflow
+_SQUARES_FLOOR = 2.0 ** -120  # a sum of squares at or above n times this lost < 2**-30 of itself to underflow
 
 
 def _counting(a: torch.Tensor, masks: int = 2, sums: int = 6):

@@ -50,7 +50,7 @@ class _Series:
 def spike_stats(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Each row's median and raw spread (1.4826 x its median absolute deviation): the statistics a
     loss or grad-norm spike is judged against, for a matrix of windows of log values (one row per
-    judged value; the online path passes one row)."""
+    judged value: offline detection's whole series). One window at a time: :func:`window_stats`."""
     med = np.median(windows, axis=1)
     return med, 1.4826 * np.median(np.abs(windows - med[:, None]), axis=1)
 
@@ -59,8 +59,8 @@ def window_stats(values) -> tuple[float, float]:
     """:func:`spike_stats` of one window (a sequence of log values), in Python floats: the same
     numbers, bit for bit (``np.median`` averages the two middle values of an even count as
     ``(a + b) / 2`` too; ``tests/test_detect_rules.py`` compares them). Why: online detection
-    judges one value at a time, and two ``np.median`` calls of a 1-row matrix cost tens of us each
-    in numpy's Python wrappers, a tenth or more of a detection pass's CPU on the demo's 63 tensors."""
+    judges one value at a time, and for one short window most of an ``np.median`` call is numpy's
+    Python wrappers (docs/benchmarks.md, "Online")."""
     if not len(values):  # a rule judging from no history (scalar_min_history=0): numpy's NaN
         return math.nan, math.nan
     med = _median(sorted(values))

@@ -147,9 +147,9 @@ def fused_when_traced(device: torch.device) -> bool:
     """Whether a traced amax pair on ``device`` is :func:`_fused_pair` (an accelerator's compiled
     code: its 2 launches inside the graph, where an eager call from Python is a compiled call of
     its own, whose host time is most of it), or the plain form (the CPU: inductor's C++ makes that
-    one loop, and there an eager ``aminmax`` is faster than inductor's reduction: 73 against 313 us
-    on a 1024 x 384 gradient on the CI machine, so the emulated layer's compiled backward leaves
-    its gradient's amaxes to the eager tap there: ``Fp8Linear._gradient_done``)."""
+    one loop, and there an eager ``aminmax`` is faster than inductor's reduction, docs/emulate.md,
+    so the emulated layer's compiled backward leaves its gradient's amaxes to the eager tap there:
+    ``Fp8Linear._gradient_done``)."""
     return device.type != "cpu"
 
 
