@@ -1,4 +1,4 @@
-"""Detection suite: planted failures and clean runs on two architectures, scored against what each
+"""Detection suite: planted failures and clean runs on seven architectures, scored against what each
 plant expects (layer, role, step, cause).
 
     .venv/bin/python benchmarks/detection_suite.py [--steps 400] [--jobs 2] [--only NAME,...] [--out results.json]
@@ -9,10 +9,11 @@ Cases train two at a time by default (``--jobs``, one torch thread each: these s
 bound by Python overhead, so two processes get more done on two cores than one with two threads);
 a ``loaded`` case runs alone, after the others.
 
-Architectures: the demo's tiny GPT (fp8scope.demo, d128, 4 blocks) and a ``transformers`` Llama built
-from a small config (random weights, no download: hidden 128, SwiGLU 256, 4 layers, 4 heads, 2 KV
-heads), both in emulated FP8 (delayed scaling, TE's recipe with history 16 unless a case says
-otherwise; lm_head in BF16), on the demo corpus, AdamW, linear warm-up then cosine decay, grad
+Architectures: the demo's tiny GPT (fp8scope.demo, d128, 4 blocks) and six ``transformers``
+architectures built from small configs (random weights, no download, width 128, 4 layers; see
+``_hf_config``): Llama (SwiGLU 256, 4 heads, 2 KV heads), Qwen2, Phi, GPT-2, GPT-NeoX and OPT, all
+in emulated FP8 (delayed scaling, TE's recipe with history 16 unless a case says otherwise; the
+output head in BF16), on the demo corpus, AdamW, linear warm-up then cosine decay, grad
 clipping at 1, full stats every 10 steps (cheap rows on the others), online detection on.
 
 Each case plants its failures with ``fp8scope.demo.inject`` (real tensors changed at a chosen step)
@@ -57,7 +58,7 @@ LLAMA = "lm.model.layers.{}"
 @dataclass
 class Case:
     name: str
-    arch: str  # "gpt" or "llama"
+    arch: str  # "gpt" (the demo's tiny GPT) or one of HF_ARCHS
     inject: list[str] = field(default_factory=list)
     layer: str = ""  # expected layer ("" for optimizer-side causes)
     role: str = ""
@@ -100,6 +101,15 @@ def cases(steps: int) -> list[Case]:
              f"{LLAMA.format(2)}.mlp.down_proj", "activation", 215, "fp8"),
         Case("llama-growing-outlier", "llama", [f"grow:{LLAMA.format(1)}.mlp.down_proj:120:256:100"],
              f"{LLAMA.format(1)}.mlp.down_proj", "activation", 120, "fp8", until=230),
+        # the same faults in four more architectures
+        Case("phi-outlier-early", "phi", ["outlier:lm.model.layers.1.mlp.fc2:55:1000"], "lm.model.layers.1.mlp.fc2",
+             "activation", 55, "fp8"),
+        Case("gpt2-outlier-late", "gpt2", [f"outlier:lm.transformer.h.2.mlp.c_proj:{late + 5}:1000"],
+             "lm.transformer.h.2.mlp.c_proj", "activation", late + 5, "fp8"),
+        Case("neox-nan-cheap", "neox", [f"nan:lm.gpt_neox.layers.1.attention.dense:{late - 9}"],
+             "lm.gpt_neox.layers.1.attention.dense", "activation", late - 9, "fp8"),
+        Case("opt-scale-reset-cheap", "opt", ["reset:lm.model.decoder.layers.2.fc2:235"],
+             "lm.model.decoder.layers.2.fc2", "activation", 235, "fp8"),
         # not FP8
         Case("gpt-gradient-e4m3", "gpt", [], GPT_DOWN.format(2), "gradient", 0, "fp8", e4m3_layer=GPT_DOWN.format(2)),
         Case("llama-gradient-e4m3", "llama", [], f"{LLAMA.format(1)}.self_attn.o_proj", "gradient", 0, "fp8",
@@ -107,6 +117,7 @@ def cases(steps: int) -> list[Case]:
         Case("gpt-bad-batch", "gpt", ["batch:220"], "", "loss", 220, "not-fp8"),
         Case("llama-lr-jump-early", "llama", ["lr:45:30"], "", "lr", 45, "not-fp8"),
         Case("llama-data-spike-late", "llama", [f"batch:{late + 20}:3"], "", "loss", late + 20, "not-fp8"),
+        Case("qwen2-data-spike-late", "qwen2", [f"batch:{late + 30}:3"], "", "loss", late + 30, "not-fp8"),
         # with BF16 shadows: forks that must answer the question, on a machine whose cores are busy
         Case("gpt-lr-jump-late-fork-loaded", "gpt", [f"lr:{late + 10}:30"], "", "lr", late + 10, "not-fp8", forks=True,
              expect_fork="not-fp8", loaded=True),
@@ -116,12 +127,52 @@ def cases(steps: int) -> list[Case]:
         Case("gpt-clean-shadow", "gpt", shadow_every=25, forks=True),
         Case("gpt-clean-current-seed1", "gpt", fp8="current", seed=1),
         Case("llama-clean", "llama"),
+        # clean runs that raised warnings before the thresholds were set on them: a Qwen2's gradient
+        # clipped 8.7x for one step (seed 0), a Phi's grad norm 3.6x at the end of its warm-up (seed 2)
+        Case("qwen2-clean", "qwen2"),
+        Case("phi-clean-seed2", "phi", seed=2),
+        Case("gpt2-clean", "gpt2"),
+        Case("neox-clean", "neox"),
+        Case("opt-clean", "opt"),
     ]
 
 
-def _llama_setup(setup, d: int = 128):
-    """The demo's data and schedule with a transformers Llama in place of the tiny GPT (converted to
-    emulated FP8 like the demo: every projection, lm_head kept in high precision)."""
+def _hf_config(arch: str, vocab: int, seq: int, d: int):
+    """A small config of ``transformers`` architecture ``arch`` (4 layers, width ``d``, random weights)
+    and the name of its output head, which stays in high precision. Six architectures the project
+    did not write: their norms, activations (SwiGLU, GELU, ReLU), attention (grouped KV, a fused
+    QKV projection, parallel attention and MLP, partial rotary) and layer kinds (GPT-2's ``Conv1D``)
+    differ, and so do their tensors' ranges."""
+    import transformers
+
+    if arch == "llama":
+        return transformers.LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
+    if arch == "qwen2":  # Llama's shape with biases on q, k and v
+        return transformers.Qwen2Config(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=4,
+                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
+    if arch == "phi":  # attention and MLP in parallel off one LayerNorm, GELU, partial rotary
+        return transformers.PhiConfig(vocab_size=vocab, hidden_size=d, intermediate_size=4 * d, num_hidden_layers=4,
+                                      num_attention_heads=4, max_position_embeddings=seq)
+    if arch == "gpt2":  # Conv1D layers, learned positions, GELU
+        return transformers.GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=d, n_layer=4, n_head=4,
+                                       bos_token_id=0, eos_token_id=0)
+    if arch == "neox":  # one fused QKV projection, parallel residual
+        return transformers.GPTNeoXConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=4, num_attention_heads=4,
+                                          intermediate_size=4 * d, max_position_embeddings=seq)
+    if arch == "opt":  # ReLU: its MLP's down projection reads mostly exact zeros
+        return transformers.OPTConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=4, ffn_dim=4 * d,
+                                      num_attention_heads=4, max_position_embeddings=seq, word_embed_proj_dim=d)
+    raise ValueError(f"unknown architecture {arch!r}")
+
+
+HF_ARCHS = ("llama", "qwen2", "phi", "gpt2", "neox", "opt")
+
+
+def _hf_setup(setup, arch: str, d: int = 128):
+    """The demo's data and schedule with a ``transformers`` model of ``arch`` (:func:`_hf_config`) in
+    place of the tiny GPT (converted to emulated FP8 like the demo: every projection, the output head
+    kept in high precision)."""
     import torch
     import transformers
     from torch import nn
@@ -132,17 +183,17 @@ def _llama_setup(setup, d: int = 128):
     class LM(nn.Module):
         def __init__(self, vocab: int, seq: int):
             super().__init__()
-            cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d, num_hidden_layers=4,
-                                           num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=seq)
+            cfg = _hf_config(arch, vocab, seq, d)
             torch.manual_seed(setup.args.seed)
-            self.lm = transformers.LlamaForCausalLM(cfg)
+            self.lm = transformers.AutoModelForCausalLM.from_config(cfg)
 
         def forward(self, x):
             return self.lm(input_ids=x).logits
 
     model = LM(setup.cfg.vocab, setup.cfg.seq_len).to(setup.device)
     if setup.recipe is not None:
-        convert_to_fp8(model, recipe=setup.recipe, skip=["lm.lm_head"])
+        head = next(n for n, m in model.named_modules() if m is model.lm.get_output_embeddings())
+        convert_to_fp8(model, recipe=setup.recipe, skip=[head])
     setup.model = model
     setup.injector = Injector(setup.args.inject).attach(model)
     decay = [p for p in model.parameters() if p.dim() >= 2]
@@ -166,7 +217,7 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10, whatif_recipes
                   seed=case.seed, every=every)
     if not gpt:
         setup.args.inject = list(case.inject)
-        setup = _llama_setup(setup)
+        setup = _hf_setup(setup, case.arch)
     if recipe is not None:  # the advised recipe, on the same seed: every emulated layer switches to it
         from fp8scope.emulate import CurrentScaling, Float8BlockScaling, Fp8Linear, MXFP8BlockScaling, NVFP4BlockScaling
 

@@ -89,6 +89,42 @@ def test_outlier_fires_spike_saturation_then_stale_scale(runs):
     assert (first["step"], first["layer"], first["tensor"]) == (AT, L, "activation")
 
 
+def test_a_gradient_warns_at_its_own_clipping_ratio(runs):
+    """A clean run's tensors with planted amaxes at step AT (full stats every step): clipped 10x, an
+    activation is a warning and a gradient is not (clean runs' gradients overran their delayed scales
+    up to 8.7x for a step, across six architectures: docs/detection.md), unless its full row saw
+    ``sat_warn_fraction`` of its elements overflow; clipped 20x, a gradient is a warning too. The
+    recipe advisor's faults follow the same ratios."""
+    import pyarrow as pa
+    import pyarrow.compute as pc
+
+    from fp8scope.detect.advisor import fault_codes
+    from fp8scope.detect.online import OnlineDetector
+
+    df = load_run(runs["clean"]).table("tensors").drop_columns(["segment"]).to_pandas()
+    plants = {("blocks.0.mlp.up", "activation"): (10.0, 0), ("blocks.0.mlp.up", "gradient"): (10.0, 0),
+              ("blocks.1.mlp.up", "gradient"): (10.0, 0.05), ("blocks.1.attn.proj", "gradient"): (20.0, 0)}
+    for (layer, tensor), (ratio, share) in plants.items():
+        row = (df["step"] == AT) & (df["layer"] == layer) & (df["tensor"] == tensor)
+        assert row.sum() == 1, (layer, tensor)
+        df.loc[row, "amax"] = ratio * df.loc[row, "fp8_max"] * df.loc[row, "scale_inv"]
+        df.loc[row, "overflow"] = np.floor(share * df.loc[row, "numel"])
+    t = pa.Table.from_pandas(df, preserve_index=False)
+    det = OnlineDetector()
+    for step in pc.unique(t["step"]).to_pylist():
+        det.process([(step, 0, t.filter(pc.equal(t["step"], step)).combine_chunks().to_batches()[0], None)])
+    ev = det.frame()
+    sat = ev[(ev["rule"] == "saturation") & (ev["step"] == AT)]
+    assert sorted(zip(sat["layer"], sat["tensor"], sat["severity"])) == [
+        ("blocks.0.mlp.up", "activation", "warning"), ("blocks.1.attn.proj", "gradient", "warning"),
+        ("blocks.1.mlp.up", "gradient", "warning")], sat.to_string()
+    cfg = DetectConfig()
+    rows = pd.DataFrame({"recipe": ["delayed"] * 3, "tensor": ["activation", "gradient", "gradient"],
+                         "underflow_frac": 0.0, "overflow_frac": 0.0, "clip_ratio": [10.0, 10.0, 20.0]})
+    assert fault_codes(rows, cfg).tolist() == [3, 0, 3]
+    assert cfg.sat_warn_ratios(np.array([False, True])).tolist() == [cfg.sat_warn_ratio, cfg.sat_grad_warn_ratio]
+
+
 def test_gradscale_fires_underflow_on_the_gradient(runs):
     ev = detect(runs["outlier"])
     L, S = "blocks.0.mlp.up", AT + 12

@@ -116,6 +116,26 @@ def test_grad_norm_needs_a_larger_excursion():
     assert feed("grad_norm", g) == []
 
 
+def test_a_clean_runs_hard_batch_is_no_spike_and_a_bad_batch_is():
+    """The largest excursions of 16 clean runs of six architectures (docs/detection.md): a hard batch
+    late in a Qwen2's cosine decay, loss 1.43x its median at z 7.5, and a Phi's grad norm 3.6x at
+    the end of its lr warm-up, z 10.9. A planted bad batch gave the loss 6.7x (z 14) and a data
+    spike the grad norm 10x (z 19)."""
+    rng = np.random.default_rng(3)
+    loss = list(0.5 * np.exp(rng.normal(0, 0.047, 200)))
+    grad = list(0.9 * np.exp(rng.normal(0, 0.118, 200)))
+    hard, noisy = list(loss), list(grad)
+    hard[150] = 1.45 * float(np.median(loss[100:150]))
+    noisy[150] = 3.6 * float(np.median(grad[100:150]))
+    assert feed("loss", hard) == [] and feed("grad_norm", noisy) == []
+    assert feed("loss", hard, DetectConfig(loss_spike_z=7.0)) != []  # what the thresholds were
+    assert feed("grad_norm", noisy, DetectConfig(grad_spike_z=10.0)) != []
+    hard[150] *= 4.6  # 6.7x
+    noisy[150] *= 2.9  # 10.4x
+    assert [e["step"] for e in feed("loss", hard)] == [150]
+    assert [e["step"] for e in feed("grad_norm", noisy)] == [150]
+
+
 def test_fp8_vs_bf16_is_judged_against_the_layers_own_noise():
     rows = []
     for step in range(100, 300, 10):  # past shadow_warmup_steps

@@ -1,6 +1,7 @@
 """A few small cases of the detection suite (benchmarks/detection_suite.py), as CI tests: real
 training runs of the tiny GPT and a transformers Llama with planted failures, scored the way the
-suite scores them (localization, attribution) and a clean run that must raise nothing."""
+suite scores them (localization, attribution), and clean runs of the tiny GPT and a transformers
+Phi that must raise nothing."""
 
 from __future__ import annotations
 
@@ -28,6 +29,10 @@ CASES = [
     suite.Case("llama-nan-cheap", "llama", [f"nan:{suite.LLAMA.format(1)}.self_attn.o_proj:113"],
                f"{suite.LLAMA.format(1)}.self_attn.o_proj", "activation", 113, "fp8"),
     suite.Case("gpt-clean", "gpt"),
+    # a clean Phi (parallel attention and MLP, GELU): its q_proj gradients outgrew their delayed scales
+    # in a fifth of its first 64 steps, and saturation_rate warned at step 63, past the warm-up, about
+    # the warm-up's rows
+    suite.Case("phi-clean", "phi"),
 ]
 
 

@@ -10,7 +10,8 @@ the elements, and SQNR from the summed squares.
 
 A tensor has a *fault* under a recipe, on a step, when the detector would flag it
 (``DetectConfig``): underflow at or above ``underflow_warn`` (``underflow_grad_warn`` for gradients),
-overflow at or above ``sat_warn_fraction``, or values clipped ``sat_warn_ratio`` (8x) or more; for a
+overflow at or above ``sat_warn_fraction``, or values clipped ``sat_warn_ratio`` (8x; gradients
+``sat_grad_warn_ratio``, 16x) or more; for a
 recipe that loses more than that by design on healthy tensors (NVFP4), from what it loses there
 (``detect.design_loss``).
 
@@ -155,8 +156,8 @@ _UNDERFLOW, _OVERFLOW, _CLIPPED = 1, 2, 3  # why a row is at fault (0: it is not
 def fault_codes(df: pd.DataFrame, cfg: DetectConfig) -> np.ndarray:
     """Why each row of ``df`` (one tensor under one recipe, with its shares) is at fault, as a code:
     underflow at or above the recipe's threshold for the role, else overflow, else values clipped
-    ``sat_warn_ratio`` or more (the detector's saturation), else 0. The one definition of a fault,
-    judged for all rows at once (a long run has millions)."""
+    by the detector's saturation ratio for the role or more (``DetectConfig.sat_warn_ratios``), else
+    0. The one definition of a fault, judged for all rows at once (a long run has millions)."""
     if df.empty:
         return np.zeros(0, np.int8)
     recipe, tensor = pd.Categorical(df["recipe"]), pd.Categorical(df["tensor"])
@@ -165,10 +166,11 @@ def fault_codes(df: pd.DataFrame, cfg: DetectConfig) -> np.ndarray:
     limits = np.array([[thresholds(str(r), str(o), cfg) for o in roles.categories] for r in recipe.categories])
     pick = (recipe.codes, roles.codes[tensor.codes])
     under, over = limits[..., 0][pick], limits[..., 1][pick]
+    clip_limit = cfg.sat_warn_ratios(np.asarray(roles.categories == "gradient")[pick[1]])
     clip = df["clip_ratio"].to_numpy(dtype=float, na_value=np.nan) if "clip_ratio" in df else np.full(len(df), np.nan)
     with np.errstate(invalid="ignore"):
         return np.select([df["underflow_frac"].to_numpy(dtype=float) >= under,
-                          df["overflow_frac"].to_numpy(dtype=float) >= over, clip >= cfg.sat_warn_ratio],
+                          df["overflow_frac"].to_numpy(dtype=float) >= over, clip >= clip_limit],
                          [_UNDERFLOW, _OVERFLOW, _CLIPPED], 0).astype(np.int8)
 
 

@@ -112,7 +112,7 @@ def _div(a, b):
 
 def row_rules(cfg: DetectConfig) -> list[RowRule]:
     mh = int(cfg.min_history)
-    spike, tol, sw, sc = float(cfg.spike_factor), float(cfg.sat_tol), float(cfg.sat_warn_ratio), float(cfg.sat_critical_ratio)
+    spike, tol, sc = float(cfg.spike_factor), float(cfg.sat_tol), float(cfg.sat_critical_ratio)
     sf, rt, st = float(cfg.sat_warn_fraction), float(cfg.sat_rate_threshold), float(cfg.stale_ratio)
     ufw, ufg, ufc = float(cfg.underflow_warn), float(cfg.underflow_grad_warn), float(cfg.underflow_critical)
     dre, cw, cf, cj = float(cfg.dynamic_range_excess), int(cfg.collapse_window), float(cfg.collapse_factor), float(cfg.collapse_max_jump)
@@ -142,9 +142,10 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         RowRule(
             "saturation",
             evaluable=lambda c: _nn(c["sat_ratio"]),
-            cond=lambda c: (c["sat_ratio"] > 1 + tol) & ((c["sat_ratio"] >= sw) | (_z(c["ovf_frac"]) >= ovf_thr(c))),
+            cond=lambda c: (c["sat_ratio"] > 1 + tol) & ((c["sat_ratio"] >= cfg.sat_warn_ratios(c["is_grad"]))
+                                                         | (_z(c["ovf_frac"]) >= ovf_thr(c))),
             value=lambda c: c["sat_ratio"],
-            threshold=lambda c: sw,
+            threshold=lambda c: cfg.sat_warn_ratios(c["is_grad"]),
             # clipping by a large factor (sat_critical_ratio and up) is never muted by warm-up
             severity=lambda c: np.where(c["sat_ratio"] >= sc, "critical", _early(cfg, c, "warning")),
             message=lambda r: (
@@ -158,7 +159,10 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             cond=lambda c: (c["n_rate"] >= mh) & (c["n_sat"] >= rt * c["n_rate"]),
             value=lambda c: _div(c["n_sat"].astype(float), c["n_rate"]),
             threshold=lambda c: rt,
-            severity=lambda c: _early(cfg, c, "warning"),
+            # a window rule: a fresh model's gradients outgrow their delayed scales step after step, and
+            # a window reaching back into those steps said so again after the warm-up (a clean Phi's
+            # q_proj gradient, 21 % of its first 64 rows)
+            severity=lambda c: _early_window(cfg, c, "warning", int(cfg.sat_rate_window)),
             message=lambda r: (
                 f"{_where(r)}: saturated (amax >= {_fmt(cfg.sat_rate_min_ratio)}x the representable range) in "
                 f"{_pct(r['value'])} of its last {int(r['n_rate'])} logged steps: the scale keeps lagging "
