@@ -58,7 +58,7 @@ LLAMA = "lm.model.layers.{}"
 @dataclass
 class Case:
     name: str
-    arch: str  # "gpt" (the demo's tiny GPT) or one of HF_ARCHS
+    arch: str  # "gpt" (the demo's tiny GPT) or an architecture of _hf_config
     inject: list[str] = field(default_factory=list)
     layer: str = ""  # expected layer ("" for optimizer-side causes)
     role: str = ""
@@ -138,11 +138,10 @@ def cases(steps: int) -> list[Case]:
 
 
 def _hf_config(arch: str, vocab: int, seq: int, d: int):
-    """A small config of ``transformers`` architecture ``arch`` (4 layers, width ``d``, random weights)
-    and the name of its output head, which stays in high precision. Six architectures the project
-    did not write: their norms, activations (SwiGLU, GELU, ReLU), attention (grouped KV, a fused
-    QKV projection, parallel attention and MLP, partial rotary) and layer kinds (GPT-2's ``Conv1D``)
-    differ, and so do their tensors' ranges."""
+    """A small config of ``transformers`` architecture ``arch`` (4 layers, width ``d``; the model gets
+    random weights). Six architectures the project did not write: their norms, activations (SwiGLU,
+    GELU, ReLU), attention (grouped KV, a fused QKV projection, parallel attention and MLP, partial
+    rotary) and layer kinds (GPT-2's ``Conv1D``) differ, and so do their tensors' ranges."""
     import transformers
 
     if arch == "llama":
@@ -164,9 +163,6 @@ def _hf_config(arch: str, vocab: int, seq: int, d: int):
         return transformers.OPTConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=4, ffn_dim=4 * d,
                                       num_attention_heads=4, max_position_embeddings=seq, word_embed_proj_dim=d)
     raise ValueError(f"unknown architecture {arch!r}")
-
-
-HF_ARCHS = ("llama", "qwen2", "phi", "gpt2", "neox", "opt")
 
 
 def _hf_setup(setup, arch: str, d: int = 128):
