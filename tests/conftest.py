@@ -33,6 +33,53 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def _gloo_rank(rank: int, world: int, port: int, target, args: tuple) -> None:
+    """One gloo rank of :func:`spawn_gloo`: ``target(rank, *args)`` between the process group's start
+    and its destruction, then an exit without interpreter finalization. gloo's C++ worker threads may
+    free tensors that hold Python objects while the interpreter is torn down, which aborts the process
+    (SIGABRT, "terminate called without an active exception"; pytorch/pytorch#179291 describes it).
+    Ranks of both multi-rank test files aborted so in CI after writing everything the tests read.
+    faulthandler prints every thread's Python stack if a rank aborts before the exit."""
+    import faulthandler
+
+    import torch.distributed as dist
+
+    faulthandler.enable(all_threads=True)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        target(rank, *args)
+    finally:
+        dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def spawn_gloo(tmp_path, world: int, target, *args):
+    """Run ``target(rank, out_dir, *args)`` on ``world`` gloo ranks (torch.multiprocessing, spawn) and
+    return ``out_dir``, a fresh folder under ``tmp_path`` that the ranks write into. A rank killed by a
+    native abort (see :func:`_gloo_rank`) is retried once, in a fresh folder and with a warning; a
+    second abort, or any other failure, fails the test. How gloo tears itself down is not fp8scope's;
+    the tests check what the ranks wrote."""
+    import warnings
+
+    import torch.multiprocessing as mp
+
+    for attempt in (1, 2):
+        out_dir = tmp_path / f"attempt{attempt}"
+        out_dir.mkdir(parents=True)
+        try:
+            mp.spawn(_gloo_rank, args=(world, free_port(), target, (str(out_dir), *args)), nprocs=world,
+                     join=True)
+            return out_dir
+        except mp.ProcessExitedException as exc:
+            if attempt == 2 or exc.signal_name != "SIGABRT":
+                raise
+            warnings.warn(f"a rank aborted ({exc}); launching the ranks once more", RuntimeWarning)
+
+
 def has_cuda() -> bool:
     return torch.cuda.is_available()
 

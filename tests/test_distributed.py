@@ -8,18 +8,15 @@ from __future__ import annotations
 
 import json
 import os
-import warnings
 
 import numpy as np
 import pandas as pd
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 
 import fp8scope
 from fp8scope.distributed import AGGREGATE_RANK, CrossRankCheck, cross_rank_scale_mismatch
-from tests.conftest import free_port
+from tests.conftest import spawn_gloo
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 4
@@ -56,43 +53,13 @@ def _train_one(rank: int, run_dir: str, reduce: str, check, plant: bool) -> None
         json.dump(info, f)
 
 
-def _worker(rank: int, world: int, port: int, runs: list) -> None:
-    import faulthandler
-    import sys
-
-    faulthandler.enable(all_threads=True)  # a native abort prints every thread's Python stack
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        for run_dir, reduce, check, plant in runs:  # several runs per spawn: process start-up dominates
-            _train_one(rank, run_dir, reduce, check, plant)
-    finally:
-        dist.destroy_process_group()
-    # Once a rank has written its run and its worker file, it leaves without interpreter finalization:
-    # gloo's C++ worker threads may free tensors that hold Python objects while the interpreter is being
-    # torn down, which aborts the process (SIGABRT, "terminate called without an active exception";
-    # pytorch/pytorch#179291 describes it). A 4-rank run aborted so once in CI, with no Python stack to
-    # tell where: faulthandler now prints one if a rank aborts before this point. The test checks what the
-    # ranks wrote; how gloo tears itself down is not fp8scope's.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+def _train_runs(rank: int, root: str, configs: dict) -> None:
+    for name, (reduce, check, plant) in configs.items():  # several runs per spawn: process start-up dominates
+        _train_one(rank, os.path.join(root, name), reduce, check, plant)
 
 
 def _launch(tmp_path, world: int, configs: dict) -> dict:
-    for attempt in (1, 2):
-        root = tmp_path / f"attempt{attempt}"
-        runs = [(str(root / name), *cfg) for name, cfg in configs.items()]
-        try:
-            mp.spawn(_worker, args=(world, free_port(), runs), nprocs=world, join=True)
-            break
-        except mp.ProcessExitedException as exc:
-            # A rank killed by a native abort (see _worker: gloo, once in CI) is retried once, in fresh
-            # folders, with its Python stacks printed above; a second abort, or any other failure, fails.
-            if attempt == 2 or exc.signal_name != "SIGABRT":
-                raise
-            warnings.warn(f"a rank aborted ({exc}); launching the ranks once more", RuntimeWarning)
+    root = spawn_gloo(tmp_path, world, _train_runs, configs)
     out = {}
     for name in configs:
         run_dir = root / name

@@ -14,52 +14,44 @@ import os
 
 import pytest
 import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
-from tests.conftest import free_port
+from tests.conftest import spawn_gloo
 
 pytestmark = pytest.mark.timeout(180)
 STEPS = 5
 
 
-def _worker(rank: int, world: int, port: int, out_dir: str) -> None:
+def _train(rank: int, out_dir: str) -> None:
     from fp8scope.emulate import DelayedScaling, convert_to_fp8, fp8_autocast
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        models = {}
-        for reduce in (True, False):
-            torch.manual_seed(0)  # the same weights on every rank
-            models[reduce] = convert_to_fp8(nn.Sequential(nn.Linear(8, 4)),
-                                            DelayedScaling(amax_history_len=8, reduce_amax=reduce))
-        gen = torch.Generator().manual_seed(100 + rank)
-        for step in range(STEPS):
-            x = torch.randn(4, 8, generator=gen) * (1 + rank) * (1 + step % 3)
-            g = torch.randn(4, 4, generator=gen) * 10.0 ** (rank - step)
-            for reduce, model in models.items():
-                with fp8_autocast():
-                    y = model(x)
-                (y * g).sum().backward()
-        # one more forward applies the last updates
-        for model in models.values():
-            model(torch.zeros(1, 8))
-        states = {reduce: [torch.stack([s.amax_history for s in (m.activation_state, m.weight_state,
-                                                                  m.gradient_state)])
-                           for m in model if hasattr(m, "activation_state")]
-                  for reduce, model in models.items()}
-        scales = [float(s.scale) for m in models[True] for s in (m.activation_state, m.weight_state, m.gradient_state)]
-        torch.save({"states": states, "scales": scales}, os.path.join(out_dir, f"rank{rank}.pt"))
-    finally:
-        dist.destroy_process_group()
+    models = {}
+    for reduce in (True, False):
+        torch.manual_seed(0)  # the same weights on every rank
+        models[reduce] = convert_to_fp8(nn.Sequential(nn.Linear(8, 4)),
+                                        DelayedScaling(amax_history_len=8, reduce_amax=reduce))
+    gen = torch.Generator().manual_seed(100 + rank)
+    for step in range(STEPS):
+        x = torch.randn(4, 8, generator=gen) * (1 + rank) * (1 + step % 3)
+        g = torch.randn(4, 4, generator=gen) * 10.0 ** (rank - step)
+        for reduce, model in models.items():
+            with fp8_autocast():
+                y = model(x)
+            (y * g).sum().backward()
+    # one more forward applies the last updates
+    for model in models.values():
+        model(torch.zeros(1, 8))
+    states = {reduce: [torch.stack([s.amax_history for s in (m.activation_state, m.weight_state,
+                                                              m.gradient_state)])
+                       for m in model if hasattr(m, "activation_state")]
+              for reduce, model in models.items()}
+    scales = [float(s.scale) for m in models[True] for s in (m.activation_state, m.weight_state, m.gradient_state)]
+    torch.save({"states": states, "scales": scales}, os.path.join(out_dir, f"rank{rank}.pt"))
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_reduce_amax_gives_every_rank_the_max_over_ranks(tmp_path, world):
-    mp.spawn(_worker, args=(world, free_port(), str(tmp_path)), nprocs=world, join=True)
-    res = [torch.load(tmp_path / f"rank{r}.pt") for r in range(world)]
+    out_dir = spawn_gloo(tmp_path, world, _train)
+    res = [torch.load(out_dir / f"rank{r}.pt") for r in range(world)]
     for layer in range(1):
         reduced = [r["states"][True][layer] for r in res]
         alone = [r["states"][False][layer] for r in res]
