@@ -73,6 +73,7 @@ class Case:
     expect_fork: str | None = None  # the verdict its first fork must reach
     loaded: bool = False  # two CPU-burning processes run beside training (the online lag is measured)
     e4m3_layer: str = ""  # this layer runs TE's all-E4M3 recipe (its gradient in E4M3) beside HYBRID everywhere else
+    recipe: str | None = None  # every emulated layer trains under this recipe of train()'s table instead of ``fp8``'s
 
 
 def cases(steps: int) -> list[Case]:
@@ -110,6 +111,13 @@ def cases(steps: int) -> list[Case]:
              "lm.gpt_neox.layers.1.attention.dense", "activation", late - 9, "fp8"),
         Case("opt-scale-reset-cheap", "opt", ["reset:lm.model.decoder.layers.2.fc2:235"],
              "lm.model.decoder.layers.2.fc2", "activation", 235, "fp8"),
+        # under the recipes torchao (per-tensor current scaling) and Blackwell (MXFP8) users train with
+        Case("llama-growing-outlier-current", "llama", [f"grow:{LLAMA.format(1)}.mlp.down_proj:120:256:100"],
+             f"{LLAMA.format(1)}.mlp.down_proj", "activation", 120, "fp8", until=230, fp8="current"),
+        Case("gpt2-nan-cheap-current", "gpt2", [f"nan:lm.transformer.h.1.attn.c_proj:{late - 9}"],
+             "lm.transformer.h.1.attn.c_proj", "activation", late - 9, "fp8", fp8="current"),
+        Case("qwen2-nan-cheap-mxfp8", "qwen2", [f"nan:{LLAMA.format(2)}.self_attn.o_proj:{late + 11}"],
+             f"{LLAMA.format(2)}.self_attn.o_proj", "activation", late + 11, "fp8", recipe="mxfp8"),
         # not FP8
         Case("gpt-gradient-e4m3", "gpt", [], GPT_DOWN.format(2), "gradient", 0, "fp8", e4m3_layer=GPT_DOWN.format(2)),
         Case("llama-gradient-e4m3", "llama", [], f"{LLAMA.format(1)}.self_attn.o_proj", "gradient", 0, "fp8",
@@ -214,6 +222,7 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10, whatif_recipes
     if not gpt:
         setup.args.inject = list(case.inject)
         setup = _hf_setup(setup, case.arch)
+    recipe = recipe or case.recipe
     if recipe is not None:  # the advised recipe, on the same seed: every emulated layer switches to it
         from fp8scope.emulate import CurrentScaling, Float8BlockScaling, Fp8Linear, MXFP8BlockScaling, NVFP4BlockScaling
 

@@ -45,6 +45,10 @@ GATED: dict[tuple[str, str], tuple[float, float]] = {  # activations and gradien
     ("mxfp8_floor", "activation"): (0.00012, 0.00652),
     ("mxfp8_floor", "gradient"): (0.00012, 0.00652),
 }
+# recipe kinds (``Recipe.kind``, ``recipe_table.RECIPES``) whose scales are per block of 16-128 values: an
+# outlier costs the values of its own blocks, not the whole tensor's (tests/test_recipe_advisor.py checks
+# it against fp8scope.emulate's block recipes)
+BLOCK_SCALED = frozenset({"mxfp8", "mxfp8_floor", "block128", "nvfp4"})
 # element formats of the tensors table whose rows come from a block recipe, not per-tensor FP8
 FORMAT_RECIPE = {"e2m1": "nvfp4"}
 FP8 = "fp8"  # any per-tensor FP8 recipe: it loses nothing by design (in no table)

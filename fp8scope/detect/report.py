@@ -22,6 +22,7 @@ from typing import Any
 import pandas as pd
 
 from fp8scope.detect.config import DetectConfig
+from fp8scope.detect.design_loss import BLOCK_SCALED
 from fp8scope.detect.rules import SEVERITY_RANK
 from fp8scope.schema import ROLES, base_role
 from fp8scope.store.manifest import describe_mode, measured_mode, recipe_text
@@ -373,7 +374,8 @@ def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
         return ["Nothing at warning level or above: the FP8 numerics look healthy with these thresholds."]
     if rep.get("attribution", {}).get("side") == "optimizer":
         return _optimizer_advice(rep)
-    recipe = rep.get("recipe") or {}
+    # the recipe whose numbers the events judge: the model's, or in a what-if run the what-if recipe's
+    recipe = rep.get("recipe") or (rep.get("measured") or {}).get("whatif_recipe") or {}
     delayed = recipe.get("kind") == "delayed"
     hist = recipe.get("amax_history_len")
     margin = recipe.get("margin", 0)
@@ -418,9 +420,17 @@ def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
                    "refills, small values flush to zero.")
     if "amax_trend" in rules:
         ls = layers_of("amax_trend")
-        adv.append(f"A growing outlier in {', '.join(ls)}: it climbs away from its peers and will saturate once it outruns "
-                   "the amax history. Keep it in BF16, use current scaling for it, or tame it (Smooth-SwiGLU for an MLP "
-                   "down-projection input).")
+        tame = "tame it (Smooth-SwiGLU for an MLP down-projection input) or keep the layer in BF16"
+        if recipe.get("kind") in BLOCK_SCALED:
+            adv.append(f"A growing outlier in {', '.join(ls)}: it climbs away from its peers. The {recipe['kind']} "
+                       "block scales confine it to the blocks that hold it, so FP8 loses little while those blocks "
+                       f"do not underflow (an underflow warning says when they do). If it keeps growing, {tame}.")
+        else:
+            fate = ("will saturate once it outruns the amax history, and the scale it sets flushes the rest of the "
+                    "tensor to zero" if delayed else "sets the scale, so the rest of the tensor flushes to zero as it grows")
+            adv.append(f"A growing outlier in {', '.join(ls)}: it climbs away from its peers and {fate}. Per-tensor "
+                       "current scaling stops the saturation but not the flush; block scaling (MXFP8, "
+                       f"Float8BlockScaling) confines it to the blocks that hold it. Or {tame}.")
     if "format_mismatch" in rules:
         ls = layers_of("format_mismatch")
         adv.append(f"{', '.join(ls)} cast(s) a tensor to another FP8 format than the rest of the model (a gradient in "

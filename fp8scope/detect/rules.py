@@ -260,8 +260,9 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             # A slowly growing outlier (SwiGLU amplification, ../shared/fp8-reference.md §4): the tensor climbs
-            # away from the layers of its kind step after step. No spike rule sees it; it saturates only once it
-            # outruns the amax history. Fires while it grows.
+            # away from the layers of its kind step after step. No spike rule sees it; the scale it sets flushes
+            # the values beside it to zero, and a delayed scale saturates only once it outruns the amax
+            # history. Fires while it grows.
             "amax_trend",
             # forward tensors only: gradients wander relative to their peers in healthy training (measured
             # on clean runs: 4-13x over 50 steps), outlier features are an activation's
@@ -275,7 +276,8 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
                 f"{_where(r)}: amax {_fmt(r['amax'])} grew {_fmt(r['value'])}x relative to the {int(r['n_kind'])} "
                 f"layers of its kind over its last {int(cfg.trend_window)} logged steps, steadily (at most "
                 f"{_fmt(2 ** r['dev_jump'])}x in one step), now {_fmt(2 ** r['dev'])}x their median: a growing "
-                "outlier feature, which saturates once it outruns the amax history"
+                "outlier feature; the scale it sets flushes the values beside it to zero, and a delayed scale "
+                "saturates once it outruns the amax history"
             ),
         ),
         RowRule(
