@@ -208,8 +208,11 @@ def test_one_layers_gradient_in_the_wrong_format_is_a_warning_at_its_first_step(
 
 
 @pytest.mark.parametrize("recipe, whatif, says, never", [
-    ({"kind": "delayed", "margin": 0, "amax_history_len": 16}, None, "outruns the amax history", "block scales confine"),
-    ({"kind": "current"}, None, "sets the scale, so the rest of the tensor flushes", "outruns the amax history"),
+    ({"kind": "delayed", "margin": 0, "amax_history_len": 16}, None,
+     "outruns the amax history, and the scale it sets flushes the rest of the tensor to zero. Per-tensor current "
+     "scaling stops the saturation but not the flush; block scaling", "block scales confine"),
+    ({"kind": "current"}, None, "sets the scale, so the rest of the tensor flushes to zero as it grows. Block scaling",
+     "outruns the amax history"),
     ({"kind": "mxfp8"}, None, "mxfp8 block scales confine it", "outruns the amax history"),
     ({"kind": "nvfp4"}, None, "nvfp4 block scales confine it", "outruns the amax history"),
     (None, {"kind": "block128"}, "block128 block scales confine it", "outruns the amax history"),  # a what-if run
