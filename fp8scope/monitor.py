@@ -321,12 +321,17 @@ class Monitor:
         """Writer thread: record the monitored tensors in run.json (merged with earlier segments)."""
         from fp8scope.store.manifest import read_manifest, update_manifest
 
-        current = {(t["layer"], t["tensor"]): t for t in read_manifest(self.run_dir).get("tensors", [])}
+        manifest = read_manifest(self.run_dir)
+        current = {(t["layer"], t["tensor"]): t for t in manifest.get("tensors", [])}
         for k in keys:
             current[(k.layer, k.role)] = {
                 "layer": k.layer, "tensor": k.role, "shape": list(k.shape), "fp8_format": k.fmt, "source": k.source,
             }
-        update_manifest(self.run_dir, tensors=list(current.values()))
+        # a framework's recipe (Transformer Engine's, read by its adapter at the first forward), where no
+        # emulated layer named one when the monitor attached
+        seen = self.collector.recipe_seen
+        extra = {"recipe": seen} if seen is not None and not manifest.get("recipe") else {}
+        update_manifest(self.run_dir, tensors=list(current.values()), **extra)
 
     # ---- failure handling ------------------------------------------------------------
     def _warn(self, key: str, message: str) -> None:

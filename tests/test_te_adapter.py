@@ -434,3 +434,28 @@ def test_the_gpu_self_check_passes_on_a_stand_in_and_catches_a_wrong_scale(tmp_p
     wrong = df.copy()
     wrong.loc[(wrong.layer == "1.fc2") & (wrong.tensor == "gradient") & (wrong.step == 2), "scale"] = 3.0
     assert any("1.fc2 gradient step 2" in p for p in te_hopper.check_run("delayed", model, wrong, states))
+
+
+# ---- the run's recipe ---------------------------------------------------------------------------
+@pytest.mark.parametrize("recipe, manifest_recipe", [
+    (lambda: te_standin.DelayedScaling(margin=1, amax_history_len=16),
+     {"kind": "delayed", "fp8_format": "HYBRID", "margin": 1, "amax_history_len": 16, "amax_compute_algo": "max"}),
+    (lambda: te_standin.Float8CurrentScaling(), {"kind": "current", "fp8_format": "HYBRID"}),
+    (lambda: te_standin.MXFP8BlockScaling(), {"kind": "mxfp8", "fp8_format": "E4M3"}),
+    (lambda: te_standin.Float8BlockScaling(), {"kind": "block128", "fp8_format": "E4M3"}),
+])
+def test_a_te_runs_manifest_and_report_name_its_recipe(tmp_path, monkeypatch, recipe, manifest_recipe):
+    """TE layers carry no recipe of their own (it comes with ``fp8_autocast``): the adapter reads it at
+    the first forward and the run's manifest names it, so the report's recipe line and its advice (a
+    delayed recipe's margin and history, a block recipe's confined outliers) are the run's, not those
+    of a run without a recipe."""
+    from fp8scope.detect.analysis import analysis
+
+    pt = te_standin.install(monkeypatch, "2.18.0")
+    torch.manual_seed(0)
+    train(pt, nn.Sequential(pt.Linear(128, 128)), recipe(), tmp_path, steps=2,
+          forward=lambda m: m(torch.randn(64, 128, requires_grad=True)))
+    run = fp8scope.load_run(tmp_path)
+    assert run.manifest["recipe"] == manifest_recipe
+    _, rep = analysis(tmp_path)
+    assert rep["recipe"] == manifest_recipe

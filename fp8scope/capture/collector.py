@@ -55,6 +55,7 @@ class StepCollector:
         self.active = True
         self.enabled = True
         self.new_keys = False  # a tensor was seen for the first time this step (manifest update)
+        self.recipe_seen: dict | None = None  # the first recipe a framework's layers reported (note_recipe)
         self.force_full = 0  # the next N steps get full stats (set after a suspicious cheap step)
         self.whatif_recipes: tuple[str, ...] = ()  # other recipes measured on full steps (capture.stats)
         self._recipe_rows: list[tuple[int, tuple[str, ...], torch.Tensor]] = []  # (kid, recipes, [n, RECIPE_FIELDS])
@@ -106,6 +107,13 @@ class StepCollector:
             self._recomputed.append((row, kid, numel))
         else:
             self.caps.append((row, kid, numel))  # one append: atomic, so no lock between hook threads
+
+    def note_recipe(self, recipe: dict) -> None:
+        """A framework's layers train under ``recipe`` (the manifest's recipe form: ``kind`` and
+        fields): the run's manifest names it when no emulated layer gave one (``Monitor``). The first
+        one reported is kept."""
+        if self.recipe_seen is None:
+            self.recipe_seen = recipe
 
     def warn(self, key: str, message: str) -> None:
         """Replaced by the Monitor (one warning per key); the default warns every time."""

@@ -24,6 +24,8 @@ class Sink(Protocol):
 
     def warn(self, key: str, message: str) -> None: ...
 
+    def note_recipe(self, recipe: dict) -> None: ...
+
     def record(
         self,
         layer: str,

@@ -74,6 +74,27 @@ def recipe_kind(recipe: Any) -> str:
     return "unknown"
 
 
+# recipe_kind's names as the manifest and the report name recipes (fp8scope.emulate's ``Recipe.kind``)
+_MANIFEST_KIND = {"delayed": "delayed", "current": "current", "mxfp8": "mxfp8", "block": "block128", "nvfp4": "nvfp4"}
+
+
+def recipe_dict(recipe: Any, kind: str) -> dict | None:
+    """TE's recipe in the manifest's form (``Recipe.to_dict``: ``kind`` and the fields the report's
+    advice reads), so that a TE run's report names its recipe as an emulated run's does; None for a
+    kind fp8scope does not read."""
+    if kind not in _MANIFEST_KIND:
+        return None
+    out: dict[str, Any] = {"kind": _MANIFEST_KIND[kind]}
+    fmt = getattr(getattr(recipe, "fp8_format", None), "name", None)
+    if fmt is not None and kind != "nvfp4":  # NVFP4's fp8_format is its block scales' format
+        out["fp8_format"] = fmt
+    for field in ("margin", "amax_history_len", "amax_compute_algo") if kind == "delayed" else ():
+        value = getattr(recipe, field, None)
+        if isinstance(value, (int, float, str)) and not isinstance(value, bool):
+            out[field] = value
+    return out
+
+
 def _format(meta: dict, pass_: str) -> Fp8Format:
     fmt_name = getattr(getattr(meta.get("recipe"), "fp8_format", None), "name", "HYBRID")
     try:
@@ -190,6 +211,8 @@ class _Reader:
         recipe = meta.get("recipe")
         if recipe is not self._recipe:  # a run keeps one recipe object: its kind is read once
             self._recipe, self._recipe_kind = recipe, recipe_kind(recipe)
+            if (as_dict := recipe_dict(recipe, self._recipe_kind)) is not None:
+                sink.note_recipe(as_dict)
         kind = self._recipe_kind
         if kind not in READABLE:
             sink.warn(f"te-recipe-{kind}", f"Transformer Engine recipe {type(meta.get('recipe')).__name__} is not "
