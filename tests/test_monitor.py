@@ -304,6 +304,9 @@ def test_torchao_float8_linear_emulated_on_cpu(tmp_path):
         assert (df.overflow <= 1).all() and (df.underflow >= 0).all()
         grad_fmt = set(df[df.tensor.str.startswith("gradient")].fp8_format)
         assert grad_fmt == ({"e5m2"} if recipe == "tensorwise" else {"e4m3"})
+        # the run names its recipe (the report's recipe line and advice read it)
+        assert fp8scope.load_run(tmp_path / recipe).manifest["recipe"] == (
+            {"kind": "current", "fp8_format": "HYBRID"} if recipe == "tensorwise" else {"kind": "rowwise", "fp8_format": "E4M3"})
         if recipe == "tensorwise":
             act = df[df.tensor == "activation"]
             assert (act.scale * act.amax).round(2).eq(448.0).all()

@@ -82,6 +82,11 @@ class TorchaoSource(Adapter):
         cfg = module.config
         pow2 = bool(getattr(cfg, "round_scales_to_power_of_2", False))
         casts = TorchaoSource.casts(cfg)
+        # the run's recipe, named as the manifest names recipes: dynamic scaling per tensor ("current")
+        # or per row ("rowwise"), HYBRID when the gradients are E5M2
+        grad_fmt = format_of_dtype(cfg.cast_config_grad_output.target_dtype or torch.float8_e4m3fn)
+        sink.note_recipe({"kind": "rowwise" if cfg.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
+                          else "current", "fp8_format": "HYBRID" if grad_fmt.name == "e5m2" else "E4M3"})
 
         def report(role: str, x: torch.Tensor) -> None:
             x = x.detach()
