@@ -426,11 +426,13 @@ def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
                        "block scales confine it to the blocks that hold it, so FP8 loses little while those blocks "
                        f"do not underflow (an underflow warning says when they do). If it keeps growing, {tame}.")
         else:
-            fate = ("will saturate once it outruns the amax history, and the scale it sets flushes the rest of the "
-                    "tensor to zero" if delayed else "sets the scale, so the rest of the tensor flushes to zero as it grows")
-            current = "Per-tensor current scaling stops the saturation but not the flush; b" if delayed else "B"
-            adv.append(f"A growing outlier in {', '.join(ls)}: it climbs away from its peers and {fate}. {current}lock "
-                       f"scaling (MXFP8, Float8BlockScaling) confines it to the blocks that hold it. Or {tame}.")
+            if delayed:
+                fate = ("will saturate once it outruns the amax history, and the scale it sets flushes the rest of the "
+                        "tensor to zero. Per-tensor current scaling stops the saturation but not the flush; block")
+            else:
+                fate = "sets the scale, so the rest of the tensor flushes to zero as it grows. Block"
+            adv.append(f"A growing outlier in {', '.join(ls)}: it climbs away from its peers and {fate} scaling (MXFP8, "
+                       f"Float8BlockScaling) confines it to the blocks that hold it. Or {tame}.")
     if "format_mismatch" in rules:
         ls = layers_of("format_mismatch")
         adv.append(f"{', '.join(ls)} cast(s) a tensor to another FP8 format than the rest of the model (a gradient in "

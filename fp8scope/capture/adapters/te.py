@@ -74,17 +74,13 @@ def recipe_kind(recipe: Any) -> str:
     return "unknown"
 
 
-# recipe_kind's names as the manifest and the report name recipes (fp8scope.emulate's ``Recipe.kind``)
-_MANIFEST_KIND = {"delayed": "delayed", "current": "current", "mxfp8": "mxfp8", "block": "block128", "nvfp4": "nvfp4"}
-
-
 def recipe_dict(recipe: Any, kind: str) -> dict | None:
-    """TE's recipe in the manifest's form (``Recipe.to_dict``: ``kind`` and the fields the report's
-    advice reads), so that a TE run's report names its recipe as an emulated run's does; None for a
-    kind fp8scope does not read."""
-    if kind not in _MANIFEST_KIND:
+    """TE's recipe in the manifest's form (``Recipe.to_dict``: ``kind`` as fp8scope.emulate names it,
+    TE's ``block`` being ``block128``, and the fields the report's advice reads), so that a TE run's
+    report names its recipe as an emulated run's does; None for a kind fp8scope does not read."""
+    if kind not in READABLE:
         return None
-    out: dict[str, Any] = {"kind": _MANIFEST_KIND[kind]}
+    out: dict[str, Any] = {"kind": "block128" if kind == "block" else kind}
     fmt = getattr(getattr(recipe, "fp8_format", None), "name", None)
     if fmt is not None and kind != "nvfp4":  # NVFP4's fp8_format is its block scales' format
         out["fp8_format"] = fmt
