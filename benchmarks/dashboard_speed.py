@@ -69,6 +69,7 @@ def step_batch(step: int, keys, rng, full: bool, spike_layer: int | None) -> pa.
         "order": pa.array(np.arange(n, dtype=np.int32)),
         "source": pa.array(["emulated"] * n, pa.string()),
         "fp8_format": pa.array(fmt.tolist(), pa.string()),
+        "recipe": pa.array(["delayed"] * n, pa.string()),
         "full": pa.array(np.full(n, full)),
         "calls": pa.array(np.ones(n, np.int32)),
         "amax": pa.array(amax),

@@ -26,7 +26,9 @@ and says what a correct answer is. A run is scored offline (``fp8scope.detect`` 
   others (FP8 must not be blamed);
 - **lead**: steps between the first detection and the step the loss moved (1.2x its median of the 20
   steps before the plant, or non-finite); positive = seen before the loss moved;
-- clean runs: the number of warning and critical events (must be 0).
+- clean runs: the number of warning and critical events (must be 0); a fault the recipe absorbs
+  (a growing outlier under MXFP8's block scales) is such a run, and an info event must name it at its
+  layer while it grows.
 
 Cases with ``forks`` run a ``fp8scope.Shadow`` whose forks start on warning events (the report's fork
 verdicts are scored); ``shadow_every`` adds BF16 compare steps; ``loaded`` runs two CPU-burning
@@ -118,6 +120,10 @@ def cases(steps: int) -> list[Case]:
              "lm.transformer.h.1.attn.c_proj", "activation", late - 9, "fp8", fp8="current"),
         Case("qwen2-nan-cheap-mxfp8", "qwen2", [f"nan:{LLAMA.format(2)}.self_attn.o_proj:{late + 11}"],
              f"{LLAMA.format(2)}.self_attn.o_proj", "activation", late + 11, "fp8", recipe="mxfp8"),
+        # a growing outlier costs MXFP8 only its own blocks (0.26 % of the input flushed at 256x): no
+        # warning, and the growth noted at its layer as info
+        Case("qwen2-growing-outlier-mxfp8", "qwen2", [f"grow:{LLAMA.format(1)}.mlp.down_proj:120:256:100"],
+             f"{LLAMA.format(1)}.mlp.down_proj", "activation", 120, "clean", until=230, recipe="mxfp8"),
         # not FP8
         Case("gpt-gradient-e4m3", "gpt", [], GPT_DOWN.format(2), "gradient", 0, "fp8", e4m3_layer=GPT_DOWN.format(2)),
         Case("llama-gradient-e4m3", "llama", [], f"{LLAMA.format(1)}.self_attn.o_proj", "gradient", 0, "fp8",
@@ -327,6 +333,14 @@ def score(case: Case, run_dir: Path, losses: list[float]) -> dict:
            "verdict": rep["verdict"]}
     if case.cause == "clean":
         out["ok"] = out["warnings"] + out["criticals"] == 0
+        if case.layer:  # a planted fault the recipe absorbs: its info event must still name it while it lasts
+            hi = case.until if case.until is not None else case.step + 1
+            noted = ev[(ev["layer"] == case.layer) & (ev["tensor"].map(base_role) == case.role)
+                       & ev["step"].between(case.step - 1, hi)]
+            n0 = None if noted.empty else noted.iloc[0]
+            out["noted"] = (None if n0 is None else
+                            {"step": int(n0["step"]), "rule": n0["rule"], "severity": n0["severity"]})
+            out["ok"] = out["ok"] and out["noted"] is not None
         out["forks"] = [(f["trigger"], f["verdict"]) for f in rep.get("forks") or []]
         return out
     if case.cause == "fp8":
@@ -408,7 +422,11 @@ def markdown(results: list[dict], steps: int, seconds: float) -> str:
     for r in results:
         det = r.get("detected")
         det_s = "-" if not det else f"{det['rule']} {det.get('layer', '')} {det['tensor']} @ {det['step']}".replace("  ", " ")
+        if r.get("noted"):  # a fault the recipe absorbs: its info event
+            det_s = f"{r['noted']['rule']} ({r['noted']['severity']}) @ {r['noted']['step']}"
         exp = "0 warnings" if r["cause"] == "clean" else r["cause"]
+        if r["cause"] == "clean" and r.get("noted", False) is not False:
+            exp += ", the fault noted as info"
         forks = ", ".join(v for _, v in r.get("forks") or []) or "-"
         lag = "-" if r.get("max_lag") is None else r["max_lag"]
         rows.append(f"| {r['case']} | {', '.join(r['inject']) or '-'} | {exp} | {det_s} | {r['side'] or '-'} | {forks} | "

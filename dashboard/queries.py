@@ -253,7 +253,7 @@ def fork_verdicts(e: Entry) -> pd.DataFrame | None:
 
 
 TENSOR_SERIES = ["step", "amax", "expected_amax", "range", "scale_inv", "min_nonzero", "overflow_pct",
-                 "underflow_pct", "saturated_pct", "sqnr_db", "nonfinite", "fp8_format", "source"]
+                 "underflow_pct", "saturated_pct", "sqnr_db", "nonfinite", "fp8_format", "source", "recipe"]
 
 
 def tensor_series(e: Entry, layer: str, role: str, max_points: int = MAX_POINTS,
@@ -267,7 +267,7 @@ def tensor_series(e: Entry, layer: str, role: str, max_points: int = MAX_POINTS,
         if tid is None:
             return pd.DataFrame({c: [] for c in TENSOR_SERIES})
         if fine(e, span, max_points):
-            return _tensor_raw(e, layer, role, max_points, span, r.fmt[tid], r.source[tid])
+            return _tensor_raw(e, layer, role, max_points, span, r.fmt[tid], r.source[tid], r.recipe[tid])
         a = r.a
         rows = r.rows_in(np.flatnonzero(a["tid"] == tid), span)  # sorted by bucket
         width = r.width(max_points, span)
@@ -279,12 +279,14 @@ def tensor_series(e: Entry, layer: str, role: str, max_points: int = MAX_POINTS,
             "range": red(np.fmin, "range"), "scale_inv": red(np.fmax, "scale_inv"), "min_nonzero": red(np.fmin, "min_nonzero"),
             "overflow_pct": red(np.fmax, "overflow_pct_w"), "underflow_pct": red(np.fmax, "underflow_pct_w"),
             "saturated_pct": red(np.fmax, "saturated_pct_w"), "sqnr_db": red(np.fmin, "sqnr_db_w"),
-            "nonfinite": red(np.fmax, "nonfinite_w"), "fp8_format": r.fmt[tid], "source": r.source[tid]})
+            "nonfinite": red(np.fmax, "nonfinite_w"), "fp8_format": r.fmt[tid], "source": r.source[tid],
+            "recipe": r.recipe[tid]})
 
     return e.cached(("tensor", layer, role, max_points, span), f, rollup=True)
 
 
-def _tensor_raw(e: Entry, layer: str, role: str, max_points: int, span: tuple[int, int], fmt, source) -> pd.DataFrame:
+def _tensor_raw(e: Entry, layer: str, role: str, max_points: int, span: tuple[int, int], fmt, source,
+                recipe) -> pd.DataFrame:
     b = bucket_width(span, max_points)
     D = DERIVED
     q = f"""
@@ -295,7 +297,7 @@ def _tensor_raw(e: Entry, layer: str, role: str, max_points: int, span: tuple[in
                max({D['nonfinite'].sql}) as nonfinite
         from tensors where layer = ? and tensor = ? and step between ? and ? group by 1 order by 1"""
     df = e.sql(q, [layer, role, int(span[0]), int(span[1])])
-    return df.assign(fp8_format=fmt, source=source)
+    return df.assign(fp8_format=fmt, source=source, recipe=recipe)
 
 
 def first_divergence(a: pd.DataFrame, b: pd.DataFrame, rel: float = 0.05, hold: int = 3) -> int | None:

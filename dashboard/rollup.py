@@ -67,6 +67,7 @@ class Rollup:
         self.ord: list[int] = []
         self.fmt: list[str | None] = []
         self.source: list[str | None] = []
+        self.recipe: list[str | None] = []  # the recipe kind its scales come from (the tensors table's column)
         self._buf: dict[str, np.ndarray] = {}  # arrays with spare capacity, rows in (bucket, tid) order
         self._n = 0
         self.version: tuple = ()
@@ -97,7 +98,8 @@ class Rollup:
         rows = pa.array(first[used])
         fmts = head["fp8_format"].take(rows).to_pylist() if "fp8_format" in t.column_names else [None] * len(used)
         srcs = head["source"].take(rows).to_pylist() if "source" in t.column_names else [None] * len(used)
-        for p, fm, sr in zip(used, fmts, srcs):
+        recs = head["recipe"].take(rows).to_pylist() if "recipe" in t.column_names else [None] * len(used)
+        for p, fm, sr, rc in zip(used, fmts, srcs, recs):
             key = (ln[p // max(1, len(rn))], rn[p % max(1, len(rn))])
             tid = self.tids.get(key)
             if tid is None:
@@ -107,6 +109,7 @@ class Rollup:
                 self.ord.append(int(ordc[first[p]]))
                 self.fmt.append(fm)
                 self.source.append(sr)
+                self.recipe.append(rc)
             else:
                 self.ord[tid] = min(self.ord[tid], int(ordc[first[p]]))
             remap[p] = tid

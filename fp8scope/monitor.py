@@ -326,6 +326,7 @@ class Monitor:
         for k in keys:
             current[(k.layer, k.role)] = {
                 "layer": k.layer, "tensor": k.role, "shape": list(k.shape), "fp8_format": k.fmt, "source": k.source,
+                "recipe": k.recipe,
             }
         # a framework's recipe (Transformer Engine's, read by its adapter at the first forward), where no
         # emulated layer named one when the monitor attached

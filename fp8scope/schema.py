@@ -54,6 +54,10 @@ TENSOR_SCHEMA = pa.schema(
         ("order", pa.int32()),  # execution order of the first capture within the step
         ("source", pa.string()),  # emulated / torchao / te / whatif
         ("fp8_format", pa.string()),  # e4m3 / e5m2 / ...
+        # the recipe kind its scales come from (delayed / current / rowwise / mxfp8 / block128 / nvfp4;
+        # a what-if row's is the simulated recipe's); null where the adapter does not know it. Rules
+        # that reason about one scale per tensor read it (detect.design_loss.BLOCK_SCALED)
+        ("recipe", pa.string()),
         ("full", pa.bool_()),  # full stats (True) or cheap stats (amax and scales only)
         ("calls", pa.int32()),  # captures merged into this row (micro-batches)
         ("amax", pa.float64()),

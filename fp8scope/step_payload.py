@@ -58,6 +58,7 @@ class TensorKey:
     fmt: str
     fp8_max: float
     shape: tuple[int, ...]
+    recipe: str | None = None  # the recipe kind its scales come from (``StepCollector.layer_recipe``)
 
 
 @dataclass

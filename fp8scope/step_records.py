@@ -65,7 +65,7 @@ def _float_col(values: np.ndarray) -> pa.Array:
 
 
 def _identity_columns(kids: np.ndarray, keys: Sequence[TensorKey], cache: dict | None) -> dict[str, pa.Array]:
-    """layer / tensor / source / fp8_format / fp8_max for these rows. A training loop logs the same
+    """layer / tensor / source / fp8_format / recipe / fp8_max for these rows. A training loop logs the same
     tensors in the same order step after step, so a writer passes a ``cache`` and the arrays are
     built once per distinct row list instead of once per step."""
     sig = kids.tobytes() if cache is not None else None
@@ -77,6 +77,7 @@ def _identity_columns(kids: np.ndarray, keys: Sequence[TensorKey], cache: dict |
         "tensor": pa.array([k.role for k in ks], type=pa.string()),
         "source": pa.array([k.source for k in ks], type=pa.string()),
         "fp8_format": pa.array([k.fmt for k in ks], type=pa.string()),
+        "recipe": pa.array([k.recipe for k in ks], type=pa.string()),
         "fp8_max": pa.array(np.array([k.fp8_max for k in ks], dtype=np.float64)),
     }
     if sig is not None:

@@ -203,6 +203,7 @@ def test_outliers_click_through_to_tensor(page, env):
     page.locator("#outliers-table td[data-dash-column='layer']").first.click()  # a click on a row opens it
     page.wait_for_selector("#tensor-amax .main-svg", timeout=30000)
     assert page.inner_text("#tensor-title") == "blocks.1.mlp.down / activation"
+    assert "source emulated, recipe delayed;" in page.inner_text("#body .muted")  # the tensor's own recipe
     assert "view=tensor" in page.url
     shot(page, "tensor")
 

@@ -307,6 +307,7 @@ def test_torchao_float8_linear_emulated_on_cpu(tmp_path):
         # the run names its recipe (the report's recipe line and advice read it)
         assert fp8scope.load_run(tmp_path / recipe).manifest["recipe"] == (
             {"kind": "current", "fp8_format": "HYBRID"} if recipe == "tensorwise" else {"kind": "rowwise", "fp8_format": "E4M3"})
+        assert set(df.recipe) == {"current" if recipe == "tensorwise" else "rowwise"}  # and each tensor's rows
         if recipe == "tensorwise":
             act = df[df.tensor == "activation"]
             assert (act.scale * act.amax).round(2).eq(448.0).all()

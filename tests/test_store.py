@@ -54,6 +54,8 @@ def tensor_batch(step: int, rank: int = 0, value: float = 1.0) -> pa.RecordBatch
             cols[f.name] = list(range(n))
         elif f.name in ("source", "fp8_format"):
             cols[f.name] = ["emulated" if f.name == "source" else "e4m3"] * n
+        elif f.name == "recipe":
+            cols[f.name] = ["delayed"] * n
         elif f.name == "full":
             cols[f.name] = [True] * n
         elif pa.types.is_integer(f.type):
@@ -118,6 +120,26 @@ def test_round_trip(run_dir: Path):
     assert info["ranks"] == [0] and info["tensors"] == 12 and info["segments"] == [0]
     assert info["size_bytes"] > 0 and info["last_write"] and info["compacted"] is False
     assert run.table("tensors").equals(load_run(run_dir).table("tensors"))
+
+
+def test_a_run_resumed_by_a_newer_fp8scope_reads_and_detects_across_its_segments(run_dir: Path):
+    """Segment 0 written before the tensors table had its ``recipe`` column (an older fp8scope), segment 1
+    with it: the run reads as one table, the old rows' recipe null, and detection runs over both."""
+    from fp8scope.detect import detect
+
+    old = TENSOR_SCHEMA.remove(TENSOR_SCHEMA.get_field_index("recipe"))
+    stream_path(run_dir, "tensors", 0, 0).parent.mkdir(parents=True)
+    with pa.ipc.new_stream(str(stream_path(run_dir, "tensors", 0, 0)), old) as w:
+        for s in range(3):
+            w.write_batch(tensor_batch(s).drop_columns(["recipe"]))
+    with RunWriter(run_dir, rank=0) as w:
+        assert w.segment == 1
+        for s in range(3, 6):
+            w.write("tensors", tensor_batch(s))
+    df = load_run(run_dir).tensors()
+    assert df["step"].tolist() == sorted(df["step"].tolist()) and len(df) == 6 * len(LAYERS) * len(ROLES)
+    assert df.loc[df["step"] < 3, "recipe"].isna().all() and (df.loc[df["step"] >= 3, "recipe"] == "delayed").all()
+    assert detect(run_dir) is not None
 
 
 def test_filters(run_dir: Path):

@@ -457,5 +457,8 @@ def test_a_te_runs_manifest_and_report_name_its_recipe(tmp_path, monkeypatch, re
           forward=lambda m: m(torch.randn(64, 128, requires_grad=True)))
     run = fp8scope.load_run(tmp_path)
     assert run.manifest["recipe"] == manifest_recipe
+    # and each tensor's rows and manifest entry (the detector reads a block recipe's per-block scales there)
+    assert set(run.tensors()["recipe"]) == {manifest_recipe["kind"]}
+    assert {t["recipe"] for t in run.manifest["tensors"]} == {manifest_recipe["kind"]}
     _, rep = analysis(tmp_path)
     assert rep["recipe"] == manifest_recipe

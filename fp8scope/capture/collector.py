@@ -56,6 +56,7 @@ class StepCollector:
         self.enabled = True
         self.new_keys = False  # a tensor was seen for the first time this step (manifest update)
         self.recipe_seen: dict | None = None  # the first recipe a framework's layers reported (note_recipe)
+        self._layer_recipes: dict[str, str] = {}  # layer -> the recipe kind its scales come from (layer_recipe)
         self.force_full = 0  # the next N steps get full stats (set after a suspicious cheap step)
         self.whatif_recipes: tuple[str, ...] = ()  # other recipes measured on full steps (capture.stats)
         self._recipe_rows: list[tuple[int, tuple[str, ...], torch.Tensor]] = []  # (kid, recipes, [n, RECIPE_FIELDS])
@@ -93,7 +94,8 @@ class StepCollector:
 
     def _new_key(self, layer, role, source, fmt, shape) -> int:
         kid = len(self.keys)
-        self.keys.append(TensorKey(layer, role, source, fmt.name, fmt.max, tuple(shape)))
+        self.keys.append(TensorKey(layer, role, source, fmt.name, fmt.max, tuple(shape),
+                                   self._layer_recipes.get(layer)))
         self._key_ids[(layer, role)] = kid
         self.new_keys = True
         return kid
@@ -114,6 +116,13 @@ class StepCollector:
         one reported is kept."""
         if self.recipe_seen is None:
             self.recipe_seen = recipe
+
+    def layer_recipe(self, layer: str, kind: str) -> None:
+        """``layer``'s tensors are cast under a recipe of ``kind`` (``Recipe.kind``: delayed, current,
+        rowwise, mxfp8, block128, nvfp4; a what-if layer's simulated recipe): its rows say so, and the
+        detector reads it (one scale per tensor or per block). Adapters call it before the layer's
+        first capture; a key keeps the kind it was made with."""
+        self._layer_recipes[layer] = kind
 
     def warn(self, key: str, message: str) -> None:
         """Replaced by the Monitor (one warning per key); the default warns every time."""

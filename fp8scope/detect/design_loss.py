@@ -54,10 +54,14 @@ FORMAT_RECIPE = {"e2m1": "nvfp4"}
 FP8 = "fp8"  # any per-tensor FP8 recipe: it loses nothing by design (in no table)
 
 
-def recipe_of_format(fmt) -> str:
-    """The recipe a tensors-table row of element format ``fmt`` comes from: a block recipe's name
-    (NVFP4's ``e2m1``), else :data:`FP8`."""
-    return FORMAT_RECIPE.get(str(fmt).lower(), FP8)
+def recipe_of(fmt, kind: str | None) -> str:
+    """The recipe a tensors-table row comes from, from its element format ``fmt`` and the recipe kind
+    it logged (its ``recipe`` column; None in runs logged before it, and from adapters that do not
+    know it): a block recipe's name (NVFP4's ``e2m1`` whatever the kind says), else :data:`FP8`."""
+    by_format = FORMAT_RECIPE.get(str(fmt).lower())
+    if by_format is not None:
+        return by_format
+    return kind if kind in BLOCK_SCALED else FP8
 
 
 def floors(recipe: str, role: str) -> tuple[float, float]:

@@ -306,7 +306,7 @@ def _keys(km, t: pa.Table) -> np.ndarray:
     """Tensor key of every row. A run read zero-copy has one chunk per logged step, and consecutive steps
     repeat the same names: per chunk they hit keys_of's cache."""
     have = set(t.column_names)
-    names = t.select([c for c in ("rank", "layer", "tensor", "fp8_format", "source") if c in have])
+    names = t.select([c for c in ("rank", "layer", "tensor", "fp8_format", "source", "recipe") if c in have])
     if names.column(0).num_chunks > 1:
         return np.concatenate([km.keys_of(b) for b in names.to_batches()])
     return km.keys_of(names)
@@ -317,7 +317,7 @@ def _numeric_columns(t: pa.Table) -> tuple[dict, dict]:
     null), and the null mask of amax; strings stay in arrow (only their dictionary ids are used)."""
     cols, nulls = {}, {}
     for name in TENSOR_COLUMNS:
-        if name in ("layer", "tensor", "fp8_format", "source"):
+        if name in ("layer", "tensor", "fp8_format", "source", "recipe"):
             continue
         col = t.column(name)
         if name in ("step", "rank"):

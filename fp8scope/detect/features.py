@@ -20,13 +20,15 @@ import pyarrow as pa
 
 from fp8scope import derived
 from fp8scope.detect.config import DetectConfig
+from fp8scope.detect.design_loss import FP8, recipe_of
+from fp8scope.detect.design_loss import floors as floors_of
 from fp8scope.schema import base_role
 
 MAD_FLOOR_BINADES = 0.1
 # columns of the tensors table the detector reads
 TENSOR_COLUMNS = [
     "step", "rank", "layer", "tensor", "order", "fp8_format", "amax", "min_nonzero", "scale", "scale_inv",
-    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow", "source",
+    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow", "source", "recipe",
 ]
 
 
@@ -42,6 +44,7 @@ class KeyMap:
         self.keys: dict[tuple, int] = {}
         self.info: list[tuple] = []
         self.sources: list[str | None] = []  # per key: the row's source (emulated, whatif, te, torchao, ...)
+        self.recipes: list[str | None] = []  # per key: the recipe kind its scales come from (None: not logged)
         self.kinds: dict[str, int] = {}
         self.roles: dict[str, int] = {}
         self.kind_names: list[str] = []
@@ -49,6 +52,8 @@ class KeyMap:
         self._role_of = np.zeros(0, np.int32)
         self._grad_of = np.zeros(0, bool)
         self._bin_of = np.zeros(0, float)
+        self._block_of = np.zeros(0, bool)  # per key: scaled per block of values, not per tensor
+        self._designs: list[str] = []  # per key: design_loss.recipe_of (a block recipe's kind, or FP8)
         self._uf_floor = np.zeros(0, float)  # per key: what its recipe may lose by design (detect.design_loss)
         self._ovf_floor = np.zeros(0, float)
         self._peer_fmt: list[str | None] = []  # per key: the format most tensors of its (rank, role) use
@@ -66,12 +71,13 @@ class KeyMap:
             self.kind_names.append(k)
         return self.kinds[k]
 
-    def _add(self, rk: int, ly: str, tn: str, fm, source=None) -> int:
+    def _add(self, rk: int, ly: str, tn: str, fm, source=None, recipe=None) -> int:
         k = self.keys.get((rk, ly, tn))
         if k is None:
             k = self.keys[(rk, ly, tn)] = len(self.info)
             self.info.append((rk, ly, tn, fm, self._kind(ly), self.roles.setdefault(tn, len(self.roles))))
             self.sources.append(source)
+            self.recipes.append(recipe)
         return k
 
     def keys_of(self, t) -> np.ndarray:
@@ -100,12 +106,12 @@ class KeyMap:
         fmts = fmt.take(pa.array(rows)).to_pylist() if len(rows) else []
         names = t.schema.names
         # what-if rows are simulated casts, not a layer's real format: no peers in format_mismatch
-        srcs = (t.column("source").take(pa.array(rows)).to_pylist() if "source" in names and len(rows)
-                else [None] * len(rows))
+        srcs, recs = ((t.column(n).take(pa.array(rows)).to_pylist() if n in names and len(rows) else [None] * len(rows))
+                      for n in ("source", "recipe"))
         lds, tds = ld.to_pylist(), td.to_pylist()
         ids = np.array([self._add(int(ranks[c // (len(ld) * max(len(td), 1))]), lds[(c // max(len(td), 1)) % len(ld)],
-                                  tds[c % max(len(td), 1)], fm, sr)
-                        for c, fm, sr in zip(combos.tolist(), fmts, srcs)], np.int64)
+                                  tds[c % max(len(td), 1)], fm, sr, rc)
+                        for c, fm, sr, rc in zip(combos.tolist(), fmts, srcs, recs)], np.int64)
         if lut is not None:
             lut[combos] = ids
             key = lut[code]
@@ -116,10 +122,12 @@ class KeyMap:
             self._kind_of = np.array([i[4] for i in info], np.int32)
             self._role_of = np.array([i[5] for i in info], np.int32)
             self._grad_of = np.array([base_role(i[2]) == "gradient" for i in info], bool)
-            self._bin_of = np.array([_binades(i[3]) for i in info], float)
-            # what the key's recipe may lose by design (NVFP4's E2M1; detect.design_loss): the
-            # underflow and overflow rules start there
-            floors = [_design_floor(i[3], base_role(i[2])) for i in info]
+            designs = self._designs = [recipe_of(i[3], rc) for i, rc in zip(info, self.recipes)]
+            self._block_of = np.array([d != FP8 for d in designs], bool)
+            self._bin_of = np.array([_binades(i[3]) if d == FP8 else np.nan for i, d in zip(info, designs)], float)
+            # what the key's recipe may lose by design (NVFP4's E2M1, MXFP8 with FLOOR scales;
+            # detect.design_loss): the underflow and overflow rules start there
+            floors = [floors_of(d, base_role(i[2])) for i, d in zip(info, designs)]
             self._uf_floor = np.array([f[0] for f in floors], float)
             self._ovf_floor = np.array([f[1] for f in floors], float)
             self._peer_formats()
@@ -134,7 +142,10 @@ class KeyMap:
         from collections import Counter
 
         groups: dict[tuple, Counter] = {}
-        fmts = [str(i[3]).lower() if i[3] and src != "whatif" else None for i, src in zip(self.info, self.sources)]
+        # what-if rows are simulated casts, and a block recipe's formats are its own choice (MXFP8 casts
+        # gradients to E4M3 beside per-tensor layers' E5M2): neither is a peer nor odd
+        fmts = [str(i[3]).lower() if i[3] and src != "whatif" and not blk else None
+                for i, src, blk in zip(self.info, self.sources, self._block_of)]
         roles = [base_role(i[2]) for i in self.info]
         for i, f, r in zip(self.info, fmts, roles):
             if f is not None:
@@ -151,11 +162,13 @@ class KeyMap:
         self._peer_bin = np.array([_binades(p) if p else np.nan for p in peer], float)
 
     def names(self, keys) -> dict:
-        """layer, tensor, fp8_format and kind name of each key (for the few rows that fire)."""
+        """layer, tensor, fp8_format, recipe and kind name of each key (for the few rows that fire); the
+        recipe is the logged kind, or the block recipe a format implies in runs logged before it."""
         info = self.info
         return {"layer": [info[k][1] for k in keys], "tensor": [info[k][2] for k in keys],
-                "fp8_format": [info[k][3] for k in keys], "kind": [self.kind_names[info[k][4]] for k in keys],
-                "peer_format": [self._peer_fmt[k] for k in keys]}
+                "fp8_format": [info[k][3] for k in keys],
+                "recipe": [self.recipes[k] or (self._designs[k] if self._designs[k] != FP8 else None) for k in keys],
+                "kind": [self.kind_names[info[k][4]] for k in keys], "peer_format": [self._peer_fmt[k] for k in keys]}
 
 
 def _dict(col):
@@ -167,19 +180,12 @@ def _dict(col):
     return col.indices.to_numpy(zero_copy_only=False).astype(np.int64), col.dictionary
 
 
-def _design_floor(fmt, role: str) -> tuple[float, float]:
-    from fp8scope.detect.design_loss import floors, recipe_of_format
-
-    return floors(recipe_of_format(fmt), role)
-
-
 def _binades(fmt) -> float:
     """The binades one scale of ``fmt`` covers; NaN for a block recipe's format (NVFP4's E2M1: each
     block of 16 has its own scale, so a tensor's range says nothing about it)."""
-    from fp8scope.detect.design_loss import FP8, recipe_of_format
     from fp8scope.formats import get_format
 
-    if recipe_of_format(fmt) != FP8:
+    if recipe_of(fmt, None) != FP8:
         return float("nan")
     try:
         return get_format(str(fmt)).binades
@@ -225,6 +231,7 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
     c["role"] = km._role_of[key]
     c["is_grad"] = km._grad_of[key]
     c["binades"] = km._bin_of[key]
+    c["block"] = km._block_of[key]
     c["uf_floor"] = km._uf_floor[key]
     c["ovf_floor"] = km._ovf_floor[key]
     c["fmt_odd"] = km._odd_fmt[key]

@@ -20,7 +20,7 @@ from fp8scope.schema import SCHEMA_VERSION
 from fp8scope.store.atomic import atomic_write_bytes
 from fp8scope.store.layout import MANIFEST, manifest_path
 
-TENSOR_KEYS = ("layer", "tensor", "shape", "fp8_format", "source")
+TENSOR_KEYS = ("layer", "tensor", "shape", "fp8_format", "source", "recipe")
 
 
 def _torch_version() -> str | None:

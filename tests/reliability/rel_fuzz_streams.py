@@ -43,6 +43,8 @@ def tensor_rows(step: int, rank: int, n: int = 6) -> pa.RecordBatch:
             v = ["activation", "weight", "gradient"] * (n // 3)
         elif f.name in ("source", "fp8_format"):
             v = ["emulated" if f.name == "source" else "e4m3"] * n
+        elif f.name == "recipe":
+            v = ["delayed"] * n
         elif f.name == "full":
             v = [True] * n
         elif pa.types.is_integer(f.type):

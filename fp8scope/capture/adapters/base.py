@@ -26,6 +26,8 @@ class Sink(Protocol):
 
     def note_recipe(self, recipe: dict) -> None: ...
 
+    def layer_recipe(self, layer: str, kind: str) -> None: ...
+
     def record(
         self,
         layer: str,

@@ -27,6 +27,7 @@ class EmulatedSource(Adapter):
 
         fmts = {"activation": module.recipe.forward_format, "weight": module.recipe.forward_format,
                 "gradient": module.recipe.backward_format}
+        sink.layer_recipe(layer, module.recipe.kind)
 
         def monitor(role, x, deq, amax, scale, scale_inv, expected_amax, fmt, grad_enabled, original=None):
             # the layer's scaling state already computed this tensor's amax: on cheap steps the row

@@ -85,8 +85,9 @@ class TorchaoSource(Adapter):
         # the run's recipe, named as the manifest names recipes: dynamic scaling per tensor ("current")
         # or per row ("rowwise"), HYBRID when the gradients are E5M2
         grad_fmt = format_of_dtype(cfg.cast_config_grad_output.target_dtype or torch.float8_e4m3fn)
-        sink.note_recipe({"kind": "rowwise" if cfg.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE
-                          else "current", "fp8_format": "HYBRID" if grad_fmt.name == "e5m2" else "E4M3"})
+        kind = "rowwise" if cfg.cast_config_input.scaling_granularity is ScalingGranularity.AXISWISE else "current"
+        sink.note_recipe({"kind": kind, "fp8_format": "HYBRID" if grad_fmt.name == "e5m2" else "E4M3"})
+        sink.layer_recipe(layer, kind)
 
         def report(role: str, x: torch.Tensor) -> None:
             x = x.detach()

@@ -31,6 +31,8 @@ class WhatIfSource(Adapter):
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
         tap = _WhatIfTap(layer, sink, recipe, linear_kind(module))
+        if isinstance(kind := getattr(recipe, "kind", None), str):  # its rows are the simulated recipe's
+            sink.layer_recipe(layer, kind)
         handle = module.register_forward_hook(tap.forward_hook)
         return lambda: (handle.remove(), tap.unregister()) and None
 
