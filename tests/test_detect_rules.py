@@ -157,16 +157,30 @@ def test_fp8_vs_bf16_is_judged_against_the_layers_own_noise():
 
 
 def test_attribution_orders_the_evidence():
-    def ev(step, rule, layer=""):
+    def ev(step, rule, layer="", tensor="activation"):
         return {"step": step, "rank": 0, "rule": rule, "severity": "warning", "layer": layer,
-                "tensor": "lr" if not layer else "activation", "value": 1.0, "threshold": 1.0, "message": rule}
+                "tensor": "lr" if not layer else tensor, "value": 1.0, "threshold": 1.0, "message": rule}
 
     lr_first = pd.DataFrame([ev(300, "lr_change"), ev(301, "loss_spike"), ev(305, "stale_scale", "l1")])
     assert attribution(lr_first)["side"] == "optimizer"
     fp8_first = pd.DataFrame([ev(200, "saturation", "l1"), ev(201, "loss_spike")])
     assert attribution(fp8_first)["side"] == "fp8"
     same_step = pd.DataFrame([ev(200, "loss_spike"), ev(200, "saturation", "l1")])
-    assert attribution(same_step)["side"] == "fp8"  # the step's loss comes after its tensors
+    assert attribution(same_step)["side"] == "fp8"  # the step's forward comes before its loss
+    # ... and its backward after it: a loss spike is no effect of the same step's gradients
+    for grad in ("gradient", "gradient@dim1"):
+        backward = pd.DataFrame([ev(200, "saturation", "l1", grad), ev(200, "loss_spike")])
+        a = attribution(backward)
+        assert a["side"] == "optimizer" and a["fp8_event"]["tensor"] == grad, a
+    # the grad norm and the lr the optimizer applies come after all of the step's tensors
+    assert attribution(pd.DataFrame([ev(200, "grad_norm_spike"), ev(200, "saturation", "l1", "gradient")]))["side"] == "fp8"
+    assert attribution(pd.DataFrame([ev(200, "lr_change"), ev(200, "underflow", "l1", "gradient")]))["side"] == "fp8"
+    # a layer that ran in high precision (what-if in a run whose other layers ran FP8) is no FP8 damage
+    head = pd.DataFrame([ev(200, "saturation", "head"), ev(200, "loss_spike"), ev(203, "stale_scale", "l1")])
+    assert attribution(head)["side"] == "fp8"
+    a = attribution(head, whatif=["head"])
+    assert a["side"] == "optimizer" and a["fp8_event"]["layer"] == "l1" and a["fp8_event"]["step"] == 203
+    assert attribution(head.iloc[:1], whatif=["head"])["side"] is None
 
 
 def test_one_layers_gradient_in_the_wrong_format_is_a_warning_at_its_first_step(tmp_path):
@@ -279,3 +293,40 @@ def test_a_growing_outlier_warns_under_a_per_tensor_scale_and_is_info_under_bloc
     trend = ev[ev["rule"] == "amax_trend"]
     assert "blocks.2.mlp.down" in set(trend["layer"]), ev
     assert "mxfp8 block scales confine it" in trend[trend["layer"] == "blocks.2.mlp.down"].iloc[0]["message"]
+
+
+def test_an_outlier_in_a_layer_kept_in_high_precision_does_not_blame_fp8(tmp_path):
+    """The demo model with its output head in high precision (measured what-if) beside FP8 layers, and
+    the same outlier planted in the head's input or in an FP8 layer's input at step 100 (real training
+    runs). In the head, the simulated cast saturates and the loss spikes, and the FP8 layers' gradients
+    saturate only in that step's backward: FP8 is unlikely the cause, and the advice says the head's
+    events are simulated. In the FP8 layer the same outlier saturates a real cast before the loss:
+    FP8 is the likely cause."""
+    import shutil
+
+    import torch
+
+    from fp8scope.demo import train as T
+    from fp8scope.detect.analysis import analysis
+
+    torch.set_num_threads(1)
+    reps = {}
+    for layer in ("lm_head", "blocks.1.mlp.down"):
+        a = T.default_args(steps=130, n_layers=2, d_model=32, n_heads=2, batch_size=4, seq_len=16, every=10,
+                           quiet=True, corpus_chars=20000, inject=[T._inject_arg(f"outlier:{layer}:100:1000")])
+        s = T.build(a)
+        path = tmp_path / layer
+        shutil.rmtree(path, ignore_errors=True)
+        with T.open_monitor(s, path) as mon:
+            T.train_steps(s, 130, monitor=mon)
+        _, reps[layer] = analysis(path)
+    head, fp8 = reps["lm_head"], reps["blocks.1.mlp.down"]
+    assert head["measured"]["kind"] == "mixed" and head["whatif_layers"] == ["lm_head"]
+    assert head["first_anomaly"]["layer"] == "lm_head" and head["first_anomaly"]["step"] == 100
+    att = head["attribution"]
+    assert att["side"] == "optimizer" and att["event"]["rule"] == "loss_spike", att
+    assert att["fp8_event"]["step"] == 100 and att["fp8_event"]["tensor"] == "gradient", att  # in its backward
+    assert head["blame"]["level"] == "unlikely" and "in the backward of step 100" in head["blame"]["why"]
+    assert head["advice"][0].startswith("lm_head ran in high precision (measured what-if)")
+    assert fp8["blame"]["level"] == "likely", fp8["blame"]
+    assert fp8["attribution"]["event"]["layer"] == "blocks.1.mlp.down" and fp8["attribution"]["event"]["step"] == 100

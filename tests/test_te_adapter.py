@@ -453,12 +453,14 @@ def test_a_te_runs_manifest_and_report_name_its_recipe(tmp_path, monkeypatch, re
 
     pt = te_standin.install(monkeypatch, "2.18.0")
     torch.manual_seed(0)
-    train(pt, nn.Sequential(pt.Linear(128, 128)), recipe(), tmp_path, steps=2,
+    train(pt, nn.Sequential(pt.Linear(128, 128), pt.LayerNormMLP(128, 256)), recipe(), tmp_path, steps=2,
           forward=lambda m: m(torch.randn(64, 128, requires_grad=True)))
     run = fp8scope.load_run(tmp_path)
     assert run.manifest["recipe"] == manifest_recipe
-    # and each tensor's rows and manifest entry (the detector reads a block recipe's per-block scales there)
-    assert set(run.tensors()["recipe"]) == {manifest_recipe["kind"]}
+    # and each tensor's rows and manifest entry, a LayerNormMLP's two GEMMs too (the detector reads a
+    # block recipe's per-block scales there)
+    rows = run.tensors()
+    assert set(rows["layer"]) == {"0", "1.fc1", "1.fc2"} and set(rows["recipe"]) == {manifest_recipe["kind"]}
     assert {t["recipe"] for t in run.manifest["tensors"]} == {manifest_recipe["kind"]}
     _, rep = analysis(tmp_path)
     assert rep["recipe"] == manifest_recipe

@@ -19,6 +19,7 @@ import html
 import math
 from typing import Any
 
+import numpy as np
 import pandas as pd
 
 from fp8scope.detect.config import DetectConfig
@@ -76,7 +77,9 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     rep["first_anomaly"] = _ev(first)
     nan = ev[ev["rule"] == "nan_origin"] if not ev.empty else ev
     rep["nan_origin"] = _ev(nan.iloc[0]) if not nan.empty else None
-    rep["attribution"] = attribution(serious)
+    # a mixed run's high-precision layers, measured what-if: their FP8 symptoms are simulated
+    rep["whatif_layers"] = whatif_layers(manifest) if rep["measured"]["kind"] == "mixed" else []
+    rep["attribution"] = attribution(serious, rep["whatif_layers"])
     rep["top_layers"] = _top_layers(serious)
     rep["scalars"] = _scalar_context(run, cfg, rep["first_anomaly"])
     rep["shadow"] = _shadow_verdict(run, cfg)
@@ -136,7 +139,7 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
     if att.get("side") == "optimizer":
         e, x = att["event"], att["fp8_event"]
         return {"level": "unlikely", "why": f"the optimizer side moved first ({e['rule']} at step {e['step']}"
-                + (f", FP8's first symptom only at step {x['step']})" if x else ", no FP8 symptom at all)")}
+                + (f", FP8's first symptom only {_when(e, x)})" if x else ", no FP8 symptom at all)")}
     if (rep.get("measured") or {}).get("kind") == "whatif":
         return {"level": "unknown", "why": "what-if run: training ran in high precision, the FP8 symptoms are "
                                            "simulated (they say what FP8 would have done)"}
@@ -148,6 +151,11 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
         e = att["event"]
         return {"level": "likely", "why": f"an FP8 symptom came first: {e['rule']} in {e['layer']} {e['tensor']} "
                                           f"at step {e['step']}".rstrip()}
+    simulated = serious[serious["layer"].isin(rep.get("whatif_layers") or [])]
+    if not simulated.empty and not serious["rule"].isin(FP8_DAMAGE).drop(simulated.index).any():
+        ls = list(dict.fromkeys(simulated["layer"]))
+        return {"level": "unlikely", "why": "FP8's only symptoms are simulated, on layers that ran in high precision "
+                                            f"(what-if): {', '.join(ls[:3])}{' and others' if len(ls) > 3 else ''}"}
     return {"level": "unknown", "why": "warnings without an FP8 symptom or an optimizer-side event to order them"}
 
 
@@ -333,20 +341,44 @@ FP8_DAMAGE = frozenset({"saturation", "saturation_rate", "underflow", "nan_origi
 OPTIMIZER_SIDE = frozenset({"lr_change", "loss_spike", "grad_norm_spike"})
 
 
-def attribution(serious: pd.DataFrame) -> dict:
-    """Which side moved first. An lr change, loss spike or grad-norm spike at a step before any FP8
-    saturation, underflow, stale or mismatched scale, NaN or BF16 departure points away from FP8
-    (events of the same step do not count as earlier: a step's loss, grad norm and applied lr come
-    after its tensors). ``side``: "optimizer", "fp8" or None; ``event``: the first event of that side;
-    ``fp8_event``: the first FP8 one, if any."""
+def whatif_layers(manifest: dict) -> list[str]:
+    """The layers whose rows are what-if (``source`` whatif in run.json's tensors): in a run whose other
+    layers ran FP8, layers kept in high precision (an output head, the first and last blocks)."""
+    return sorted({t["layer"] for t in manifest.get("tensors") or [] if t.get("source") == "whatif"})
+
+
+def _phases(ev: pd.DataFrame) -> pd.Series:
+    """When each event happens within its step: an FP8 symptom in the forward (0), the loss (1), an FP8
+    symptom in the backward (2: a gradient), the grad norm and the lr the optimizer applies (3)."""
+    grad = ev["tensor"].astype(str).str.partition("@")[0] == "gradient"  # schema.base_role, per row
+    opt = ev["rule"].isin(OPTIMIZER_SIDE)
+    return pd.Series(np.where(opt, np.where(ev["rule"] == "loss_spike", 1, 3), np.where(grad, 2, 0)), index=ev.index)
+
+
+def _when(e: dict, x: dict) -> str:
+    """Where FP8's first symptom ``x`` comes after the optimizer-side event ``e``: a later step, or the
+    backward of the step whose loss spiked."""
+    return f"in the backward of step {x['step']}" if x["step"] == e["step"] else f"at step {x['step']}"
+
+
+def attribution(serious: pd.DataFrame, whatif: list[str] | tuple = ()) -> dict:
+    """Which side moved first. An lr change, loss spike or grad-norm spike before any FP8 saturation,
+    underflow, stale or mismatched scale, NaN or BF16 departure points away from FP8. Within a step the
+    forward's tensors come before its loss, and its gradients after it (:func:`_phase`): a loss spike
+    is not the effect of the same step's gradients, which change only the next step's weights; a
+    step's grad norm and applied lr come after all its tensors. ``whatif``: layers that ran in high
+    precision in a run whose others ran FP8; their simulated symptoms are no FP8 damage. ``side``:
+    "optimizer", "fp8" or None; ``event``: the first event of that side; ``fp8_event``: the first FP8
+    one, if any."""
     if serious.empty:
         return {"side": None, "event": None, "fp8_event": None}
-    ordered = serious.sort_values(["step", "rank"], kind="stable")
+    ordered = serious.assign(_phase=_phases(serious)).sort_values(["step", "_phase", "rank"], kind="stable")
     opt = ordered[ordered["rule"].isin(OPTIMIZER_SIDE)]
-    fp8 = ordered[ordered["rule"].isin(FP8_DAMAGE)]
+    fp8 = ordered[ordered["rule"].isin(FP8_DAMAGE) & ~ordered["layer"].isin(list(whatif))]
     first_opt = _ev(opt.iloc[0]) if not opt.empty else None
     first_fp8 = _ev(fp8.iloc[0]) if not fp8.empty else None
-    if first_opt is not None and (first_fp8 is None or first_opt["step"] < first_fp8["step"]):
+    if first_opt is not None and (first_fp8 is None or (opt["step"].iloc[0], opt["_phase"].iloc[0])
+                                  < (fp8["step"].iloc[0], fp8["_phase"].iloc[0])):
         return {"side": "optimizer", "event": first_opt, "fp8_event": first_fp8}
     if first_fp8 is not None:
         return {"side": "fp8", "event": first_fp8, "fp8_event": first_fp8}
@@ -356,7 +388,7 @@ def attribution(serious: pd.DataFrame) -> dict:
 def _optimizer_advice(rep: dict) -> list[str]:
     a = rep["attribution"]
     e, f = a["event"], a["fp8_event"]
-    after = (f"; FP8 trouble only follows at step {f['step']} ({f['rule']} in {f['layer']} {f['tensor']})" if f
+    after = (f"; FP8 trouble only follows {_when(e, f)} ({f['rule']} in {f['layer']} {f['tensor']})" if f
              else "; no FP8 saturation, underflow or NaN at all")
     if e["rule"] == "lr_change":
         first = (f"The learning rate changed abruptly at step {e['step']} ({e['message']}){after}. Check the "
@@ -372,6 +404,18 @@ def _optimizer_advice(rep: dict) -> list[str]:
 def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
     if serious.empty:
         return ["Nothing at warning level or above: the FP8 numerics look healthy with these thresholds."]
+    simulated = serious[serious["layer"].isin(rep.get("whatif_layers") or [])]
+    if simulated.empty:
+        return _rule_advice(rep, serious, cfg)
+    ls = list(dict.fromkeys(simulated["layer"]))
+    note = (f"{', '.join(ls[:3])}{' and others' if len(ls) > 3 else ''} ran in high precision (measured what-if): "
+            "the FP8 events there say what the what-if recipe would do to them, not what training did; keep them "
+            "out of FP8.")
+    rest = serious.drop(simulated.index)
+    return [note] + (_rule_advice(rep, rest, cfg) if not rest.empty else [])
+
+
+def _rule_advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
     if rep.get("attribution", {}).get("side") == "optimizer":
         return _optimizer_advice(rep)
     # the recipe whose numbers the events judge: the model's, or in a what-if run the what-if recipe's
@@ -468,7 +512,7 @@ def _verdict(rep: dict, serious: pd.DataFrame) -> str:
     if att.get("side") == "optimizer":
         e, x = att["event"], att["fp8_event"]
         s += (f"; the optimizer side moved first ({e['rule']} at step {e['step']}, "
-              + (f"before FP8's first symptom at step {x['step']}" if x else "with no FP8 symptom") + "): FP8 is unlikely "
+              + (f"before FP8's first symptom {_when(e, x)}" if x else "with no FP8 symptom") + "): FP8 is unlikely "
               "the cause")
     if (rep.get("measured") or {}).get("kind") == "whatif" and f["layer"]:
         s += " (what-if: simulated FP8; training ran in high precision)"

@@ -209,7 +209,8 @@ class _Reader:
             self._recipe, self._recipe_kind = recipe, recipe_kind(recipe)
             if (as_dict := recipe_dict(recipe, self._recipe_kind)) is not None:
                 sink.note_recipe(as_dict)
-                sink.layer_recipe(self.layer, as_dict["kind"])
+                for g in self.gemms:  # each GEMM's rows (LayerNormMLP's fc1 and fc2, GroupedLinear's gemmN)
+                    sink.layer_recipe(g.name, as_dict["kind"])
         kind = self._recipe_kind
         if kind not in READABLE:
             sink.warn(f"te-recipe-{kind}", f"Transformer Engine recipe {type(meta.get('recipe')).__name__} is not "
