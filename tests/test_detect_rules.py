@@ -167,9 +167,10 @@ def test_attribution_orders_the_evidence():
     assert attribution(fp8_first)["side"] == "fp8"
     same_step = pd.DataFrame([ev(200, "loss_spike"), ev(200, "saturation", "l1")])
     assert attribution(same_step)["side"] == "fp8"  # the step's forward comes before its loss
+    assert attribution(pd.DataFrame([ev(200, "loss_spike"), ev(200, "fp8_vs_bf16", "l1", "output")]))["side"] == "fp8"
     # ... and its backward after it: a loss spike is no effect of the same step's gradients
-    for grad in ("gradient", "gradient@dim1"):
-        backward = pd.DataFrame([ev(200, "saturation", "l1", grad), ev(200, "loss_spike")])
+    for rule, grad in (("saturation", "gradient"), ("saturation", "gradient@dim1"), ("fp8_vs_bf16", "wgrad")):
+        backward = pd.DataFrame([ev(200, rule, "l1", grad), ev(200, "loss_spike")])
         a = attribution(backward)
         assert a["side"] == "optimizer" and a["fp8_event"]["tensor"] == grad, a
     # the grad norm and the lr the optimizer applies come after all of the step's tensors

@@ -349,8 +349,10 @@ def whatif_layers(manifest: dict) -> list[str]:
 
 def _phases(ev: pd.DataFrame) -> pd.Series:
     """When each event happens within its step: an FP8 symptom in the forward (0), the loss (1), an FP8
-    symptom in the backward (2: a gradient), the grad norm and the lr the optimizer applies (3)."""
-    grad = ev["tensor"].astype(str).str.partition("@")[0] == "gradient"  # schema.base_role, per row
+    symptom in the backward (2: a gradient, a weight gradient's BF16 compare), the grad norm and the lr
+    the optimizer applies (3)."""
+    # schema.base_role per row; "wgrad": a BF16 compare of the weight gradient (fp8_vs_bf16)
+    grad = ev["tensor"].astype(str).str.partition("@")[0].isin(("gradient", "wgrad"))
     opt = ev["rule"].isin(OPTIMIZER_SIDE)
     return pd.Series(np.where(opt, np.where(ev["rule"] == "loss_spike", 1, 3), np.where(grad, 2, 0)), index=ev.index)
 
