@@ -45,7 +45,8 @@ def keys_for(n_tensors: int) -> list[TensorKey]:
         for role in ROLES:
             if len(keys) < n_tensors:
                 fmt = "e5m2" if role == "gradient" else "e4m3"
-                keys.append(TensorKey(layer, role, "emulated", fmt, 57344.0 if fmt == "e5m2" else 448.0, (1024, 1024)))
+                keys.append(TensorKey(layer, role, "emulated", fmt, 57344.0 if fmt == "e5m2" else 448.0, (1024, 1024),
+                                      "delayed"))
         i += 1
     return keys
 
