@@ -329,5 +329,7 @@ def test_an_outlier_in_a_layer_kept_in_high_precision_does_not_blame_fp8(tmp_pat
     assert att["fp8_event"]["step"] == 100 and att["fp8_event"]["tensor"] == "gradient", att  # in its backward
     assert head["blame"]["level"] == "unlikely" and "in the backward of step 100" in head["blame"]["why"]
     assert head["advice"][0].startswith("lm_head ran in high precision (measured what-if)")
+    tops = {d["layer"]: d["whatif"] for d in head["top_layers"] + fp8["top_layers"]}
+    assert tops["lm_head"] is True and tops["blocks.1.mlp.down"] is False  # the report marks simulated layers
     assert fp8["blame"]["level"] == "likely", fp8["blame"]
     assert fp8["attribution"]["event"]["layer"] == "blocks.1.mlp.down" and fp8["attribution"]["event"]["step"] == 100

@@ -92,7 +92,8 @@ def print_report(rep: dict) -> None:
         c.print(Text("\ntop layers:", style="bold"))
         for i, d in enumerate(rep["top_layers"], 1):
             rules = ", ".join(f"{k} x{v}" for k, v in d["rules"].items())
-            c.print(Text(f"{i}. {d['layer']} {d['tensor']}: {d['worst']}, from step {d['first_step']} ({rules})"))
+            sim = " (what-if: simulated)" if d.get("whatif") else ""
+            c.print(Text(f"{i}. {d['layer']} {d['tensor']}{sim}: {d['worst']}, from step {d['first_step']} ({rules})"))
             for m in d["evidence"]:
                 c.print(Text(f"     - {m}"))
     if rep["scalars"]:

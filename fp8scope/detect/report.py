@@ -80,7 +80,7 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     # a mixed run's high-precision layers, measured what-if: their FP8 symptoms are simulated
     rep["whatif_layers"] = whatif_layers(manifest) if rep["measured"]["kind"] == "mixed" else []
     rep["attribution"] = attribution(serious, rep["whatif_layers"])
-    rep["top_layers"] = _top_layers(serious)
+    rep["top_layers"] = _top_layers(serious, rep["whatif_layers"])
     rep["scalars"] = _scalar_context(run, cfg, rep["first_anomaly"])
     rep["shadow"] = _shadow_verdict(run, cfg)
     rep["forks"] = forks(run)
@@ -185,16 +185,21 @@ def _planted(meta: dict) -> list[str]:
     return [specs] if isinstance(specs, str) else [str(s) for s in specs if isinstance(s, str)]
 
 
-def _top_layers(serious: pd.DataFrame, n: int = 5) -> list[dict]:
-    """The (layer, tensor) pairs with the most severe events, worst first. Plain python over the event
-    records: a pandas group-by with a sort, a value_counts and a drop_duplicates per pair cost seconds
-    on a run with hundreds of flagged tensors."""
+def _top_layers(serious: pd.DataFrame, whatif: list[str] | tuple = (), n: int = 5) -> list[dict]:
+    """The (layer, tensor) pairs with the most severe events, worst first, each marked ``"whatif": True``
+    when it is one of ``whatif``, a mixed run's high-precision layers, whose FP8 events are simulated
+    (their amax is real: an outlier may enter there). Plain python over the event records: a pandas
+    group-by with a sort, a value_counts and a drop_duplicates per pair cost seconds on a run with
+    hundreds of flagged tensors."""
     t = serious[(serious["layer"] != "") & serious["layer"].notna() & serious["tensor"].notna()] \
         if not serious.empty else serious
     groups: dict[tuple, list[dict]] = {}
     for r in t.to_dict("records"):
         groups.setdefault((r["layer"], r["tensor"]), []).append(r)
     out = [_layer_summary(layer, tensor, sorted(rs, key=lambda r: r["step"])) for (layer, tensor), rs in groups.items()]
+    simulated = set(whatif)
+    for d in out:
+        d["whatif"] = d["layer"] in simulated
     out.sort(key=lambda d: (-d["_score"][0], -d["_score"][1], -d["_score"][2]))
     for d in out:
         d.pop("_score")
@@ -574,7 +579,8 @@ def render_html(rep: dict, run, events: pd.DataFrame, path, max_steps: int = 400
         return "".join(f"<li>{e(str(x))}</li>" for x in items)
 
     top = "".join(
-        f"<tr><td>{e(d['layer'])}</td><td>{e(d['tensor'])}</td><td>{e(d['worst'])}</td><td>{d['first_step']}</td>"
+        f"<tr><td>{e(d['layer'])}</td><td>{e(d['tensor'])}{' (what-if: simulated)' if d.get('whatif') else ''}</td>"
+        f"<td>{e(d['worst'])}</td><td>{d['first_step']}</td>"
         f"<td>{e(', '.join(f'{k} x{v}' for k, v in d['rules'].items()))}</td><td><ul>{li(d['evidence'])}</ul></td></tr>"
         for d in rep["top_layers"])
     ev_rows = "".join(
