@@ -371,7 +371,7 @@ def _when(e: dict, x: dict) -> str:
 def attribution(serious: pd.DataFrame, whatif: list[str] | tuple = ()) -> dict:
     """Which side moved first. An lr change, loss spike or grad-norm spike before any FP8 saturation,
     underflow, stale or mismatched scale, NaN or BF16 departure points away from FP8. Within a step the
-    forward's tensors come before its loss, and its gradients after it (:func:`_phase`): a loss spike
+    forward's tensors come before its loss, and its gradients after it (:func:`_phases`): a loss spike
     is not the effect of the same step's gradients, which change only the next step's weights; a
     step's grad norm and applied lr come after all its tensors. ``whatif``: layers that ran in high
     precision in a run whose others ran FP8; their simulated symptoms are no FP8 damage. ``side``:
