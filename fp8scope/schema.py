@@ -23,6 +23,17 @@ def base_role(tensor: str) -> str:
     ``role@axis`` (``gradient@dim1``); rules and filters treat it as its role."""
     return tensor.partition("@")[0]
 
+def simulated_casts(sources) -> list[bool]:
+    """Per tensor of a run, from each one's ``source``: whether its FP8 casts are simulated where the
+    run's other tensors are real FP8. A what-if tensor beside FP8 layers belongs to a layer kept in
+    high precision (an output head, first and last blocks): its scale, range and flush are what the
+    what-if recipe would do, never the run's FP8 trouble. In a run without FP8 layers every tensor
+    is what-if, and the report says so for the whole run instead (False here)."""
+    sources = list(sources)
+    real = any(s not in (None, "whatif") for s in sources)
+    return [real and s == "whatif" for s in sources]
+
+
 # Per-tensor stats vector computed on the device. "merge" says how two captures of the same
 # tensor within one step (gradient-accumulation micro-batches) combine on the host.
 STAT_FIELDS: tuple[tuple[str, str], ...] = (

@@ -311,7 +311,7 @@ def test_an_outlier_in_a_layer_kept_in_high_precision_does_not_blame_fp8(tmp_pat
     from fp8scope.detect.analysis import analysis
 
     torch.set_num_threads(1)
-    reps = {}
+    reps, events = {}, {}
     for layer in ("lm_head", "blocks.1.mlp.down"):
         a = T.default_args(steps=130, n_layers=2, d_model=32, n_heads=2, batch_size=4, seq_len=16, every=10,
                            quiet=True, corpus_chars=20000, inject=[T._inject_arg(f"outlier:{layer}:100:1000")])
@@ -320,7 +320,7 @@ def test_an_outlier_in_a_layer_kept_in_high_precision_does_not_blame_fp8(tmp_pat
         shutil.rmtree(path, ignore_errors=True)
         with T.open_monitor(s, path) as mon:
             T.train_steps(s, 130, monitor=mon)
-        _, reps[layer] = analysis(path)
+        events[layer], reps[layer] = analysis(path)
     head, fp8 = reps["lm_head"], reps["blocks.1.mlp.down"]
     assert head["measured"]["kind"] == "mixed" and head["whatif_layers"] == ["lm_head"]
     assert head["first_anomaly"]["layer"] == "lm_head" and head["first_anomaly"]["step"] == 100
@@ -329,6 +329,15 @@ def test_an_outlier_in_a_layer_kept_in_high_precision_does_not_blame_fp8(tmp_pat
     assert att["fp8_event"]["step"] == 100 and att["fp8_event"]["tensor"] == "gradient", att  # in its backward
     assert head["blame"]["level"] == "unlikely" and "in the backward of step 100" in head["blame"]["why"]
     assert head["advice"][0].startswith("lm_head ran in high precision (measured what-if)")
+    # the events on the head say its cast is simulated; its amax spike is its own, and the FP8 layers' are real
+    ev = events["lm_head"]
+    sat = ev[(ev["rule"] == "saturation") & (ev["step"] == 100)]
+    assert set(sat["layer"]) > {"lm_head"}, sat
+    for _, r in sat.iterrows():
+        assert r["message"].endswith("(what-if: this layer runs in high precision; the cast is simulated)") == (
+            r["layer"] == "lm_head"), r["message"]
+    spike = ev[(ev["rule"] == "amax_spike") & (ev["layer"] == "lm_head")]
+    assert len(spike) and "what-if" not in spike.iloc[0]["message"]
     tops = {d["layer"]: d["whatif"] for d in head["top_layers"] + fp8["top_layers"]}
     assert tops["lm_head"] is True and tops["blocks.1.mlp.down"] is False  # the report marks simulated layers
     assert fp8["blame"]["level"] == "likely", fp8["blame"]

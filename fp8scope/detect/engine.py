@@ -55,6 +55,13 @@ def edge_rules(rules: list[RowRule]) -> list[str]:
     return [r.name for r in rules if r.edge] + ["nonfinite"]
 
 
+# Rules that judge a tensor's cast (its scale, range, flush), which a what-if layer only simulates: in a
+# run whose other layers run FP8, their messages say so. Its amax, growth and NaNs are its own.
+SIMULATED_CAST = frozenset({"saturation", "saturation_rate", "stale_scale", "scale_mismatch", "underflow",
+                            "dynamic_range", "scale_collapse", "scale_kept"})
+SIMULATED_NOTE = " (what-if: this layer runs in high precision; the cast is simulated)"
+
+
 def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: list | None = None,
                     info_seen: dict[str, np.ndarray] | None = None) -> list[dict]:
     """Events of the rows where ``fired[rule]`` (bool per row of ``c``, sorted by tensor then step)
@@ -92,7 +99,10 @@ def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: li
                     continue
                 seen[k] = True
             r["value"], r["threshold"] = none_if_nan(v), none_if_nan(t)
-            out.append(event(r, rule.name, s, v, t, rule.message(r)))
+            msg = rule.message(r)
+            if rule.name in SIMULATED_CAST and km.simulated[k]:
+                msg += SIMULATED_NOTE
+            out.append(event(r, rule.name, s, v, t, msg))
     return out
 
 

@@ -22,7 +22,7 @@ from fp8scope import derived
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.design_loss import FP8, recipe_of
 from fp8scope.detect.design_loss import floors as floors_of
-from fp8scope.schema import base_role
+from fp8scope.schema import base_role, simulated_casts
 
 MAD_FLOOR_BINADES = 0.1
 # columns of the tensors table the detector reads
@@ -53,6 +53,8 @@ class KeyMap:
         self._grad_of = np.zeros(0, bool)
         self._bin_of = np.zeros(0, float)
         self._block_of = np.zeros(0, bool)  # per key: scaled per block of values, not per tensor
+        # per key: a what-if layer's tensor in a run whose other layers run FP8 (its casts are simulated)
+        self.simulated = np.zeros(0, bool)
         self._designs: list[str] = []  # per key: design_loss.recipe_of (a block recipe's kind, or FP8)
         self._uf_floor = np.zeros(0, float)  # per key: what its recipe may lose by design (detect.design_loss)
         self._ovf_floor = np.zeros(0, float)
@@ -131,6 +133,7 @@ class KeyMap:
             self._uf_floor = np.array([f[0] for f in floors], float)
             self._ovf_floor = np.array([f[1] for f in floors], float)
             self._peer_formats()
+            self.simulated = np.array(simulated_casts(self.sources), bool)
             self.group_of = np.array([self._groups.setdefault((i[0], i[5], i[4]), len(self._groups)) for i in info],
                                      np.int64)
         self._last = (rank, lay, ten, key)

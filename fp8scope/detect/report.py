@@ -25,7 +25,7 @@ import pandas as pd
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.design_loss import BLOCK_SCALED
 from fp8scope.detect.rules import SEVERITY_RANK
-from fp8scope.schema import ROLES, base_role
+from fp8scope.schema import ROLES, base_role, simulated_casts
 from fp8scope.store.manifest import describe_mode, measured_mode, recipe_text
 
 WARN = SEVERITY_RANK["warning"]
@@ -77,8 +77,7 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     rep["first_anomaly"] = _ev(first)
     nan = ev[ev["rule"] == "nan_origin"] if not ev.empty else ev
     rep["nan_origin"] = _ev(nan.iloc[0]) if not nan.empty else None
-    # a mixed run's high-precision layers, measured what-if: their FP8 symptoms are simulated
-    rep["whatif_layers"] = whatif_layers(manifest) if rep["measured"]["kind"] == "mixed" else []
+    rep["whatif_layers"] = whatif_layers(manifest)
     rep["attribution"] = attribution(serious, rep["whatif_layers"])
     rep["top_layers"] = _top_layers(serious, rep["whatif_layers"])
     rep["scalars"] = _scalar_context(run, cfg, rep["first_anomaly"])
@@ -347,9 +346,10 @@ OPTIMIZER_SIDE = frozenset({"lr_change", "loss_spike", "grad_norm_spike"})
 
 
 def whatif_layers(manifest: dict) -> list[str]:
-    """The layers whose rows are what-if (``source`` whatif in run.json's tensors): in a run whose other
-    layers ran FP8, layers kept in high precision (an output head, the first and last blocks)."""
-    return sorted({t["layer"] for t in manifest.get("tensors") or [] if t.get("source") == "whatif"})
+    """The layers kept in high precision in a run whose other layers ran FP8 (run.json's tensors,
+    ``schema.simulated_casts``): their FP8 symptoms are simulated; empty in any other run."""
+    ts = manifest.get("tensors") or []
+    return sorted({t["layer"] for t, sim in zip(ts, simulated_casts(t.get("source") for t in ts)) if sim})
 
 
 def _phases(ev: pd.DataFrame) -> pd.Series:
