@@ -248,6 +248,33 @@ def test_a_growing_outliers_advice_is_the_recipes(recipe, whatif, says, never):
     assert says in text and never not in text
 
 
+def test_in_a_run_of_several_recipes_the_advice_follows_the_flagged_layers_own():
+    """NVFP4 training keeps some layers in MXFP8 or per-tensor FP8 (nested fp8_autocast regions): the
+    run's recipe (run.json's first one) is NVFP4, and a growing outlier flagged in a delayed-scaling
+    layer gets the delayed advice, not the block recipe's; a saturating one gets the margin tip and
+    the stale-scale advice (report.layer_recipes reads each layer's kind from run.json)."""
+    from fp8scope.detect.report import _advice, layer_recipes
+
+    down = "lm.model.layers.3.mlp.down_proj"
+    manifest = {"tensors": [{"layer": "lm.model.layers.0.mlp.down_proj", "tensor": "activation", "source": "te",
+                             "recipe": "nvfp4"},
+                            {"layer": down, "tensor": "activation", "source": "te", "recipe": "delayed"},
+                            {"layer": "lm_head", "tensor": "activation", "source": "whatif", "recipe": "delayed"}]}
+    kinds = layer_recipes(manifest)
+    assert kinds == {"lm.model.layers.0.mlp.down_proj": "nvfp4", down: "delayed"}
+    assert layer_recipes({"tensors": manifest["tensors"][:1] + manifest["tensors"][2:]}) == {}  # one recipe
+    serious = pd.DataFrame([{"step": s, "rank": 0, "rule": r, "severity": "warning", "layer": down,
+                             "tensor": "activation"} for s, r in ((176, "amax_trend"), (180, "saturation"),
+                                                                  (181, "stale_scale"))])
+    rep = {"run": "r", "recipe": {"kind": "nvfp4"}, "measured": {}, "attribution": {"side": "fp8"},
+           "layer_recipes": kinds}
+    text = " ".join(_advice(rep, serious, DetectConfig()))
+    assert "outruns the amax history" in text and "block scales confine" not in text
+    assert "raise its margin by 1-2 binades" in text and "Stale scale after a spike" in text
+    text = " ".join(_advice({**rep, "layer_recipes": {}}, serious, DetectConfig()))  # before: the run's recipe
+    assert "nvfp4 block scales confine it" in text and "Stale scale" not in text
+
+
 def test_a_growing_outlier_warns_under_a_per_tensor_scale_and_is_info_under_block_scales(tmp_path):
     """The same planted growing outlier (the demo's ``grow``: a few input channels of one down projection
     grow 256x, its weight compensating) in the demo model under delayed scaling and under MXFP8: the

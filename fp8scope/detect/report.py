@@ -78,6 +78,7 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     nan = ev[ev["rule"] == "nan_origin"] if not ev.empty else ev
     rep["nan_origin"] = _ev(nan.iloc[0]) if not nan.empty else None
     rep["whatif_layers"] = whatif_layers(manifest)
+    rep["layer_recipes"] = layer_recipes(manifest)
     rep["attribution"] = attribution(serious, rep["whatif_layers"])
     rep["top_layers"] = _top_layers(serious, rep["whatif_layers"])
     rep["scalars"] = _scalar_context(run, cfg, rep["first_anomaly"])
@@ -352,6 +353,16 @@ def whatif_layers(manifest: dict) -> list[str]:
     return sorted({t["layer"] for t, sim in zip(ts, simulated_casts(t.get("source") for t in ts)) if sim})
 
 
+def layer_recipes(manifest: dict) -> dict[str, str]:
+    """Each FP8 layer's recipe kind (run.json's tensors), in a run whose FP8 layers train under more than
+    one (nested ``fp8_autocast`` regions: NVFP4 with its last layers in MXFP8); empty otherwise, where
+    the run's recipe is every layer's."""
+    ts = manifest.get("tensors") or []
+    kinds = {t["layer"]: t["recipe"] for t, sim in zip(ts, simulated_casts(t.get("source") for t in ts))
+             if not sim and t.get("source") != "whatif" and isinstance(t.get("recipe"), str)}
+    return kinds if len(set(kinds.values())) > 1 else {}
+
+
 def _phases(ev: pd.DataFrame) -> pd.Series:
     """When each event happens within its step: an FP8 symptom in the forward (0), the loss (1), an FP8
     symptom in the backward (2: a gradient, a weight gradient's BF16 compare), the grad norm and the lr
@@ -432,6 +443,10 @@ def _rule_advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[st
     margin = recipe.get("margin", 0)
     rules = set(serious["rule"])
     adv: list[str] = []
+    kinds = rep.get("layer_recipes") or {}
+
+    def kind_of(ls):  # the recipe kind of the first flagged layer: its own in a run of several recipes
+        return (kinds.get(ls[0]) if ls else None) or recipe.get("kind")
 
     def layers_of(*names):
         s = serious[serious["rule"].isin(names) & (serious["layer"] != "")]
@@ -443,12 +458,14 @@ def _rule_advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[st
                    f"keep {o['layer']} in BF16 for one run to tell FP8 from the model (if it still NaNs, FP8 is not to blame).")
     if rules & {"amax_spike", "saturation"}:
         ls = layers_of("amax_spike", "saturation")
-        tip = f"raise margin (now {margin}) by 1-2 binades" if delayed else "check the data feeding it"
+        tip = ((f"raise margin (now {margin}) by 1-2 binades" if delayed else "raise its margin by 1-2 binades")
+               if kind_of(ls) == "delayed" else "check the data feeding it")
         adv.append(f"Outlier saturates FP8 in {', '.join(ls)}: keep {ls[0]} in BF16 (fp8_skip), or {tip}, "
                    "or use current (per-tensor dynamic) scaling for it. For an MLP down-projection input, "
                    "Smooth-SwiGLU tames growing outliers.")
-    if "stale_scale" in rules and delayed:
-        adv.append(f"Stale scale after a spike: shorten amax_history_len (now {hist}; 16-32 recovers in as many steps) "
+    if "stale_scale" in rules and kind_of(layers_of("stale_scale")) == "delayed":
+        now = f"now {hist}; " if delayed and hist else ""
+        adv.append(f"Stale scale after a spike: shorten amax_history_len ({now}16-32 recovers in as many steps) "
                    "or use amax_compute_algo='most_recent'. Compare choices on this run: "
                    f"fp8scope whatif {rep['run']} --compare \"delayed:{hist or 1024}:{margin},delayed:16:1,current\"")
     if "saturation_rate" in rules:
@@ -471,13 +488,14 @@ def _rule_advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[st
                    "refills, small values flush to zero.")
     if "amax_trend" in rules:
         ls = layers_of("amax_trend")
+        kind = kind_of(ls)
         tame = "tame it (Smooth-SwiGLU for an MLP down-projection input) or keep the layer in BF16"
-        if recipe.get("kind") in BLOCK_SCALED:
-            adv.append(f"A growing outlier in {', '.join(ls)}: it climbs away from its peers. The {recipe['kind']} "
+        if kind in BLOCK_SCALED:
+            adv.append(f"A growing outlier in {', '.join(ls)}: it climbs away from its peers. The {kind} "
                        "block scales confine it to the blocks that hold it, so FP8 loses little while those blocks "
                        f"do not underflow (an underflow warning says when they do). If it keeps growing, {tame}.")
         else:
-            if delayed:
+            if kind == "delayed":
                 fate = ("will saturate once it outruns the amax history, and the scale it sets flushes the rest of the "
                         "tensor to zero. Per-tensor current scaling stops the saturation but not the flush; block")
             else:
