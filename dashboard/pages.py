@@ -503,7 +503,7 @@ def tensor_body(app, e, p):
     fig.update_layout(height=760, showlegend=True, uirevision=f"{layer}-{role}-{span}",
                       margin={"l": 10, "r": 10, "t": 40, "b": 40})
     width = int(s["step"].iloc[1] - s["step"].iloc[0]) if len(s) > 1 else 1
-    recipe = s["recipe"].iloc[-1] if "recipe" in s else None
+    recipe = s["recipe"].iloc[-1]  # queries.TENSOR_SERIES; None in runs logged before the column
     meta = (f"{layer} / {role}: format {s['fp8_format'].iloc[-1]}, source {s['source'].iloc[-1]}"
             + (f", recipe {recipe}" if isinstance(recipe, str) else "") + f"; {len(s)} points, "
             f"{width} step(s) each (worst value per bucket)" + (f", steps {span[0]}..{span[1]}" if span else "")

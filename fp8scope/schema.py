@@ -23,6 +23,7 @@ def base_role(tensor: str) -> str:
     ``role@axis`` (``gradient@dim1``); rules and filters treat it as its role."""
     return tensor.partition("@")[0]
 
+
 def simulated_casts(sources) -> list[bool]:
     """Per tensor of a run, from each one's ``source``: whether its FP8 casts are simulated where the
     run's other tensors are real FP8. A what-if tensor beside FP8 layers belongs to a layer kept in

@@ -182,6 +182,15 @@ def test_attribution_orders_the_evidence():
     a = attribution(head, whatif=["head"])
     assert a["side"] == "optimizer" and a["fp8_event"]["layer"] == "l1" and a["fp8_event"]["step"] == 203
     assert attribution(head.iloc[:1], whatif=["head"])["side"] is None
+    # ... and a run whose only FP8 symptoms are simulated does not blame FP8
+    from fp8scope.detect.report import blame
+
+    only_head = head.iloc[:1]
+    rep = {"steps": 300, "measured": {"kind": "mixed"}, "whatif_layers": ["head"],
+           "attribution": attribution(only_head, whatif=["head"])}
+    b = blame(rep, only_head)
+    assert b["level"] == "unlikely" and "simulated" in b["why"] and "head" in b["why"], b
+    assert blame({**rep, "whatif_layers": []}, only_head)["level"] == "unknown"
 
 
 def test_one_layers_gradient_in_the_wrong_format_is_a_warning_at_its_first_step(tmp_path):

@@ -151,11 +151,11 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
         e = att["event"]
         return {"level": "likely", "why": f"an FP8 symptom came first: {e['rule']} in {e['layer']} {e['tensor']} "
                                           f"at step {e['step']}".rstrip()}
-    simulated = serious[serious["layer"].isin(rep.get("whatif_layers") or [])]
-    if not simulated.empty and not serious["rule"].isin(FP8_DAMAGE).drop(simulated.index).any():
-        ls = list(dict.fromkeys(simulated["layer"]))
+    # no FP8 symptom on a layer that ran FP8 (attribution found none): any left are simulated
+    simulated = _simulated(rep, serious)
+    if not simulated.empty:
         return {"level": "unlikely", "why": "FP8's only symptoms are simulated, on layers that ran in high precision "
-                                            f"(what-if): {', '.join(ls[:3])}{' and others' if len(ls) > 3 else ''}"}
+                                            f"(what-if): {_some(simulated['layer'])}"}
     return {"level": "unknown", "why": "warnings without an FP8 symptom or an optimizer-side event to order them"}
 
 
@@ -353,13 +353,23 @@ def whatif_layers(manifest: dict) -> list[str]:
     return sorted({t["layer"] for t, sim in zip(ts, simulated_casts(t.get("source") for t in ts)) if sim})
 
 
+def _simulated(rep: dict, serious: pd.DataFrame) -> pd.DataFrame:
+    """The events on the layers of ``rep["whatif_layers"]``, whose FP8 casts are simulated."""
+    return serious[serious["layer"].isin(rep.get("whatif_layers") or [])]
+
+
+def _some(layers) -> str:
+    """Up to three distinct layer names, in order, for a sentence."""
+    ls = list(dict.fromkeys(layers))
+    return ", ".join(ls[:3]) + (" and others" if len(ls) > 3 else "")
+
+
 def layer_recipes(manifest: dict) -> dict[str, str]:
     """Each FP8 layer's recipe kind (run.json's tensors), in a run whose FP8 layers train under more than
     one (nested ``fp8_autocast`` regions: NVFP4 with its last layers in MXFP8); empty otherwise, where
     the run's recipe is every layer's."""
-    ts = manifest.get("tensors") or []
-    kinds = {t["layer"]: t["recipe"] for t, sim in zip(ts, simulated_casts(t.get("source") for t in ts))
-             if not sim and t.get("source") != "whatif" and isinstance(t.get("recipe"), str)}
+    kinds = {t["layer"]: t["recipe"] for t in manifest.get("tensors") or []
+             if t.get("source") != "whatif" and isinstance(t.get("recipe"), str)}
     return kinds if len(set(kinds.values())) > 1 else {}
 
 
@@ -367,8 +377,8 @@ def _phases(ev: pd.DataFrame) -> pd.Series:
     """When each event happens within its step: an FP8 symptom in the forward (0), the loss (1), an FP8
     symptom in the backward (2: a gradient, a weight gradient's BF16 compare), the grad norm and the lr
     the optimizer applies (3)."""
-    # schema.base_role per row; "wgrad": a BF16 compare of the weight gradient (fp8_vs_bf16)
-    grad = ev["tensor"].astype(str).str.partition("@")[0].isin(("gradient", "wgrad"))
+    # "wgrad": a BF16 compare of the weight gradient (fp8_vs_bf16)
+    grad = ev["tensor"].astype(str).map(base_role).isin(("gradient", "wgrad"))
     opt = ev["rule"].isin(OPTIMIZER_SIDE)
     return pd.Series(np.where(opt, np.where(ev["rule"] == "loss_spike", 1, 3), np.where(grad, 2, 0)), index=ev.index)
 
@@ -422,13 +432,11 @@ def _optimizer_advice(rep: dict) -> list[str]:
 def _advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[str]:
     if serious.empty:
         return ["Nothing at warning level or above: the FP8 numerics look healthy with these thresholds."]
-    simulated = serious[serious["layer"].isin(rep.get("whatif_layers") or [])]
+    simulated = _simulated(rep, serious)
     if simulated.empty:
         return _rule_advice(rep, serious, cfg)
-    ls = list(dict.fromkeys(simulated["layer"]))
-    note = (f"{', '.join(ls[:3])}{' and others' if len(ls) > 3 else ''} ran in high precision (measured what-if): "
-            "the FP8 events there say what the what-if recipe would do to them, not what training did; keep them "
-            "out of FP8.")
+    note = (f"{_some(simulated['layer'])} ran in high precision (measured what-if): the FP8 events there say what "
+            "the what-if recipe would do to them, not what training did; keep them out of FP8.")
     rest = serious.drop(simulated.index)
     return [note] + (_rule_advice(rep, rest, cfg) if not rest.empty else [])
 
