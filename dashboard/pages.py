@@ -100,6 +100,8 @@ def card(app, e, p=None):
         rows.append(html.Div([html.Span("NaN origin: ", className="k"),
                               link(f"{o['layer']} {o['tensor']}", view="tensor", run=run, layer=o["layer"], role=o["tensor"]),
                               html.Span(f" at step {o['step']}")], id="card-nan"))
+    if rep.get("coverage"):
+        rows.append(html.Div(rep["coverage"], className="muted", id="card-coverage"))
     rows.append(html.Div([html.Span("What to try:", className="k"),
                           html.Ul([html.Li(a) for a in rep["advice"][:3]])], id="card-advice"))
     counts = ", ".join(f"{sev.get(s, 0)} {s}" for s in ("critical", "warning", "info"))

@@ -176,6 +176,7 @@ class Monitor:
         self.layers: list[str] = []
         self.sources: dict[str, int] = {}  # adapter name -> number of layers it monitors
         self.model_recipe: Any = None
+        self.coverage: dict = {}  # run.json's meta.coverage (fp8scope.coverage)
         self._writer: BackgroundWriter | None = None
         self.detector: Any = None  # fp8scope.detect.OnlineDetector when detect is on
         self._store_failed: str | None = None
@@ -196,9 +197,9 @@ class Monitor:
 
     # ---- setup ---------------------------------------------------------------------
     def _attach(self, include, exclude) -> None:
-        from fp8scope.linear_like import describe_skipped, holds_weight_matrix
+        from fp8scope.coverage import Coverage
 
-        skipped: list[tuple[str, nn.Module]] = []  # weight matrices nothing claims
+        cover = Coverage()  # what is monitored, and the modules holding GEMM weights that are not
         for name, module in self.model.named_modules():
             # a model wrapped by torch.compile names its layers "_orig_mod.<name>": the layer is the
             # same, so is its name (a run stays comparable with an eager one)
@@ -211,20 +212,20 @@ class Monitor:
                 continue
             adapter = adapter_for(module)
             if adapter is None:
-                if holds_weight_matrix(module) and not any(name.startswith(f"{m}.") for m in self.layers):
-                    skipped.append((name, module))
+                cover.consider(name, module, inside=any(name.startswith(f"{m}.") for m in self.layers + cover.names()))
                 continue
             self._detach.append(adapter.attach(name, module, self.collector, self.recipe))
             self.layers.append(name)
+            cover.layer(name, module)
             self.sources[adapter.name] = self.sources.get(adapter.name, 0) + 1
             if self.model_recipe is None and hasattr(getattr(module, "recipe", None), "to_dict"):
                 self.model_recipe = module.recipe  # our emulated layers carry theirs
         if include is not None and not self.layers:
             raise UsageError("no monitored layer matched the `layers` selection")
-        if skipped:
-            self._warn("skipped", f"monitoring {len(self.layers)} layer(s); {len(skipped)} module(s) holding a weight "
-                       f"matrix are of a kind fp8scope does not know as linear and are not monitored: "
-                       f"{describe_skipped(skipped)} (fp8scope.register_linear_like(cls) adds a class)")
+        self.coverage = cover.to_dict()
+        left = cover.warning(len(self.layers))
+        if left:
+            self._warn("skipped", left)
         elif not self.layers:
             self._warn("skipped", "no linear layer found in the model: nothing is monitored (see "
                        "fp8scope.register_linear_like for layer classes of your own)")
@@ -282,6 +283,7 @@ class Monitor:
             "whatif_recipe": self.recipe.to_dict() if hasattr(self.recipe, "to_dict") else None,
             "whatif_recipes": list(self.collector.whatif_recipes),
             "sources": self.sources,
+            "coverage": self.coverage,
         }
         if self.world_size > 1 or self.reduce != "none":
             check = self.cross_rank_check

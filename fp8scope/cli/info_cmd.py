@@ -6,7 +6,7 @@ import time
 
 from fp8scope.cli.output import console, human_size, print_json
 from fp8scope.run import load_run
-from fp8scope.store.manifest import describe_mode, measured_mode, recipe_text
+from fp8scope.store.manifest import coverage_of, coverage_text, describe_mode, measured_mode, recipe_text
 
 
 def register(sub) -> None:
@@ -23,7 +23,7 @@ def run(args) -> int:
     info = r.info()
     mode = measured_mode(r.manifest)
     if args.json:
-        print_json({**info, "recipe": r.manifest.get("recipe"), "measured": mode})
+        print_json({**info, "recipe": r.manifest.get("recipe"), "measured": mode, "coverage": coverage_text(r.manifest)})
         return 0
     c = console()
     age = f"{time.time() - info['last_write']:.0f} s ago" if info.get("last_write") else "never"
@@ -38,6 +38,8 @@ def run(args) -> int:
         ("last write", age),
         ("compacted", "yes" if info["compacted"] else "no"),
         ("measured", describe_mode(mode)),
+        ("coverage", coverage_text(r.manifest) or ("every module holding GEMM weights" if coverage_of(r.manifest)
+                                                   else "not recorded")),
         ("recipe", recipe_text(r.manifest.get("recipe"))),
         ("what-if", recipe_text(mode["whatif_recipe"])),
         ("torch", str(r.manifest.get("torch_version"))),

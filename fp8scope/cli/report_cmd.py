@@ -71,6 +71,8 @@ def print_report(rep: dict) -> None:
                  f"ranks {rep['ranks']}"))
     m = rep["measured"]
     c.print(Text(f"measured: {describe_mode(m)}"))
+    if rep.get("coverage"):
+        c.print(Text(rep["coverage"]))
     if m["kind"] != "whatif":
         c.print(Text(f"recipe: {recipe_text(m['recipe'])}"))
     if m["whatif_recipe"]:

@@ -26,7 +26,7 @@ from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.design_loss import BLOCK_SCALED
 from fp8scope.detect.rules import SEVERITY_RANK
 from fp8scope.schema import ROLES, base_role, simulated_casts
-from fp8scope.store.manifest import describe_mode, measured_mode, recipe_text
+from fp8scope.store.manifest import coverage_of, coverage_text, describe_mode, measured_mode, recipe_text
 
 WARN = SEVERITY_RANK["warning"]
 
@@ -79,7 +79,9 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     rep["nan_origin"] = _ev(nan.iloc[0]) if not nan.empty else None
     rep["whatif_layers"] = whatif_layers(manifest)
     rep["layer_recipes"] = layer_recipes(manifest)
+    rep["coverage"] = coverage_text(manifest)
     rep["attribution"] = attribution(serious, rep["whatif_layers"])
+    rep["nan_upstream"] = unmonitored_upstream(manifest, rep["nan_origin"])
     rep["top_layers"] = _top_layers(serious, rep["whatif_layers"])
     rep["scalars"] = _scalar_context(run, cfg, rep["first_anomaly"])
     rep["shadow"] = _shadow_verdict(run, cfg)
@@ -134,7 +136,8 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
     if (sh.get("loss") or {}).get("bf16_nonfinite"):
         return {"level": "unlikely", "why": "the BF16 replica from the same state also went non-finite"}
     if serious.empty:
-        return {"level": "clean", "why": "no warning or critical events"}
+        cov = rep.get("coverage")
+        return {"level": "clean", "why": "no warning or critical events" + (f" in the monitored layers ({cov})" if cov else "")}
     att = rep.get("attribution") or {}
     if att.get("side") == "optimizer":
         e, x = att["event"], att["fp8_event"]
@@ -147,6 +150,11 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
         w = sh["worst_layers"][0]
         return {"level": "likely", "why": f"FP8 departs from a BF16 shadow beyond its own usual error, worst in "
                                           f"{w['layer']} ({_short(w['max_departure'])}x)"}
+    if att.get("side") == "fp8" and att["event"]["rule"] in NON_FINITE and rep.get("nan_upstream"):
+        e = rep["nan_origin"]
+        return {"level": "unknown", "why": f"the first NaN reached {e['layer']} {e['tensor']} at step {e['step']} after "
+                                           f"{_some(rep['nan_upstream'])}, which fp8scope did not monitor: it may have "
+                                           "started there"}
     if att.get("side") == "fp8":
         e = att["event"]
         return {"level": "likely", "why": f"an FP8 symptom came first: {e['rule']} in {e['layer']} {e['tensor']} "
@@ -353,6 +361,34 @@ def whatif_layers(manifest: dict) -> list[str]:
     return sorted({t["layer"] for t, sim in zip(ts, simulated_casts(t.get("source") for t in ts)) if sim})
 
 
+NON_FINITE = frozenset({"nan_origin", "nonfinite"})
+
+
+def unmonitored_upstream(manifest: dict, event: dict | None) -> list[str]:
+    """The modules the monitor left (``meta.coverage``) that ``event``'s values may have passed
+    through just before they reached its tensor: those between its layer and the monitored layer
+    before it in the model's module order for a forward tensor (an activation or output), and
+    between it and the monitored layer after it for a gradient (the backward runs the model in
+    reverse). A Mixtral's experts sit between one layer's ``o_proj`` and the next layer's
+    ``q_proj``, so a NaN they make is first seen at that ``q_proj``'s input. Module order stands in
+    for the data flow, which a module list does not record: [] for a weight, or where the run
+    does not say."""
+    cov = coverage_of(manifest)
+    order = [str(n) for n in cov.get("order") or []]
+    left = {str(u.get("module")) for u in cov.get("unmonitored") or [] if isinstance(u, dict)}
+    if not event or not left or event.get("layer") not in order:
+        return []
+    i = order.index(event["layer"])
+    role = base_role(str(event.get("tensor") or ""))
+    if role in ("activation", "output"):
+        j = max((k for k in range(i) if order[k] not in left), default=-1)
+        return [n for n in order[j + 1:i] if n in left]
+    if role == "gradient":
+        j = min((k for k in range(i + 1, len(order)) if order[k] not in left), default=len(order))
+        return [n for n in order[i + 1:j] if n in left]
+    return []
+
+
 def _simulated(rep: dict, serious: pd.DataFrame) -> pd.DataFrame:
     """The events on the layers of ``rep["whatif_layers"]``, whose FP8 casts are simulated."""
     return serious[serious["layer"].isin(rep.get("whatif_layers") or [])]
@@ -462,8 +498,15 @@ def _rule_advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[st
 
     if "nan_origin" in rules:
         o = rep["nan_origin"]
-        adv.append(f"NaN origin: {o['layer']} {o['tensor']} at step {o['step']}. Inspect that layer's input at that step; "
-                   f"keep {o['layer']} in BF16 for one run to tell FP8 from the model (if it still NaNs, FP8 is not to blame).")
+        up = rep.get("nan_upstream")
+        if up:
+            adv.append(f"NaN origin: {o['layer']} {o['tensor']} at step {o['step']} is the first monitored tensor the NaN "
+                       f"reached; {_some(up)} ran just before it and fp8scope did not monitor them: look at their outputs "
+                       f"at step {o['step']} first.")
+        else:
+            adv.append(f"NaN origin: {o['layer']} {o['tensor']} at step {o['step']}. Inspect that layer's input at that "
+                       f"step; keep {o['layer']} in BF16 for one run to tell FP8 from the model (if it still NaNs, FP8 "
+                       "is not to blame).")
     if rules & {"amax_spike", "saturation"}:
         ls = layers_of("amax_spike", "saturation")
         tip = ((f"raise margin (now {margin}) by 1-2 binades" if delayed else "raise its margin by 1-2 binades")
@@ -629,7 +672,7 @@ td,th{{border:1px solid #ccc;padding:3px 6px;font-size:13px;vertical-align:top}}
 .warning td{{background:#ffe9cc}} code{{background:#f4f4f4}}</style></head><body>
 <h1>fp8scope report</h1>
 <p><b>run</b> {e(rep['run'])}<br><b>steps</b> {rep['steps']} ({rep['first_step']}..{rep['last_step']}),
-<b>tensors</b> {rep['tensors']}<br><b>measured</b> {e(describe_mode(rep['measured']))}<br><b>recipe</b> {e(recipe_text(rep['recipe']))}{('<br><b>what-if recipe</b> ' + e(recipe_text(rep['measured']['whatif_recipe']))) if rep['measured']['whatif_recipe'] else ''}
+<b>tensors</b> {rep['tensors']}<br><b>measured</b> {e(describe_mode(rep['measured']))}{('<br><b>coverage</b> ' + e(rep['coverage'])) if rep.get('coverage') else ''}<br><b>recipe</b> {e(recipe_text(rep['recipe']))}{('<br><b>what-if recipe</b> ' + e(recipe_text(rep['measured']['whatif_recipe']))) if rep['measured']['whatif_recipe'] else ''}
 {('<br><b>planted</b> ' + e(', '.join(rep['planted']))) if rep.get('planted') else ''}</p>
 <h2>Verdict</h2><p><b>{e(blame_text(rep))}</b></p><p>{e(rep['verdict'])}</p>
 <p><b>Culprit:</b> {e(culprit_text(rep))}</p>

@@ -202,3 +202,36 @@ def describe_mode(mode: dict) -> str:
         return (f"mixed: {mode['fp8_layers']} layers ran FP8 ({fp8}); {mode['whatif_layers']} high-precision layers "
                 "measured what-if")
     return "unknown: the run does not say which layers ran FP8"
+
+
+def share_text(part: int, total: int) -> str:
+    """``part`` of ``total`` as a whole percentage; "<1 %" for a share that is there but rounds to 0."""
+    pct = 100 * part / total if total else 0.0
+    return "<1 %" if 0 < pct < 0.5 else f"{pct:.0f} %"
+
+
+def coverage_of(manifest: dict) -> dict:
+    """run.json's ``meta.coverage`` (``fp8scope.coverage``): the modules holding GEMM weights that
+    the monitor left, and how much of those weights the monitored layers hold; {} for a run logged
+    before it was recorded."""
+    cov = (manifest.get("meta") or {}).get("coverage")
+    return cov if isinstance(cov, dict) else {}
+
+
+def coverage_text(manifest: dict) -> str | None:
+    """One sentence naming what the monitor did not see, for ``info``, the report and the dashboard;
+    None when it saw every module holding GEMM weights (or the run does not say)."""
+    cov = coverage_of(manifest)
+    left = [u for u in cov.get("unmonitored") or [] if isinstance(u, dict)]
+    if not left:
+        return None
+    p = cov.get("params") or {}
+    total = int(p.get("monitored") or 0) + int(p.get("unmonitored") or 0)
+    parts = []
+    for kind, what in (("experts", "MoE expert module(s)"), ("matrix", "other weight matrices")):
+        group = [u for u in left if u.get("kind") == kind]
+        if group:
+            share = f", {share_text(sum(int(u.get('params') or 0) for u in group), total)} of the GEMM weights" if total else ""
+            names = ", ".join(str(u.get("module")) for u in group[:3]) + (f" and {len(group) - 3} more" if len(group) > 3 else "")
+            parts.append(f"{len(group)} {what} ({names}{share})")
+    return "not monitored: " + "; ".join(parts)
