@@ -24,6 +24,11 @@
 3c. Host-bound steps (``--sections hostbound``): the demo model made so small that a step is host
    work, as a small or compiled model's step is on a GPU: unmonitored, cheap captures only, and
    ``every=50`` with online detection in its child process (the default) and in a thread.
+3d. MoE experts (``--sections moe``): a ``transformers`` Mixtral (4 layers, width 128, 8 experts, 2
+   per token) what-if, under each of ``transformers``' experts implementations: the aten ops the
+   monitor adds to a cheap step (the experts' GEMMs of a grouped or batched implementation in one
+   segmented reduction: the count does not grow with the experts), and the monitored / unmonitored
+   step time at ``every=50`` (paired ratios, interleaved).
 4. The first steps of a fresh process (``--sections first``), with the stats eager
    (``FP8SCOPE_COMPILE=0``), compiled at first use on the training thread (``sync``) and compiled
    ahead in a child process (``ahead``; the default on a GPU): step 0's time, the slowest later
@@ -38,6 +43,7 @@
     python benchmarks/capture_cost.py --sections parts --rounds 10  # section 3b only
     python benchmarks/capture_cost.py --sections first   # section 4: does a compile stall a step?
     python benchmarks/capture_cost.py --sections hostbound --rounds 16   # section 3c only
+    python benchmarks/capture_cost.py --sections moe --rounds 8   # section 3d only
 
 Op and kernel counts are deterministic; timings are this machine's, printed as ratios measured in
 one run. Section 3 times the product's default: on a GPU the stats compiled (at their first use here,
@@ -346,6 +352,44 @@ def host_bound(device: str, rounds: int, block: int) -> None:
         print(f"   {name:50s} {medians[name] * 1e3:7.2f} ms/step   {paired[name]:.3f}x")
 
 
+def moe(device: str, rounds: int, block: int) -> None:
+    """Section 3d: a Mixtral's experts (3-D weights, ``capture/adapters/experts.py``) under each
+    experts implementation: ops a cheap step adds, and the step-time ratio at ``every=50``."""
+    from detection_suite import _hf_setup
+
+    os.environ["FP8SCOPE_COMPILE"] = "0" if device == "cpu" else "sync"
+    print("\n3d. MoE experts: a transformers Mixtral (4 layers, width 128, 8 experts, 2 per token), what-if, eager "
+          "(ops against the same step unmonitored; paired ratios, interleaved)")
+    print("   implementation   tensors   ops a cheap step adds   every=50 ms/step   ratio")
+    for impl in ("eager", "grouped_mm", "batched_mm"):
+        def setup_of():
+            return _hf_setup(train.build(fp8="off", quiet=True, device=device), "mixtral", experts=impl)
+
+        counts, n = {}, 0
+        for monitored in (False, True):
+            setup = setup_of()
+            with tempfile.TemporaryDirectory() as tmp:
+                mon = fp8scope.Monitor(setup.model, tmp, every=10**9, detect=False, full_on_anomaly=0) if monitored \
+                    else None
+                for step in range(3):  # warm: keys made
+                    train.train_step(setup, step, mon)
+                counts[monitored] = count_ops(lambda: train.train_step(setup, 3, mon))[0]
+                if mon:
+                    n = len(mon.collector.keys)
+                    mon.close()
+        plain, mon_setup = setup_of(), setup_of()
+        with tempfile.TemporaryDirectory() as tmp:
+            mon = fp8scope.Monitor(mon_setup.model, tmp, every=50)
+            try:
+                sync = torch.cuda.synchronize if device.startswith("cuda") else None
+                medians, paired = time_interleaved({"plain": (plain, None), "every=50": (mon_setup, mon)}, rounds, block,
+                                                   warmup=3, sync=sync)
+            finally:
+                mon.close()
+        print(f"   {impl:16s} {n:7d}   {counts[True] - counts[False]:21d}   {medians['every=50'] * 1e3:16.1f}   "
+              f"{paired['every=50']:.3f}x")
+
+
 def first_steps(device: str, steps: int, modes: tuple[str, ...], cap_s: float = 120.0, cold: bool = True) -> None:
     """Section 4: the first steps of a fresh process under each ``FP8SCOPE_COMPILE`` mode, each
     in a process of its own (a variant compiles once per process), with inductor's cache empty
@@ -436,6 +480,8 @@ def main() -> int:
         ratio_parts(args.device, args.rounds, args.block)
     if "hostbound" in sections:
         host_bound(args.device, args.rounds, args.block)
+    if "moe" in sections:
+        moe(args.device, args.rounds, args.block)
     if "ratio" in sections:
         compile_stats = args.compile_stats or (args.device != "cpu" and not args.no_compile_stats)
         from fp8scope.emulate.recipe_table import RECIPES

@@ -1,44 +1,29 @@
 """What a monitor covers: the GEMM weights its layers hold, and the modules holding GEMM weights
 that it leaves (recorded in run.json's ``meta.coverage``, said in one warning at attach).
 
-Why: a run's report can only speak for the layers that were monitored. In a mixture-of-experts
-model most of the weights are the experts', and ``transformers`` (5.x) keeps them as 3-D
-Parameters of one module per layer (``MixtralExperts``: ``gate_up_proj [experts, 2 x ffn,
-hidden]``, run through ``grouped_mm`` or a loop of ``F.linear`` on slices), which no linear-layer
-hook sees. A user told "no problems flagged" about a Mixtral whose experts (nine tenths of its
-weights) were never looked at has been told something false; a NaN that starts in an expert is
-first seen at the next monitored layer's input, and blaming that layer's FP8 would be false too.
+Why: a run's report can only speak for the layers that were monitored. A user told "no problems
+flagged" about a model whose largest GEMMs were never looked at has been told something false,
+and a NaN that starts in an unmonitored module is first seen at the next monitored layer's input,
+where blaming that layer's FP8 would be false too. What is left:
+
+- modules holding a weight matrix of a kind nothing recognises (``linear_like``);
+- MoE routers (``linear_like.is_router``): recorded, but neither warned about nor named in the
+  report, since every FP8 recipe keeps them in high precision;
+- MoE experts stored as 3-D weights (``adapters.experts``) in a model ``torch.compile``'d before
+  the monitor attached: the experts are read in eager forwards only. In a small Mixtral they hold
+  8 in 10 of the GEMM weights.
+
 So the monitor records which modules it left, how much of the GEMM weights they hold, and where
 they sit in the model's module order (``order``), and the report reads it
 (``store.manifest.coverage_text``, ``detect.report.unmonitored_upstream``).
-
-Transformer Engine's ``GroupedLinear`` (Megatron's MoE) is captured per GEMM by its adapter and
-counts as monitored.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from fp8scope.linear_like import describe_skipped, holds_weight_matrix
+from fp8scope.linear_like import describe_skipped, expert_weights, holds_weight_matrix, is_router
 from fp8scope.store.manifest import share_text
-
-# the attribute an experts module keeps its expert count in, by library
-_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_partition")
-
-
-def expert_weights(module: nn.Module) -> list[nn.Parameter]:
-    """The module's own 3-D Parameters stacking one weight matrix per expert, or []: a Parameter of
-    shape ``[experts, out, in]`` (or ``[experts, in, out]``) whose first side is the module's expert
-    count (``num_experts`` and its aliases), or of a class whose name says Expert. Convolutions'
-    3-D weights are not experts, nor is a ``[1, tokens, features]`` position embedding."""
-    if isinstance(module, nn.modules.conv._ConvNd):
-        return []
-    counts = {getattr(module, a) for a in _EXPERT_COUNTS if isinstance(getattr(module, a, None), int)}
-    named = "expert" in type(module).__name__.lower()
-    return [p for p in module.parameters(recurse=False)
-            if p.dim() == 3 and (p.shape[0] in counts or (named and p.shape[0] > 1))]
-
 
 def _gemm_params(params) -> dict[int, int]:
     return {id(p): p.numel() for p in params if p.dim() >= 2}
@@ -53,6 +38,7 @@ class Coverage:
         self.left: dict[int, int] = {}
         self.experts: list[tuple[str, nn.Module, int]] = []
         self.matrices: list[tuple[str, nn.Module, int]] = []
+        self.routers: list[tuple[str, nn.Module, int]] = []  # recorded, not warned about: always high precision
 
     def layer(self, name: str, module: nn.Module) -> None:
         self.order.append(name)
@@ -67,7 +53,8 @@ class Coverage:
         if stacked:
             kind, params, into = "experts", stacked, self.experts
         elif holds_weight_matrix(module):
-            kind, params, into = "matrix", [module.weight], self.matrices
+            kind, params, into = ("router", [module.weight], self.routers) if is_router(module) else (
+                "matrix", [module.weight], self.matrices)
         else:
             return
         sizes = {k: v for k, v in _gemm_params(params).items() if k not in self.monitored and k not in self.left}
@@ -76,12 +63,13 @@ class Coverage:
         into.append((name, module, sum(sizes.values())))
 
     def names(self) -> list[str]:
-        return [n for n, _, _ in self.experts + self.matrices]
+        return [n for n, _, _ in self.experts + self.matrices + self.routers]
 
     def to_dict(self) -> dict:
         """run.json's ``meta.coverage``."""
         left = [{"module": n, "class": type(m).__name__, "kind": kind, "params": p}
-                for kind, group in (("experts", self.experts), ("matrix", self.matrices)) for n, m, p in group]
+                for kind, group in (("experts", self.experts), ("matrix", self.matrices), ("router", self.routers))
+                for n, m, p in group]
         return {"params": {"monitored": sum(self.monitored.values()), "unmonitored": sum(self.left.values())},
                 "unmonitored": left, "order": self.order}
 
@@ -89,7 +77,7 @@ class Coverage:
         """The one attach warning naming what is not monitored, or None when nothing is left."""
         if not self.experts and not self.matrices:
             return None
-        total = sum(self.monitored.values()) + sum(self.left.values())
+        total = sum(self.monitored.values()) + sum(self.left.values())  # routers' included
 
         def share(group) -> str:
             return share_text(sum(p for _, _, p in group), total) if total else "some"
@@ -98,8 +86,9 @@ class Coverage:
         if self.experts:
             parts.append(f"{len(self.experts)} MoE expert module(s) holding {share(self.experts)} of the model's GEMM "
                          f"weights are not monitored: {describe_skipped((n, m) for n, m, _ in self.experts)} (experts "
-                         "stored as 3-D weights are not captured; Transformer Engine's GroupedLinear is, per GEMM; a "
-                         "fault that starts in them shows first where it reaches a monitored layer)")
+                         "stored as 3-D weights are captured in eager forwards, not in a model torch.compile'd before "
+                         "the monitor attached; a fault that starts in them shows first where it reaches a monitored "
+                         "layer)")
         if self.matrices:
             parts.append(f"{len(self.matrices)} module(s) holding a weight matrix are of a kind fp8scope does not know "
                          f"as linear and are not monitored: {describe_skipped((n, m) for n, m, _ in self.matrices)} "

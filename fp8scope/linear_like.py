@@ -132,6 +132,34 @@ def linear_kind(module: nn.Module) -> LinearKind | None:
     return None
 
 
+# the attribute an experts module keeps its expert count in, by library
+_EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_partition")
+
+
+def expert_weights(module: nn.Module) -> list[nn.Parameter]:
+    """The module's own 3-D Parameters stacking one weight matrix per expert, or []: a Parameter of
+    shape ``[experts, out, in]`` (or ``[experts, in, out]``) whose first side is the module's expert
+    count (``num_experts`` and its aliases), or of a class whose name says Expert. Convolutions'
+    3-D weights are not experts, nor is a ``[1, tokens, features]`` position embedding."""
+    if isinstance(module, nn.modules.conv._ConvNd):
+        return []
+    counts = {getattr(module, a) for a in _EXPERT_COUNTS if isinstance(getattr(module, a, None), int)}
+    named = "expert" in type(module).__name__.lower()
+    return [p for p in module.parameters(recurse=False)
+            if p.dim() == 3 and (p.shape[0] in counts or (named and p.shape[0] > 1))]
+
+
+def is_router(module: nn.Module) -> bool:
+    """A MoE router: a leaf holding one ``[experts, hidden]`` matrix (``MixtralTopKRouter``,
+    ``GptOssTopKRouter``...): its class name says Router, or its rows are its expert count. Every FP8
+    recipe keeps routers in high precision, so leaving one unmonitored is no gap worth a warning."""
+    w = getattr(module, "weight", None)
+    if not (isinstance(w, torch.Tensor) and w.dim() == 2):
+        return False
+    counts = {getattr(module, a) for a in _EXPERT_COUNTS if isinstance(getattr(module, a, None), int)}
+    return "router" in type(module).__name__.lower() or w.shape[0] in counts
+
+
 _NOT_GEMMS = (nn.Embedding, nn.EmbeddingBag)
 
 

@@ -28,7 +28,7 @@ from typing import Any, Iterable
 from torch import nn
 
 from fp8scope.capture.collector import StepCollector, TensorKey
-from fp8scope.capture.adapters import adapter_for
+from fp8scope.capture.adapters import ExpertsSource, adapter_for
 from fp8scope.errors import UsageError
 from fp8scope.schema import DEFAULT_ROLES, ROLES
 from fp8scope.writer_thread import BackgroundWriter
@@ -203,6 +203,7 @@ class Monitor:
         for name, module in self.model.named_modules():
             # a model wrapped by torch.compile names its layers "_orig_mod.<name>": the layer is the
             # same, so is its name (a run stays comparable with an eager one)
+            compiled = "_orig_mod" in name.split(".")
             name = ".".join(part for part in name.split(".") if part != "_orig_mod")
             if not name:
                 continue
@@ -211,6 +212,8 @@ class Monitor:
             if exclude is not None and exclude(name):
                 continue
             adapter = adapter_for(module)
+            if adapter is ExpertsSource and compiled:  # read in eager forwards only: left, and said so
+                adapter = None
             if adapter is None:
                 cover.consider(name, module, inside=any(name.startswith(f"{m}.") for m in self.layers + cover.names()))
                 continue

@@ -1,10 +1,12 @@
-"""What a monitor does not see: a ``transformers`` Mixtral (5.x keeps its experts as 3-D weights,
-which no linear-layer hook sees) built from a small config, its attention in emulated FP8, trained
-with a NaN planted where its experts hand their output back.
+"""What a monitor does not see, and what the report then says: a model with a module holding a
+weight matrix of a kind nothing recognises between two emulated FP8 layers, trained with a NaN
+planted at that module's output (and, apart, at the first FP8 layer's input); a ``transformers``
+Mixtral whose routers stay unmonitored, compiled before the monitor attached (its experts are
+then left too); a dense Llama, covered whole.
 
-The monitor must say at attach that the experts (most of the GEMM weights) are not monitored, the
-run must record it, and the report must neither call the run clean without saying so nor blame
-FP8 for a NaN that reached the first monitored layer after the experts; a NaN that starts at a
+The monitor must say at attach what it left and its share of the GEMM weights, the run must
+record it, and the report must neither call the run clean without saying so nor blame FP8 for a
+NaN first seen at the FP8 layer just after the unmonitored module; a NaN that starts at a
 monitored FP8 layer is still blamed on FP8.
 """
 
@@ -19,24 +21,35 @@ from torch import nn
 
 import fp8scope
 from fp8scope.cli.main import main as cli_main
-from fp8scope.coverage import expert_weights
 from fp8scope.detect.analysis import analysis
 from fp8scope.emulate import convert_to_fp8
+from fp8scope.linear_like import expert_weights, is_router
 
 transformers = pytest.importorskip("transformers")
 
 STEPS, NAN_AT = 40, 32
 
 
-def mixtral(implementation: str = "grouped_mm") -> nn.Module:
-    torch.manual_seed(0)
-    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
-                                     num_experts_per_tok=2, max_position_embeddings=32)
-    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation=implementation)
-    head = model.get_output_embeddings()
-    convert_to_fp8(model, skip=[n for n, m in model.named_modules() if m is head])
-    return model
+class Projector(nn.Module):
+    """A GEMM layer of a kind nothing recognises (its class name does not say Linear)."""
+
+    def __init__(self, d: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(d, d) / d ** 0.5)
+
+    def forward(self, x):
+        return x @ self.weight.t()
+
+
+class Net(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 32)
+        self.proj = Projector(32)
+        self.b = nn.Linear(32, 8)
+
+    def forward(self, x):
+        return self.b(torch.relu(self.proj(torch.relu(self.a(x)))))
 
 
 def train(model: nn.Module, run_dir, plant) -> list[str]:
@@ -48,12 +61,12 @@ def train(model: nn.Module, run_dir, plant) -> list[str]:
     g = torch.Generator().manual_seed(1)
     for step in range(STEPS):
         plant(step)
-        ids = torch.randint(0, 96, (4, 16), generator=g)
-        out = model(input_ids=ids, labels=ids)
-        out.loss.backward()
+        x = torch.randn(32, 16, generator=g)
+        loss = (model(x) - x[:, :8]).pow(2).mean()
+        loss.backward()
         opt.step()
         opt.zero_grad()
-        mon.step(loss=out.loss)
+        mon.step(loss=loss)
     mon.close()
     return [str(w.message) for w in caught if "fp8scope" in str(w.message)]
 
@@ -74,47 +87,80 @@ def nan_plant(module: nn.Module, at: int, pre: bool = False):
     return lambda step: now.__setitem__(0, step)
 
 
-def test_a_nan_from_unmonitored_experts_is_not_blamed_on_fp8_and_the_run_says_what_was_not_seen(tmp_path, capsys):
-    model = mixtral()
-    experts = model.model.layers[0].mlp.experts
-    said = train(model, tmp_path, nan_plant(experts, NAN_AT))
+def fp8_net() -> Net:
+    torch.manual_seed(0)
+    net = Net()
+    convert_to_fp8(net)
+    return net
+
+
+def test_a_nan_from_an_unmonitored_module_is_not_blamed_on_fp8_and_the_run_says_what_was_not_seen(tmp_path, capsys):
+    net = fp8_net()
+    said = train(net, tmp_path, nan_plant(net.proj, NAN_AT))
     assert len(said) == 1, said
-    assert "2 MoE expert module(s) holding 8" in said[0] and "model.layers.0.mlp.experts (MixtralExperts)" in said[0]
-    assert "model.layers.0.mlp.gate (MixtralTopKRouter)" in said[0]  # the routers hold matrices nothing claims
+    assert "1 module(s) holding a weight matrix" in said[0] and "proj (Projector)" in said[0]
 
     cov = json.loads((tmp_path / "run.json").read_text())["meta"]["coverage"]
-    left = {u["module"]: u for u in cov["unmonitored"]}
-    assert left["model.layers.0.mlp.experts"]["kind"] == "experts"
-    assert left["model.layers.0.mlp.experts"]["params"] == experts.gate_up_proj.numel() + experts.down_proj.numel()
-    assert left["model.layers.1.mlp.gate"]["kind"] == "matrix"
-    order = cov["order"]
-    assert order.index("model.layers.0.self_attn.o_proj") < order.index("model.layers.0.mlp.experts") \
-        < order.index("model.layers.1.self_attn.q_proj")
+    assert cov["unmonitored"] == [{"module": "proj", "class": "Projector", "kind": "matrix", "params": 32 * 32}]
+    assert cov["order"] == ["a", "proj", "b"]
+    assert cov["params"]["monitored"] == 16 * 32 + 32 * 8
 
     _, rep = analysis(tmp_path)
-    assert rep["nan_origin"]["layer"] == "model.layers.1.self_attn.q_proj" and rep["nan_origin"]["step"] == NAN_AT
-    assert rep["nan_upstream"] == ["model.layers.0.mlp.gate", "model.layers.0.mlp.experts"]
+    assert rep["nan_origin"]["layer"] == "b" and rep["nan_origin"]["tensor"] == "activation"
+    assert rep["nan_origin"]["step"] == NAN_AT
+    assert rep["nan_upstream"] == ["proj"]
     assert rep["blame"]["level"] == "unknown", rep["blame"]
-    assert "model.layers.0.mlp.experts, which fp8scope did not monitor" in rep["blame"]["why"]
-    assert any("look at their outputs at step 32" in a for a in rep["advice"])
-    assert rep["coverage"].startswith("not monitored: 2 MoE expert module(s)")
+    assert "after proj, which fp8scope did not monitor" in rep["blame"]["why"]
+    assert any(f"look at their outputs at step {NAN_AT} first" in a for a in rep["advice"])
+    assert rep["coverage"] == "not monitored: 1 other weight matrix (proj, 57 % of the GEMM weights)"
 
     capsys.readouterr()
     assert cli_main(["report", str(tmp_path)]) == 0
     out = capsys.readouterr().out
-    assert "not monitored: 2 MoE expert module(s)" in out and "FP8's part is unknown" in out
+    assert "not monitored: 1 other weight matrix (proj" in out and "FP8's part is unknown" in out
     assert cli_main(["info", str(tmp_path)]) == 0
-    assert "coverage" in capsys.readouterr().out
+    assert "not monitored: 1 other" in capsys.readouterr().out
 
 
 def test_a_nan_that_starts_at_a_monitored_fp8_layer_is_still_blamed_on_fp8(tmp_path):
-    model = mixtral(implementation="eager")  # the experts' loop of F.linear on slices: not monitored either
-    said = train(model, tmp_path, nan_plant(model.model.layers[1].self_attn.o_proj, NAN_AT, pre=True))
-    assert "MoE expert module(s)" in said[0]
+    net = fp8_net()
+    train(net, tmp_path, nan_plant(net.a, NAN_AT, pre=True))
     _, rep = analysis(tmp_path)
-    assert rep["nan_origin"]["layer"] == "model.layers.1.self_attn.o_proj"
-    assert rep["nan_upstream"] == []  # v_proj, monitored, ran just before it
+    assert rep["nan_origin"]["layer"] == "a" and rep["nan_upstream"] == []
     assert rep["blame"]["level"] == "likely", rep["blame"]
+
+
+def test_a_clean_run_is_clean_in_the_monitored_layers(tmp_path):
+    train(fp8_net(), tmp_path, lambda step: None)
+    _, rep = analysis(tmp_path)
+    assert rep["blame"]["level"] == "clean"
+    assert rep["blame"]["why"] == ("no warning or critical events in the monitored layers (not monitored: 1 other weight "
+                                   "matrix (proj, 57 % of the GEMM weights))")
+
+
+def test_a_mixtral_leaves_its_routers_quietly_and_its_experts_only_when_compiled_first(tmp_path):
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # routers are no gap worth a warning, the experts are monitored
+        fp8scope.Monitor(model, tmp_path / "eager", every=1).close()
+    cov = json.loads((tmp_path / "eager" / "run.json").read_text())["meta"]["coverage"]
+    assert [(u["module"], u["kind"]) for u in cov["unmonitored"]] == [("model.layers.0.mlp.gate", "router"),
+                                                                      ("model.layers.1.mlp.gate", "router")]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        fp8scope.Monitor(torch.compile(model), tmp_path / "compiled", every=1).close()
+    said = [str(w.message) for w in caught if "MoE expert" in str(w.message)]
+    assert len(said) == 1 and "2 MoE expert module(s) holding 8" in said[0], said
+    assert "model.layers.0.mlp.experts (MixtralExperts)" in said[0] and "torch.compile" in said[0]
+    from fp8scope.store.manifest import coverage_text, read_manifest
+
+    text = coverage_text(read_manifest(tmp_path / "compiled"))
+    assert text.startswith("not monitored: 2 MoE expert modules (model.layers.0.mlp.experts, "
+                           "model.layers.1.mlp.experts, 8")
 
 
 def test_which_three_dimensional_weights_are_experts():
@@ -133,6 +179,7 @@ def test_which_three_dimensional_weights_are_experts():
     assert len(expert_weights(GroupedExperts())) == 2
     assert expert_weights(Embeddings()) == []
     assert expert_weights(nn.Conv1d(4, 4, 3)) == []
+    assert not is_router(nn.Linear(4, 8)) and not is_router(Projector(4))
 
 
 def test_a_dense_model_is_covered_whole(tmp_path, capsys):

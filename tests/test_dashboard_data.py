@@ -178,7 +178,9 @@ def test_events_panel_of_a_run_with_only_info_events(tmp_path):
     from fp8scope.store.writer import RunWriter
 
     run = tmp_path / "runs" / "clean"
-    write_manifest(run, new_manifest(meta={"model": "clean"}))
+    coverage = {"params": {"monitored": 3000, "unmonitored": 1000}, "order": ["proj", "fc"],
+                "unmonitored": [{"module": "proj", "class": "Projector", "kind": "matrix", "params": 1000}]}
+    write_manifest(run, new_manifest(meta={"model": "clean", "coverage": coverage}))
     with RunWriter(run) as w:
         for step in range(12):
             cols = {f.name: pa.nulls(1, f.type) for f in TENSOR_SCHEMA}
@@ -203,3 +205,6 @@ def test_events_panel_of_a_run_with_only_info_events(tmp_path):
         page = str(app.render(parse(query)))
         assert "error-card" not in page, page[page.find("error-card") - 300:page.find("error-card") + 300]
     assert "dynamic_range" in page  # listed once info is asked for
+    # the card says what the monitor did not see, and the verdict is clean only in what it saw
+    assert "card-coverage" in page and "not monitored: 1 other weight matrix (proj, 25 % of the GEMM weights)" in page
+    assert "no warning or critical events in the monitored layers" in page

@@ -188,7 +188,10 @@ def test_attribution_orders_the_evidence():
     only_head = head.iloc[:1]
     rep = {"steps": 300, "measured": {"kind": "mixed"}, "whatif_layers": ["head"],
            "attribution": attribution(only_head, whatif=["head"])}
-    b = blame(rep, only_head)
+    b = blame(rep, only_head)  # a simulated cast is all there is: training itself went without a warning
+    assert b["level"] == "clean" and "what-if" in b["why"] and "head" in b["why"], b
+    spiked = pd.DataFrame([ev(199, "amax_spike", "head"), ev(200, "saturation", "head")])
+    b = blame({**rep, "attribution": attribution(spiked, whatif=["head"])}, spiked)  # its own spike is real
     assert b["level"] == "unlikely" and "simulated" in b["why"] and "head" in b["why"], b
     assert blame({**rep, "whatif_layers": []}, only_head)["level"] == "unknown"
 

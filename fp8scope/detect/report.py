@@ -24,6 +24,7 @@ import pandas as pd
 
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.design_loss import BLOCK_SCALED
+from fp8scope.detect.engine import SIMULATED_CAST
 from fp8scope.detect.rules import SEVERITY_RANK
 from fp8scope.schema import ROLES, base_role, simulated_casts
 from fp8scope.store.manifest import coverage_of, coverage_text, describe_mode, measured_mode, recipe_text
@@ -102,7 +103,7 @@ def culprit(rep: dict, serious: pd.DataFrame) -> dict | None:
     nan, first = rep.get("nan_origin"), rep.get("first_anomaly")
     if nan is not None and (first is None or nan["step"] <= first["step"]):
         e = nan
-    elif (rep.get("attribution") or {}).get("side") == "optimizer" or serious.empty:
+    elif (rep.get("attribution") or {}).get("side") == "optimizer" or serious.empty or _only_simulated(rep, serious):
         return None
     elif first is not None and first["layer"]:
         e = first
@@ -135,9 +136,13 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
     sh = rep.get("shadow") or {}
     if (sh.get("loss") or {}).get("bf16_nonfinite"):
         return {"level": "unlikely", "why": "the BF16 replica from the same state also went non-finite"}
+    cov = f" in the monitored layers ({rep['coverage']})" if rep.get("coverage") else ""
     if serious.empty:
-        cov = rep.get("coverage")
-        return {"level": "clean", "why": "no warning or critical events" + (f" in the monitored layers ({cov})" if cov else "")}
+        return {"level": "clean", "why": "no warning or critical events" + cov}
+    if _only_simulated(rep, serious):
+        return {"level": "clean", "why": f"no warning or critical events in training{cov}; the only ones are what-if, on "
+                                         f"layers that ran in high precision ({_some(serious['layer'])}), whose casts "
+                                         "are simulated"}
     att = rep.get("attribution") or {}
     if att.get("side") == "optimizer":
         e, x = att["event"], att["fp8_event"]
@@ -394,6 +399,13 @@ def _simulated(rep: dict, serious: pd.DataFrame) -> pd.DataFrame:
     return serious[serious["layer"].isin(rep.get("whatif_layers") or [])]
 
 
+def _only_simulated(rep: dict, serious: pd.DataFrame) -> bool:
+    """Whether every warning or critical event judges a simulated cast (``engine.SIMULATED_CAST``) of a
+    layer that ran in high precision: training itself went without one."""
+    simulated = _simulated(rep, serious)
+    return not serious.empty and len(simulated) == len(serious) and bool(simulated["rule"].isin(SIMULATED_CAST).all())
+
+
 def _some(layers) -> str:
     """Up to three distinct layer names, in order, for a sentence."""
     ls = list(dict.fromkeys(layers))
@@ -592,6 +604,8 @@ def _verdict(rep: dict, serious: pd.DataFrame) -> str:
               "the cause")
     if (rep.get("measured") or {}).get("kind") == "whatif" and f["layer"]:
         s += " (what-if: simulated FP8; training ran in high precision)"
+    elif f["layer"] in (rep.get("whatif_layers") or []) and f["rule"] in SIMULATED_CAST:
+        s += " (what-if: simulated; the layer ran in high precision)"
     if rep["nan_origin"]:
         o = rep["nan_origin"]
         s += f"; NaN origin {o['layer']} {o['tensor']} at step {o['step']}"

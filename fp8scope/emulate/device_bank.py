@@ -86,6 +86,10 @@ class DeviceDelayedBank:
         # dtype -> [buffer [rows, 2] (a, c), its rows' (c, a) views, rows used, its first code]
         self._out: dict[torch.dtype, list] = {}
         self._extra: list[torch.Tensor] = []  # parts read elsewhere (the weights' batch, empty tensors): a, c, a, c...
+        # parts of several captures measured together ([n, 2] blocks: a grouped GEMM's experts); the k-th
+        # pair of the step's blocks is the code -_SPAN - k
+        self._part_blocks: list[torch.Tensor] = []
+        self._block_pairs = 0
         self._gathers: dict[tuple, torch.Tensor | None] = {}  # (codes, layout) -> the rows' index into the pool
         self._shared: tuple | None = None  # (weak ref, version, code) of the last shared capture's tensor
         self._weights = WeightReads(self.device)  # the step's weight reads, in one batch
@@ -168,6 +172,25 @@ class DeviceDelayedBank:
             rows.append(DeferredRow(self, i))
         return rows[i]
 
+    def capture_parts(self, slots: list[int], parts: torch.Tensor) -> list[DeferredRow]:
+        """Captures of several slots whose amax parts were measured together: ``parts`` is
+        ``[len(slots), 2]``, each row (max, min) of one tensor as :meth:`capture`'s pass gives them
+        (a grouped GEMM's experts, from one segmented reduction over the rows of all of them). The
+        rows, as :meth:`capture` returns one, in ``slots`` order."""
+        start = self._block_pairs
+        self._part_blocks.append(parts)
+        self._block_pairs += len(slots)
+        out = []
+        for k, slot in enumerate(slots):
+            self._codes.append(-_SPAN - (start + k))
+            self._captured.append(slot)
+            i = self._taken
+            self._taken = i + 1
+            if i == len(self._rows):
+                self._rows.append(DeferredRow(self, i))
+            out.append(self._rows[i])
+        return out
+
     def _extra_code(self, parts: tuple[torch.Tensor, torch.Tensor]) -> int:
         """The code of parts read elsewhere than the buffers (kept until the step's rows are gathered)."""
         self._extra.extend(parts)
@@ -203,6 +226,10 @@ class DeviceDelayedBank:
             layout.append((-1, len(self._extra) // 2))
             blocks.append(torch.stack(self._extra).view(-1, 2))
             self._extra = []
+        if self._part_blocks:
+            layout.append((-2, self._block_pairs))
+            blocks.append(self._part_blocks[0] if len(self._part_blocks) == 1 else torch.cat(self._part_blocks))
+            self._part_blocks, self._block_pairs = [], 0
         pool = blocks[0] if len(blocks) == 1 else torch.cat(blocks)  # promoted to the widest dtype, exactly
         key = (tuple(codes), tuple(layout))
         if key not in self._gathers:
@@ -210,7 +237,8 @@ class DeviceDelayedBank:
             for kind, n in layout:
                 offsets[kind] = start
                 start += n
-            index = [offsets[-1] - 1 - c if c < 0 else offsets[c // _SPAN] + c % _SPAN for c in codes]
+            index = [offsets[-2] - _SPAN - c if c <= -_SPAN else offsets[-1] - 1 - c if c < 0
+                     else offsets[c // _SPAN] + c % _SPAN for c in codes]
             if len(self._gathers) >= 16:
                 self._gathers.clear()
             self._gathers[key] = None if index == list(range(start)) else self._on_device(index)

@@ -31,7 +31,7 @@ def compared_layers(model: nn.Module, include=None, exclude=None) -> dict[str, n
 def layer_kind(module: nn.Module) -> str:
     """The adapter's name (``emulated``, ``torchao``, ``te``), or ``plain`` for a high-precision layer."""
     adapter = adapter_for(module)
-    return "plain" if adapter is None or adapter is WhatIfSource else adapter.name
+    return "plain" if adapter is None or adapter.name == WhatIfSource.name else adapter.name  # what-if: plain, experts too
 
 
 def layer_weights(module: nn.Module) -> list[nn.Parameter]:

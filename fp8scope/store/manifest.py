@@ -222,16 +222,18 @@ def coverage_text(manifest: dict) -> str | None:
     """One sentence naming what the monitor did not see, for ``info``, the report and the dashboard;
     None when it saw every module holding GEMM weights (or the run does not say)."""
     cov = coverage_of(manifest)
-    left = [u for u in cov.get("unmonitored") or [] if isinstance(u, dict)]
+    # routers are recorded (a NaN may start there) but not named: every FP8 recipe keeps them in high precision
+    left = [u for u in cov.get("unmonitored") or [] if isinstance(u, dict) and u.get("kind") != "router"]
     if not left:
         return None
     p = cov.get("params") or {}
     total = int(p.get("monitored") or 0) + int(p.get("unmonitored") or 0)
     parts = []
-    for kind, what in (("experts", "MoE expert module(s)"), ("matrix", "other weight matrices")):
+    for kind, one, many in (("experts", "MoE expert module", "MoE expert modules"),
+                            ("matrix", "other weight matrix", "other weight matrices")):
         group = [u for u in left if u.get("kind") == kind]
         if group:
             share = f", {share_text(sum(int(u.get('params') or 0) for u in group), total)} of the GEMM weights" if total else ""
             names = ", ".join(str(u.get("module")) for u in group[:3]) + (f" and {len(group) - 3} more" if len(group) > 3 else "")
-            parts.append(f"{len(group)} {what} ({names}{share})")
+            parts.append(f"{len(group)} {one if len(group) == 1 else many} ({names}{share})")
     return "not monitored: " + "; ".join(parts)

@@ -3,6 +3,8 @@
 - :mod:`.emulated`: our :class:`fp8scope.emulate.Fp8Linear`;
 - :mod:`.torchao`: torchao ``Float8Linear``;
 - :mod:`.te`: Transformer Engine modules, version by version (2.0 -> 2.20);
+- :mod:`.experts`: MoE experts stored as 3-D weights (``transformers`` 5.x), each expert's GEMMs
+  with the recipe simulated;
 - :mod:`.whatif`: any other linear-like layer in high precision, with the recipe simulated.
 
 The monitor walks the model and, for each selected module, takes the first adapter that claims
@@ -21,16 +23,17 @@ from torch import nn
 
 from fp8scope.capture.adapters.base import Adapter, GradHook, Handle, Sink, first_tensor, guarded
 from fp8scope.capture.adapters.emulated import EmulatedSource
+from fp8scope.capture.adapters.experts import ExpertsSource
 from fp8scope.capture.adapters.te import TransformerEngineSource
 from fp8scope.capture.adapters.torchao import TorchaoSource
 from fp8scope.capture.adapters.whatif import WhatIfSource
 
 # Order matters: the most specific adapter first; WhatIf takes any remaining linear-like layer.
-ADAPTERS: tuple[type, ...] = (EmulatedSource, TorchaoSource, TransformerEngineSource, WhatIfSource)
+ADAPTERS: tuple[type, ...] = (EmulatedSource, TorchaoSource, TransformerEngineSource, ExpertsSource, WhatIfSource)
 
 __all__ = ["ADAPTERS", "Adapter", "GradHook", "Handle", "Sink", "adapter_for", "first_tensor", "guarded",
            "high_precision", "make_plain", "plain_context", "EmulatedSource", "TorchaoSource",
-           "TransformerEngineSource", "WhatIfSource"]
+           "TransformerEngineSource", "ExpertsSource", "WhatIfSource"]
 
 
 def adapter_for(module: nn.Module):

@@ -48,7 +48,7 @@ class _WhatIfTap:
     when it ends. Current scaling keeps a :class:`~fp8scope.emulate.ScalingState` per tensor (its
     scale comes from the tensor itself)."""
 
-    def __init__(self, layer: str, sink: Sink, recipe: Any, kind: LinearKind):
+    def __init__(self, layer: str, sink: Sink, recipe: Any, kind: LinearKind, traced: bool = True):
         from fp8scope.emulate import DelayedScaling
 
         self.layer, self.sink, self.recipe, self.kind = layer, sink, recipe, kind
@@ -66,7 +66,7 @@ class _WhatIfTap:
         # its graph with grad off, so the tap cannot ask (the weights' batched read is for training)
         self._forward_roles = tuple(r for r in ("activation", "weight", "output") if r in sink.roles)
         self._graph_taps = {}
-        for training in (True, False):
+        for training in ((True, False) if traced else ()):  # traced=False: a GEMM no compiled graph calls
             for role in (*self.fmts, "forward"):
                 roles = self._forward_roles if role == "forward" else role
                 self._graph_taps[role, training] = graph_taps.register(
@@ -146,6 +146,16 @@ class _WhatIfTap:
         except Exception as exc:
             sink.fail(exc)
 
+    def slot(self, role: str, device: torch.device, shape: tuple[int, ...]) -> tuple[Any, int, int]:
+        """``(bank, slot, key id)`` of ``role``'s delayed-scaling state on ``device`` (the tensor's
+        ``shape`` names the key): made at the first capture, and again when the model moved."""
+        slot = self.slots.get(role)
+        if slot is None or slot[0].device != device:  # first capture, or the model moved
+            bank = self.sink.device_bank(self.recipe, device)
+            kid = self.sink.key_id(self.layer, role, "whatif", self.fmts[role], tuple(shape))
+            slot = self.slots[role] = (bank, bank.add(self.fmts[role], like=slot[:2] if slot else None), kid)
+        return slot
+
     def capture(self, role: str, x: torch.Tensor, training: bool | None = None) -> None:
         """``training``: ``x`` is from a forward with grad on (None: ask grad mode now, as an eager
         hook can)."""
@@ -164,9 +174,7 @@ class _WhatIfTap:
             return
         slot = self.slots.get(role)
         if slot is None or slot[0].device != x.device:  # first capture, or the model moved
-            bank = sink.device_bank(self.recipe, x.device)
-            kid = sink.key_id(layer, role, "whatif", fmt, tuple(x.shape))
-            slot = self.slots[role] = (bank, bank.add(fmt, like=slot[:2] if slot else None), kid)
+            slot = self.slot(role, x.device, x.shape)
         bank, s, kid = slot
         if sink.full:
             # delayed scaling: the scales do not depend on this tensor, so the stats pass measures

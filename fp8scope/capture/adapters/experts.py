@@ -1,0 +1,290 @@
+"""MoE experts stored as 3-D weights (``transformers`` 5.x: ``MixtralExperts``, Qwen's, DeepSeek's,
+GPT-OSS's; any module whose 3-D Parameters stack one matrix per expert, ``linear_like.expert_weights``),
+in high precision: the recipe is simulated on each expert's GEMMs, as on any other plain layer
+(:mod:`.whatif`), and nothing changes.
+
+Why a tap inside the module: the experts' GEMMs are not modules. ``transformers`` runs them one of
+three ways, chosen per model (``experts_implementation``): a loop of ``F.linear(x_e, W[e])`` (or
+``x_e @ W[e]``) over the experts a batch reached, one ``grouped_mm(x, W, offs)`` over the tokens
+sorted by expert (the default), or ``batched_mm``: ``bmm`` of each row by ``W[expert_ids]``.
+While the module runs, a ``TorchFunctionMode`` sees each call and recognises the GEMMs whose weight is one of the module's stacked Parameters (or an expert's
+slice of one). Each expert's GEMM is a layer of its own, ``<module>.<expert>.<parameter>``
+(``model.layers.0.mlp.experts.3.down_proj``, as ``transformers`` 4.x named its per-expert
+``nn.Linear``), with its own delayed-scaling state, as Transformer Engine's ``GroupedLinear``
+keeps one per GEMM.
+
+A cheap step reads no group size on the host: one reduction per row of a grouped (or batched)
+GEMM's input, and of its output's gradient, and one scatter by expert give every expert's amax
+parts together (:meth:`~fp8scope.emulate.device_bank.DeviceDelayedBank.capture_parts`), with an
+expert that got no token this step at 0 (TE's amax of an empty split); such rows have no element
+count. Full steps, and recipes other than delayed scaling, read the group sizes once per forward
+and capture each expert's rows as a plain layer's. The loop captures the experts it reaches.
+Experts whose GEMMs are none of these (a layout of their own) are named in one warning. Eager
+only: under ``torch.compile`` the experts are not captured.
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+from torch.overrides import TorchFunctionMode
+
+from fp8scope.capture.adapters.base import Adapter, Handle, Sink
+from fp8scope.capture.adapters.whatif import _WhatIfTap
+from fp8scope.linear_like import NN_LINEAR, expert_weights
+
+_GROUPED = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
+_MATMUL = frozenset({"matmul", "__matmul__"})
+_READ = _GROUPED | _MATMUL | {"linear", "bmm", "__getitem__"}
+
+
+class ExpertsSource(Adapter):
+    """A module of stacked expert weights: each expert's GEMMs captured what-if."""
+
+    name = "whatif"
+
+    @staticmethod
+    def claims(module: nn.Module) -> bool:
+        return bool(expert_weights(module))
+
+    @staticmethod
+    def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
+        tap = _ExpertsTap(layer, module, sink, recipe)
+        pre = module.register_forward_pre_hook(tap.enter)
+        post = module.register_forward_hook(tap.leave, always_call=True)
+        return lambda: (pre.remove(), post.remove()) and None
+
+    @staticmethod
+    def weights(module: nn.Module) -> list[nn.Parameter]:
+        return expert_weights(module)
+
+
+class _Mode(TorchFunctionMode):
+    def __init__(self, tap: "_ExpertsTap"):
+        super().__init__()
+        self.tap = tap
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _READ:
+            try:
+                self.tap.gemm(name, args, kwargs, out)
+            except Exception as exc:  # a monitor problem must not reach training
+                self.tap.sink.fail(exc)
+        return out
+
+
+class _ExpertsTap:
+    def __init__(self, layer: str, module: nn.Module, sink: Sink, recipe: Any):
+        from fp8scope.emulate import DelayedScaling
+
+        self.layer, self.sink, self.recipe = layer, sink, recipe
+        self.module = weakref.ref(module)
+        stacked = expert_weights(module)
+        self.params = [(n, p) for n, p in module.named_parameters(recurse=False) if any(p is q for q in stacked)]
+        self.delayed = isinstance(recipe, DelayedScaling)
+        self.taps: dict[tuple[int, str], _WhatIfTap] = {}
+        self._mode: _Mode | None = None
+        self._seen = 0  # GEMMs recognised in this forward
+        self._host: dict[int, tuple] = {}  # id(offs or ids) -> (it, perm, group sizes): read once per forward
+        self._gathers: dict[int, tuple] = {}  # id(W[ids]) -> (W[ids], parameter name, W, ids) in this forward
+        kind = getattr(recipe, "kind", None)
+        self._kind = kind if isinstance(kind, str) else None  # its rows are the simulated recipe's
+
+    def __deepcopy__(self, memo: dict) -> "_ExpertsTap":
+        # A copy of the model (a fork's replica, whose hooks are then removed; the user's EMA copy)
+        # keeps the hooks as functions: the same tap, which reads only its own module (enter).
+        return self
+
+    def tap(self, expert: int, param: str) -> _WhatIfTap:
+        t = self.taps.get((expert, param))
+        if t is None:
+            name = f"{self.layer}.{expert}.{param}"
+            if self._kind is not None:
+                self.sink.layer_recipe(name, self._kind)
+            t = self.taps[expert, param] = _WhatIfTap(name, self.sink, self.recipe, NN_LINEAR, traced=False)
+        return t
+
+    # ---- the module's forward ---------------------------------------------------------------
+    def enter(self, module, args):
+        if torch.compiler.is_compiling():  # traced: not captured (docs/capture.md)
+            return
+        if not self.sink.active or self._mode is not None or module is not self.module():
+            return
+        self._seen = 0
+        self._mode = _Mode(self)
+        self._mode.__enter__()
+
+    def leave(self, module, args, output):
+        mode, self._mode = self._mode, None
+        if mode is None:
+            return
+        mode.__exit__(None, None, None)
+        self._host, self._gathers = {}, {}
+        if not self._seen:
+            self.sink.warn("experts-unread", f"{self.layer}: its experts ran no GEMM fp8scope reads (F.linear or a "
+                           "matmul on an expert's slice, grouped_mm, batched_mm): they are not captured")
+
+    # ---- one GEMM -----------------------------------------------------------------------
+    def _param(self, w: Any) -> tuple[str, torch.Tensor, int | None] | None:
+        """The stacked Parameter ``w`` is, or is a view of: (name, Parameter, expert) with expert None
+        for the whole stack (a grouped GEMM), or None."""
+        if not isinstance(w, torch.Tensor) or w.dim() not in (2, 3):
+            return None
+        ptr = w.data_ptr()
+        for name, p in self.params:
+            base, size = p.data_ptr(), p.numel() * p.element_size()
+            if not base <= ptr < base + size:
+                continue
+            if w.dim() == 3:
+                return (name, p, None) if ptr == base and w.shape[0] == p.shape[0] else None
+            step = p.stride(0) * p.element_size()
+            if (ptr - base) % step == 0 and w.numel() == p[0].numel():
+                return name, p, (ptr - base) // step
+        return None
+
+    def gemm(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
+        if name == "__getitem__":  # batched_mm's weights gathered per row: W[expert_ids]
+            hit = self._param(args[0])
+            index = args[1] if len(args) > 1 else None
+            if hit is not None and hit[2] is None and isinstance(index, torch.Tensor) and index.dim() == 1 \
+                    and not index.is_floating_point() and index.dtype != torch.bool:
+                self._gathers[id(out)] = (out, hit[0], hit[1], index)
+            return
+        if name == "bmm":
+            a, b = args[0], args[1]
+            got = self._gathers.get(id(b)) or self._gathers.get(id(a))
+            if got is None or not (got[0] is a or got[0] is b):
+                return
+            _, param, p, ids = got
+            x = a.squeeze(1) if got[0] is b else b.squeeze(-1)  # bmm(x[:, None], W[ids]) or bmm(W[ids], x[..., None])
+            self._seen += 1
+            self._routed(param, x, lambda e: _as_out_in(p[e], x.shape[-1]), p, out, ids=ids)
+            return
+        if name in _GROUPED:
+            x, w = args[0], args[1]
+            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            hit = self._param(w)
+            if hit is None or hit[2] is not None or not isinstance(offs, torch.Tensor):
+                return
+            self._seen += 1
+            self._routed(hit[0], x, lambda e: w[e].t(), w, out, offs=offs)  # w: [experts, in, out]
+            return
+        x, w = (args[0], args[1]) if len(args) > 1 else (args[0], kwargs.get("weight"))
+        hit = self._param(w)
+        if hit is None or hit[2] is None or not isinstance(x, torch.Tensor):
+            return
+        self._seen += 1
+        param, _, expert = hit
+        # F.linear's weight is [out, in]; x @ W[e] holds [in, out]
+        self.tap(expert, param).forward_hook(_ExpertGemm(w if name == "linear" else w.t()), (x,), out)
+
+    def _routed(self, param: str, x: torch.Tensor, weight_of, stack: torch.Tensor, out: torch.Tensor,
+                offs: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> None:
+        """``out`` = the GEMMs of ``x``'s rows, each by its expert's weight (``weight_of(e)``, as
+        ``[out, in]``; ``stack`` holds them all): rows ``offs[e-1]:offs[e]`` are expert e's
+        (grouped_mm; rows past ``offs[-1]`` belong to nobody: expert-parallel sentinels), or row r is
+        expert ``ids[r]``'s (batched_mm)."""
+        sink, n = self.sink, stack.shape[0]
+        roles = sink.roles
+        forward = sink.capture_no_grad or torch.is_grad_enabled()
+        if sink.full or not self.delayed:  # each expert's rows as a plain layer's: the sizes on the host
+            perm, sizes = self._groups(offs, ids, n)
+            xs = x if perm is None else x[perm]
+            start = 0
+            for e, size in enumerate(sizes):
+                if size:  # the gradient is hooked below, on the whole output (a slice of it gets none)
+                    self.tap(e, param).forward_hook(_ExpertGemm(weight_of(e)), (xs[start:start + size],), None)
+                start += size
+            if "gradient" in roles and out.requires_grad:
+                out.register_hook(lambda g: self._grads_by_size(param, g, perm, sizes) and None)
+            return
+        if offs is not None:
+            ids = _expert_ids(offs, x.shape[0])
+        if forward and "activation" in roles:
+            self._deferred(param, "activation", x, _parts_by_expert(x, ids, n))
+        if forward and "weight" in roles:
+            self._deferred(param, "weight", weight_of(0),
+                           torch.stack(stack.detach().reshape(n, -1).aminmax(dim=1)[::-1], 1))
+        if "gradient" in roles and out.requires_grad:
+            # (the hook holds no reference to ``out``: a tensor's hook that held its tensor would keep the
+            # step's activations alive in a cycle)
+            out.register_hook(lambda g: self._on_grad(param, g.reshape(g.shape[0], -1), ids, n) and None)
+
+    def _grads_by_size(self, param: str, grad: torch.Tensor, perm: torch.Tensor | None, sizes: list[int]) -> None:
+        grad = grad.reshape(grad.shape[0], -1)
+        grad = grad if perm is None else grad[perm]
+        start = 0
+        for e, size in enumerate(sizes):
+            if size:
+                self.tap(e, param)._on_grad(grad[start:start + size])
+            start += size
+
+    def _on_grad(self, param: str, grad: torch.Tensor, ids: torch.Tensor, n: int) -> None:
+        if not self.sink.active:
+            return
+        try:
+            self._deferred(param, "gradient", grad, _parts_by_expert(grad, ids, n))
+        except Exception as exc:
+            self.sink.fail(exc)
+
+    def _deferred(self, param: str, role: str, like: torch.Tensor, parts: torch.Tensor) -> None:
+        """Every expert's cheap row of ``role`` from its amax parts ``[experts, 2]``."""
+        shape = tuple(like.shape) if role == "weight" else (-1, *like.shape[1:])  # an expert's rows vary
+        slots = [self.tap(e, param).slot(role, like.device, shape) for e in range(parts.shape[0])]
+        bank = slots[0][0]
+        rows = bank.capture_parts([s for _, s, _ in slots], parts)
+        record = self.sink.record_deferred
+        for (_, _, kid), row in zip(slots, rows):
+            record(role, row, kid, -1)
+
+    def _groups(self, offs: torch.Tensor | None, ids: torch.Tensor | None, n: int):
+        """``(perm, sizes)``: the order that puts each expert's rows together (None: they are) and the
+        group sizes, read on the host once per forward (both GEMMs of a forward route alike)."""
+        key = id(offs if offs is not None else ids)
+        got = self._host.get(key)
+        if got is None or got[0] is not (offs if offs is not None else ids):
+            if offs is not None:
+                ends = offs.tolist()
+                perm, sizes = None, [b - a for a, b in zip([0] + ends[:-1], ends)]
+            else:
+                perm, sizes = torch.argsort(ids, stable=True), torch.bincount(ids, minlength=n)[:n].tolist()
+            got = self._host[key] = (offs if offs is not None else ids, perm, sizes)
+        return got[1], got[2]
+
+
+class _ExpertGemm:
+    """One expert's GEMM as a plain what-if tap reads a layer: its weight as ``[out, in]``."""
+
+    __slots__ = ("weight",)
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight
+
+
+def _as_out_in(w: torch.Tensor, k: int) -> torch.Tensor:
+    """An expert's weight as ``[out, in]`` for an input of ``k`` features (stored either way)."""
+    return w.t() if w.shape[0] == k and w.shape[1] != k else w
+
+
+def _expert_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
+    """Each row's expert from the grouped GEMM's cumulative offsets (``len(offs)`` for rows past the
+    last: nobody's)."""
+    return torch.bucketize(torch.arange(rows, device=offs.device, dtype=offs.dtype), offs, right=True)
+
+
+def _parts_by_expert(x: torch.Tensor, ids: torch.Tensor, n: int) -> torch.Tensor:
+    """``[n, 2]``: each expert's (max, min) over its rows of ``x`` (0 and 0 for an expert without rows),
+    NaN where one of its rows holds a NaN whatever the device's scatter does with NaN."""
+    lo, hi = x.detach().reshape(x.shape[0], -1).aminmax(dim=1)
+    zeros = hi.new_zeros(n + 1)
+    top = zeros.scatter_reduce(0, ids, hi, "amax")
+    low = zeros.scatter_reduce(0, ids, lo, "amin")
+    nan = zeros.scatter_reduce(0, ids, hi.isnan().to(hi.dtype), "amax") > 0
+    top = top.masked_fill(nan, float("nan"))
+    return torch.stack([top, low], 1)[:n]
