@@ -32,7 +32,7 @@ import torch
 from torch import nn
 from torch.overrides import TorchFunctionMode
 
-from fp8scope.capture.adapters.base import Adapter, Handle, Sink
+from fp8scope.capture.adapters.base import Adapter, Handle, Sink, guarded
 from fp8scope.capture.adapters.whatif import _WhatIfTap
 from fp8scope.linear_like import NN_LINEAR, expert_weights
 
@@ -53,8 +53,8 @@ class ExpertsSource(Adapter):
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
         tap = _ExpertsTap(layer, module, sink, recipe)
-        pre = module.register_forward_pre_hook(tap.enter)
-        post = module.register_forward_hook(tap.leave, always_call=True)
+        pre = module.register_forward_pre_hook(guarded(sink, tap.enter))
+        post = module.register_forward_hook(guarded(sink, tap.leave), always_call=True)
         return lambda: (pre.remove(), post.remove()) and None
 
     @staticmethod
@@ -217,13 +217,18 @@ class _ExpertsTap:
             out.register_hook(lambda g: self._on_grad(param, g.reshape(g.shape[0], -1), ids, n) and None)
 
     def _grads_by_size(self, param: str, grad: torch.Tensor, perm: torch.Tensor | None, sizes: list[int]) -> None:
-        grad = grad.reshape(grad.shape[0], -1)
-        grad = grad if perm is None else grad[perm]
-        start = 0
-        for e, size in enumerate(sizes):
-            if size:
-                self.tap(e, param)._on_grad(grad[start:start + size])
-            start += size
+        if not self.sink.active:
+            return
+        try:  # a hook in the user's backward: a monitor problem must not reach it
+            grad = grad.reshape(grad.shape[0], -1)
+            grad = grad if perm is None else grad[perm]
+            start = 0
+            for e, size in enumerate(sizes):
+                if size:
+                    self.tap(e, param)._on_grad(grad[start:start + size])
+                start += size
+        except Exception as exc:
+            self.sink.fail(exc)
 
     def _on_grad(self, param: str, grad: torch.Tensor, ids: torch.Tensor, n: int) -> None:
         if not self.sink.active:
