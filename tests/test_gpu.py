@@ -479,3 +479,47 @@ def test_torchao_compiled_real_fp8_gemms(tmp_path, recipe):
     assert set(df.source) == {"torchao"} and set(df.layer) == {"up", "down", "head"}
     assert set(df.step) == {0, 1, 2} and df.amax.notna().all()
     assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-3)).all()
+
+
+def test_moe_experts_on_cuda_log_the_cpus_rows_and_their_cheap_steps_do_not_sync(tmp_path):
+    """A Mixtral's experts (3-D weights) on CUDA under grouped_mm and the eager loop log the rows
+    the CPU logs; the grouped cheap steps' capture (a segmented reduction for all experts) makes no
+    synchronizing call of fp8scope's (transformers' own routing may)."""
+    pytest.importorskip("transformers")
+    from tests.test_experts import _rows, build
+
+    def rows(device: str, implementation: str, every: int, check_sync: bool = False):
+        model = build("mixtral", implementation).to(device)
+        mon = fp8scope.Monitor(model, tmp_path / f"{device}-{implementation}-{every}", every=every, detect=False)
+        opt = torch.optim.AdamW(model.parameters(), 1e-3)
+        g = torch.Generator().manual_seed(1)
+        caught = []
+        for step in range(6):
+            ids = torch.randint(0, 96, (4, 16), generator=g).to(device)
+            watched = check_sync and step >= 3
+            if watched:
+                torch.cuda.synchronize()
+                torch.cuda.set_sync_debug_mode("warn")
+            try:
+                with warnings.catch_warnings(record=True) as got:
+                    warnings.simplefilter("always")
+                    loss = model(input_ids=ids, labels=ids).loss
+                    loss.backward()
+                    opt.step()
+                    opt.zero_grad()
+                    mon.step(loss=loss.detach())
+                caught += [f"{w.filename}:{w.lineno}" for w in got if "synchroniz" in str(w.message)
+                           and "fp8scope" in w.filename]
+            finally:
+                if watched:
+                    torch.cuda.set_sync_debug_mode(0)
+        mon.close()
+        return _rows(fp8scope.load_run(tmp_path / f"{device}-{implementation}-{every}").tensors()), caught
+
+    ref, _ = rows("cpu", "eager", 1)
+    for implementation in ("eager", "grouped_mm"):
+        got, _ = rows("cuda", implementation, 1)
+        assert list(got.index) == list(ref.index)
+        assert torch.allclose(torch.tensor(got.to_numpy()), torch.tensor(ref.to_numpy()), rtol=1e-3)
+    _, syncs = rows("cuda", "grouped_mm", 100, check_sync=True)
+    assert not syncs, syncs[:10]
