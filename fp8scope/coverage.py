@@ -25,7 +25,10 @@ from torch import nn
 from fp8scope.linear_like import describe_skipped, expert_weights, holds_weight_matrix, is_router
 from fp8scope.store.manifest import share_text
 
+
 def _gemm_params(params) -> dict[int, int]:
+    """Parameter id -> size of the matrices (and stacks of them) among ``params``: a GEMM's weights,
+    not its norms or biases; by id, so a tied weight counts once."""
     return {id(p): p.numel() for p in params if p.dim() >= 2}
 
 
