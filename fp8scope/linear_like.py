@@ -136,6 +136,11 @@ def linear_kind(module: nn.Module) -> LinearKind | None:
 _EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts", "num_experts_per_partition")
 
 
+def _expert_counts(module: nn.Module) -> set[int]:
+    """The expert counts ``module`` keeps (under any of the libraries' names)."""
+    return {getattr(module, a) for a in _EXPERT_COUNTS if isinstance(getattr(module, a, None), int)}
+
+
 def expert_weights(module: nn.Module) -> list[nn.Parameter]:
     """The module's own 3-D Parameters stacking one weight matrix per expert, or []: a Parameter of
     shape ``[experts, out, in]`` (or ``[experts, in, out]``) whose first side is the module's expert
@@ -143,7 +148,7 @@ def expert_weights(module: nn.Module) -> list[nn.Parameter]:
     3-D weights are not experts, nor is a ``[1, tokens, features]`` position embedding."""
     if isinstance(module, nn.modules.conv._ConvNd):
         return []
-    counts = {getattr(module, a) for a in _EXPERT_COUNTS if isinstance(getattr(module, a, None), int)}
+    counts = _expert_counts(module)
     named = "expert" in type(module).__name__.lower()
     return [p for p in module.parameters(recurse=False)
             if p.dim() == 3 and (p.shape[0] in counts or (named and p.shape[0] > 1))]
@@ -156,8 +161,7 @@ def is_router(module: nn.Module) -> bool:
     w = getattr(module, "weight", None)
     if not (isinstance(w, torch.Tensor) and w.dim() == 2):
         return False
-    counts = {getattr(module, a) for a in _EXPERT_COUNTS if isinstance(getattr(module, a, None), int)}
-    return "router" in type(module).__name__.lower() or w.shape[0] in counts
+    return "router" in type(module).__name__.lower() or w.shape[0] in _expert_counts(module)
 
 
 _NOT_GEMMS = (nn.Embedding, nn.EmbeddingBag)

@@ -93,8 +93,7 @@ class _ExpertsTap:
         self._seen = 0  # GEMMs recognised in this forward
         self._host: dict[int, tuple] = {}  # id(offs or ids) -> (it, perm, group sizes): read once per forward
         self._gathers: dict[int, tuple] = {}  # id(W[ids]) -> (W[ids], parameter name, W, ids) in this forward
-        kind = getattr(recipe, "kind", None)
-        self._kind = kind if isinstance(kind, str) else None  # its rows are the simulated recipe's
+        self._slots: dict[tuple[str, str], tuple] = {}  # (parameter, role) -> (bank, every expert's slot, key ids)
 
     def __deepcopy__(self, memo: dict) -> "_ExpertsTap":
         # A copy of the model (a fork's replica, whose hooks are then removed; the user's EMA copy)
@@ -104,10 +103,8 @@ class _ExpertsTap:
     def tap(self, expert: int, param: str) -> _WhatIfTap:
         t = self.taps.get((expert, param))
         if t is None:
-            name = f"{self.layer}.{expert}.{param}"
-            if self._kind is not None:
-                self.sink.layer_recipe(name, self._kind)
-            t = self.taps[expert, param] = _WhatIfTap(name, self.sink, self.recipe, NN_LINEAR, traced=False)
+            t = self.taps[expert, param] = _WhatIfTap(f"{self.layer}.{expert}.{param}", self.sink, self.recipe,
+                                                      NN_LINEAR, traced=False)
         return t
 
     # ---- the module's forward ---------------------------------------------------------------
@@ -240,12 +237,14 @@ class _ExpertsTap:
 
     def _deferred(self, param: str, role: str, like: torch.Tensor, parts: torch.Tensor) -> None:
         """Every expert's cheap row of ``role`` from its amax parts ``[experts, 2]``."""
-        shape = tuple(like.shape) if role == "weight" else (-1, *like.shape[1:])  # an expert's rows vary
-        slots = [self.tap(e, param).slot(role, like.device, shape) for e in range(parts.shape[0])]
-        bank = slots[0][0]
-        rows = bank.capture_parts([s for _, s, _ in slots], parts)
+        got = self._slots.get((param, role))
+        if got is None or got[0].device != like.device:  # made once (again when the model moved), not per step
+            shape = tuple(like.shape) if role == "weight" else (-1, *like.shape[1:])  # an expert's rows vary
+            slots = [self.tap(e, param).slot(role, like.device, shape) for e in range(parts.shape[0])]
+            got = self._slots[param, role] = (slots[0][0], [s for _, s, _ in slots], [k for _, _, k in slots])
+        bank, slots, kids = got
         record = self.sink.record_deferred
-        for (_, _, kid), row in zip(slots, rows):
+        for kid, row in zip(kids, bank.capture_parts(slots, parts)):
             record(role, row, kid, -1)
 
     def _groups(self, offs: torch.Tensor | None, ids: torch.Tensor | None, n: int):

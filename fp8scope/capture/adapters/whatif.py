@@ -31,8 +31,6 @@ class WhatIfSource(Adapter):
     @staticmethod
     def attach(layer: str, module: nn.Module, sink: Sink, recipe: Any) -> Handle:
         tap = _WhatIfTap(layer, sink, recipe, linear_kind(module))
-        if isinstance(kind := getattr(recipe, "kind", None), str):  # its rows are the simulated recipe's
-            sink.layer_recipe(layer, kind)
         handle = module.register_forward_hook(tap.forward_hook)
         return lambda: (handle.remove(), tap.unregister()) and None
 
@@ -52,6 +50,8 @@ class _WhatIfTap:
         from fp8scope.emulate import DelayedScaling
 
         self.layer, self.sink, self.recipe, self.kind = layer, sink, recipe, kind
+        if isinstance(recipe_kind := getattr(recipe, "kind", None), str):  # its rows are the simulated recipe's
+            sink.layer_recipe(layer, recipe_kind)
         fwd, bwd = recipe_format(recipe.fp8_format, "forward"), recipe_format(recipe.fp8_format, "backward")
         self.fmts = {"activation": fwd, "weight": fwd, "output": fwd, "gradient": bwd}
         self.delayed = isinstance(recipe, DelayedScaling)
