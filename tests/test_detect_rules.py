@@ -381,3 +381,49 @@ def test_an_outlier_in_a_layer_kept_in_high_precision_does_not_blame_fp8(tmp_pat
     assert tops["lm_head"] is True and tops["blocks.1.mlp.down"] is False  # the report marks simulated layers
     assert fp8["blame"]["level"] == "likely", fp8["blame"]
     assert fp8["attribution"]["event"]["layer"] == "blocks.1.mlp.down" and fp8["attribution"]["event"]["step"] == 100
+
+
+def test_a_tensor_idle_until_a_late_step_starts_on_the_initial_scale_without_an_alarm(tmp_path):
+    """Delayed scaling keeps its initial scale 1 until a non-zero amax is recorded (TE updates a scale
+    only where the amax is > 0). A MoE expert that gets no token for its first steps logs amax 0 (TE's
+    amax of an empty split) and then casts its first tokens with scale 1, as every tensor does at step 0:
+    neither a reset scale (``scale_mismatch``) nor a flush to warn about (``underflow``). A tensor that
+    had data and then finds its scale back at 1 still is one. Rows written through the real write path."""
+    from fp8scope.detect import detect
+    from fp8scope.schema import FIELD_INDEX, N_FIELDS
+    from fp8scope.step_payload import TensorKey
+    from fp8scope.step_records import tensor_batch
+    from fp8scope.store.manifest import new_manifest, write_manifest
+    from fp8scope.store.writer import RunWriter
+
+    keys = [TensorKey(f"mlp.experts.{e}.down_proj", "gradient", "whatif", "e5m2", 57344.0, (16, 32), "delayed")
+            for e in range(2)]
+    with RunWriter(tmp_path, 0) as w:
+        for step in range(12):
+            m = np.full((2, N_FIELDS), np.nan)
+            # expert 0: no token before step 6, then gradients near 1e-6 (its scale follows from step 7)
+            idle = step < 6
+            amax0 = 0.0 if idle else 1e-6
+            scale0 = 1.0 if step <= 6 else 57344.0 / 1e-6
+            # expert 1: busy from step 0; its scale is reset to 1 at step 9 (a resume without FP8 state)
+            amax1 = 1e-6
+            scale1 = 1.0 if step in (0, 9) else 57344.0 / 1e-6
+            for i, (amax, scale) in enumerate(((amax0, scale0), (amax1, scale1))):
+                m[i, FIELD_INDEX["amax"]] = amax
+                m[i, FIELD_INDEX["scale"]] = scale
+                m[i, FIELD_INDEX["scale_inv"]] = 1.0 / scale
+                m[i, FIELD_INDEX["expected_amax"]] = 57344.0 / scale
+                m[i, FIELD_INDEX["numel"]] = 0 if idle and i == 0 else 512
+                full = step in (0, 6, 9)
+                if full:
+                    m[i, FIELD_INDEX["min_nonzero"]] = 0.0 if amax == 0 else amax / 4
+                    for f in ("zeros", "nonfinite", "overflow", "saturated"):
+                        m[i, FIELD_INDEX[f]] = 0
+                    # scale 1 on gradients near 1e-6 flushes them all (E5M2's smallest subnormal is 2**-16)
+                    m[i, FIELD_INDEX["underflow"]] = 512 if scale == 1.0 and amax > 0 else 0
+            w.write("tensors", tensor_batch(step, 0, m, [0, 1], keys, step in (0, 6, 9)))
+    write_manifest(tmp_path, new_manifest(recipe=None, world_size=1))
+    ev = detect(tmp_path)
+    ev = ev[ev["rule"].isin(["scale_mismatch", "underflow"])]
+    got = sorted((r.rule, r.layer, int(r.step)) for r in ev.itertuples())
+    assert got == [("scale_mismatch", "mlp.experts.1.down_proj", 9), ("underflow", "mlp.experts.1.down_proj", 9)], got

@@ -193,10 +193,12 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             # The scale comes from an amax this tensor never had (in the whole run, nor today): a reset scale (a
             # checkpoint resumed without its FP8 state gives scale 1), a corrupted or foreign amax history.
             # Read from a cheap row's scale and amax alone, so it is seen on every step, not only on
-            # full-stats steps.
+            # full-stats steps. Not before the tensor's first non-zero amax: until one is recorded, delayed
+            # scaling keeps its initial scale 1 (TE updates a scale only where the amax is > 0), so the first
+            # row with data uses it, at step 0 or, for a MoE expert that got no token until then, later.
             "scale_mismatch",
             evaluable=lambda c: _nn(c["expected_amax"]) & (c["expected_amax"] > 0) & (c["amax_f"] > 0),
-            cond=lambda c: ((c["n_prev"] >= 1) & (c["amax_f"] > 0)
+            cond=lambda c: ((c["n_prev"] >= 1) & (c["ever_max"] > 0) & (c["amax_f"] > 0)
                             & (c["expected_amax"] >= mm * np.fmax(c["ever_max"], c["amax_f"]))),
             value=lambda c: _div(c["expected_amax"], np.fmax(c["ever_max"], c["amax_f"])),
             threshold=lambda c: mm,
@@ -213,7 +215,8 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         RowRule(
             "underflow",
             evaluable=lambda c: _nn(c["uf_frac"]),
-            cond=lambda c: (c["n_prev"] >= 1) & (c["uf_frac"] >= uf_thr(c)),  # the first row uses the initial scale
+            # the first row with data (a non-zero amax before it: ever_max) uses the initial scale
+            cond=lambda c: (c["n_prev"] >= 1) & (c["ever_max"] > 0) & (c["uf_frac"] >= uf_thr(c)),
             value=lambda c: c["uf_frac"],
             threshold=uf_thr,
             severity=lambda c: np.where(c["uf_frac"] >= ufc, "critical", "warning"),
