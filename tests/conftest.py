@@ -148,6 +148,27 @@ def train(model, mon, steps: int, micro: int = 1, batch: int = 8, poison=None):
             mon.step(loss=loss.detach(), lr=0.05)
 
 
+def fp8scope_python_calls(run_step) -> int:
+    """Calls of functions defined in fp8scope (the demo model's own left out), by ``sys.setprofile``:
+    this thread's, which on a CPU runs the backward's hooks too. A cheap step's host time on a GPU is
+    its Python, so tests cap it (deterministic, where a timing is not)."""
+    pkg = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep + "fp8scope"
+    demo = pkg + os.sep + "demo"
+    calls = [0]
+
+    def profile(frame, event, arg):
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(pkg) and not path.startswith(demo):
+            calls[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        run_step()
+    finally:
+        sys.setprofile(None)
+    return calls[0]
+
+
 def assert_same_row(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-9, *context) -> None:
     """Two stats rows (``step_payload.WIDE_FIELDS``) from two forms of the one definition: NaN where
     NaN, the values within ``rtol``, and the squared sums within 2e-6, as the CPU's eager pass over

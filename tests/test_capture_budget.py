@@ -25,6 +25,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import fp8scope
 from fp8scope.capture import stats as stats_mod
 from fp8scope.demo import train
+from tests.conftest import fp8scope_python_calls
 from fp8scope.formats import get_format
 
 
@@ -229,28 +230,6 @@ def _aten_ops(run_step) -> int:
     return len(c.ops)
 
 
-def _fp8scope_python_calls(run_step) -> int:
-    """Calls of functions defined in fp8scope (the demo model's own left out), by ``sys.setprofile``:
-    this thread's, which on a CPU runs the backward's hooks too."""
-    import os
-    import sys
-
-    pkg, demo = os.path.dirname(fp8scope.__file__), os.path.dirname(train.__file__)
-    calls = [0]
-
-    def profile(frame, event, arg):
-        path = frame.f_code.co_filename
-        if event == "call" and path.startswith(pkg) and not path.startswith(demo):
-            calls[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        run_step()
-    finally:
-        sys.setprofile(None)
-    return calls[0]
-
-
 @pytest.mark.parametrize("fp8", ["off", "delayed"])  # what-if (plain FP32) and emulated FP8
 def test_a_cheap_step_costs_at_most_2_ops_per_tensor(fp8):
     extra, n = _cheap_step_extra(fp8, _aten_ops)
@@ -259,7 +238,7 @@ def test_a_cheap_step_costs_at_most_2_ops_per_tensor(fp8):
 
 @pytest.mark.parametrize("fp8", ["off", "delayed"])
 def test_a_cheap_step_makes_at_most_7_fp8scope_python_calls_per_tensor(fp8):
-    extra, n = _cheap_step_extra(fp8, _fp8scope_python_calls)
+    extra, n = _cheap_step_extra(fp8, fp8scope_python_calls)
     assert extra <= 7 * n + 40, (extra, n)  # 6.3 a tensor and about 35 a step (what-if), 5.7 and 39 (emulated)
 
 

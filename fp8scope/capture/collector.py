@@ -24,7 +24,7 @@ import torch
 from fp8scope.autograd_phase import in_backward
 from fp8scope.capture.stats import stats_call
 from fp8scope.emulate.amax import logged_amax
-from fp8scope.emulate.device_bank import DeferredRow, DeviceDelayedBank
+from fp8scope.emulate.device_bank import DeferredRow, DeferredRows, DeviceDelayedBank
 from fp8scope.formats import Fp8Format
 from fp8scope.schema import base_role
 from fp8scope.step_payload import StepPayload, TensorKey
@@ -46,7 +46,8 @@ class StepCollector:
         self._key_ids: dict[tuple[str, str], int] = {}
         self._lock = threading.Lock()  # backward hooks may run on autograd's device threads
         # (row, key id, numel) in execution order. A row is a full-stats vector (step_payload.N_WIDE, float64),
-        # a narrow tuple of 0-d float32 tensors (CHEAP_FIELDS), or a DeferredRow of a what-if bank.
+        # a narrow tuple of 0-d float32 tensors (CHEAP_FIELDS), or a DeferredRow of a what-if bank; or
+        # (DeferredRows, key ids, numel): several tensors' rows, captured together (record_rows).
         self.caps: list[tuple[Any, int, int]] = []
         self._recomputed: list[tuple[Any, int, int]] = []  # forwards re-run inside backward
         self._device_banks: dict[tuple, DeviceDelayedBank] = {}  # (id(recipe), device) -> what-if states
@@ -192,6 +193,11 @@ class StepCollector:
             bank = self._device_banks[key] = DeviceDelayedBank(recipe, device)
         return bank
 
+    def record_rows(self, role: str, rows: DeferredRows, kids: list[int]) -> None:
+        """Cheap captures of ``kids`` (one per row of ``rows``, in order) made together: a grouped
+        GEMM's experts. One entry for all of them, so the step's Python stays per GEMM."""
+        self._append(role, rows, kids, -1)
+
     # A cheap capture whose row a device bank fills when the step ends (its place in the step's order
     # is taken now; ``row`` a DeferredRow, ``kid`` from :meth:`key_id`): ``_append`` itself, so a
     # capture costs one call here, not two.
@@ -210,24 +216,36 @@ class StepCollector:
             caps, recomputed = self.caps, self._recomputed
             self.caps, self._recomputed = [], []
             recipe_rows, self._recipe_rows = self._recipe_rows, []
-        if recomputed:
-            seen = {kid for _, kid, _ in caps}
-            caps = caps + [c for c in recomputed if c[1] not in seen]
+        if recomputed:  # (a block of rows counts as captured by its first tensor: its tensors are captured together)
+            seen = {kid if type(kid) is int else kid[0] for _, kid, _ in caps}
+            caps = caps + [c for c in recomputed if (c[1] if type(c[1]) is int else c[1][0]) not in seen]
         tensor_scalars, names, host_scalars = self._scalars(scalars)
         wide: list[torch.Tensor] = []
         narrow: list = []  # tuples of four 0-d tensors or floats
-        deferred: dict[DeviceDelayedBank, list[tuple[int, int]]] = {}  # bank -> (capture index, bank row)
+        # bank -> (the first row's place in the step, its bank row, the rows' count)
+        deferred: dict[DeviceDelayedBank, list[tuple[int, int, int]]] = {}
         order: list[int] = []
-        for i, (row, _, _) in enumerate(caps):
-            if type(row) is tuple:
+        key_ids: list[int] = []
+        numels: list[int] = []
+        for row, kid, numel in caps:
+            kind = type(row)
+            if kind is DeferredRows:  # several tensors' rows: their ids, places and counts at once
+                deferred.setdefault(row.bank, []).append((len(order), row.index, row.count))
+                order.extend([None] * row.count)
+                key_ids.extend(kid)
+                numels.extend([numel] * row.count)
+                continue
+            if kind is tuple:
                 order.append(-1 - len(narrow))
                 narrow.append(row)
-            elif type(row) is DeferredRow:
-                deferred.setdefault(row.bank, []).append((i, row.index))
+            elif kind is DeferredRow:
+                deferred.setdefault(row.bank, []).append((len(order), row.index, 1))
                 order.append(None)
             else:
                 order.append(len(wide))
                 wide.append(row)
+            key_ids.append(kid)
+            numels.append(numel)
         blocks = [self._stack_narrow(narrow)] if narrow else []
         n_narrow = len(narrow)
         for bank in self._device_banks.values():
@@ -235,8 +253,12 @@ class StepCollector:
             taken = deferred.get(bank)
             if rows is None or not taken:
                 continue
-            for i, bank_row in taken:
-                order[i] = -1 - (n_narrow + bank_row)
+            for i, bank_row, count in taken:
+                first = -1 - (n_narrow + bank_row)
+                if count == 1:
+                    order[i] = first
+                else:
+                    order[i:i + count] = range(first, first - count, -1)
             blocks.append(rows)
             n_narrow += rows.shape[0]
         recipe_keys = [(kid, recipe) for kid, recipes, _ in recipe_rows for recipe in recipes]
@@ -244,9 +266,9 @@ class StepCollector:
             blocks.append(torch.cat([m for _, _, m in recipe_rows]) if len(recipe_rows) > 1 else recipe_rows[0][2])
         host, ready = self._host_array(wide, blocks, tensor_scalars)
         return StepPayload(
-            step=self.step, full=self.full, wall_time=time.time(), key_ids=[kid for _, kid, _ in caps], order=order,
+            step=self.step, full=self.full, wall_time=time.time(), key_ids=key_ids, order=order,
             n_wide=len(wide), n_narrow=n_narrow, host=host, ready=ready, scalar_names=names,
-            host_scalars=host_scalars, numels=[numel for _, _, numel in caps],
+            host_scalars=host_scalars, numels=numels,
             n_recipe=len(recipe_keys), recipe_keys=recipe_keys,
         )
 

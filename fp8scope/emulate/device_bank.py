@@ -50,6 +50,17 @@ class DeferredRow:
         self.bank, self.index = bank, index
 
 
+class DeferredRows:
+    """The rows of ``count`` captures made together (:meth:`DeviceDelayedBank.capture_parts`): rows
+    ``index`` to ``index + count - 1`` of those :meth:`DeviceDelayedBank.take_rows` returns. One object
+    for all of a grouped GEMM's experts, so a step's Python stays per GEMM, not per expert."""
+
+    __slots__ = ("bank", "index", "count")
+
+    def __init__(self, bank: "DeviceDelayedBank", index: int, count: int) -> None:
+        self.bank, self.index, self.count = bank, index, count
+
+
 class DeviceDelayedBank:
     """The delayed-scaling state of many tensors under one :class:`DelayedScaling` recipe, as
     float32 tensors on ``device``.
@@ -72,14 +83,11 @@ class DeviceDelayedBank:
         self.device = torch.device(device)
         self.length = int(recipe.amax_history_len)
         self._most_recent = recipe.amax_compute_algo != "max"
-        f32 = dict(dtype=torch.float32, device=self.device)
-        self.history = torch.zeros((0, self.length), **f32)  # row 0 of each slot's history first
-        self.scale = torch.ones(0, **f32)
-        self.scale_inv = torch.ones(0, **f32)
-        self.expected = torch.zeros(0, **f32)
-        self.kept = torch.zeros(0, dtype=torch.bool, device=self.device)
-        self._scaled_max = torch.zeros(0, **f32)
         self.updates: list[int] = []  # updates applied per slot (host ints)
+        # history ([slots, length], row 0 of each slot's history first), scale, scale_inv, expected, kept,
+        # scaled max: views of the first len(self) slots of stores with room for more
+        self._reserve(0)
+        self._view(0)
         # where each capture's amax parts (a, c) are, in capture order: row r of the step's buffer of
         # dtype number d is the code d * _SPAN + r; the k-th pair of ``_extra`` is -1 - k
         self._codes: list[int] = []
@@ -121,15 +129,34 @@ class DeviceDelayedBank:
             row = tuple(t[o:o + 1].to(self.device) for t in (other.history, other.scale, other.scale_inv,
                                                             other.expected, other.kept))
             updates = other.updates[o]
-        self.history = torch.cat([self.history, row[0]])
-        self.scale = torch.cat([self.scale, row[1]])
-        self.scale_inv = torch.cat([self.scale_inv, row[2]])
-        self.expected = torch.cat([self.expected, row[3]])
-        self.kept = torch.cat([self.kept, row[4]])
-        self._scaled_max = torch.cat([self._scaled_max, torch.full((1,), sm, **f32)])
+        n = len(self.updates)
+        if n == len(self._scaled_max_store):
+            self._reserve(max(64, 2 * n))
+        for store, value in zip(self._stores, (*row, torch.full((1,), sm, **f32))):
+            store[n:n + 1].copy_(value)
+        self._view(n + 1)
         self.updates.append(updates)
         self._plans.clear()
         return len(self.updates) - 1
+
+    def _reserve(self, capacity: int) -> None:
+        """Room for ``capacity`` slots, the slots so far kept. Capacity doubles, so adding a model's
+        slots one at a time copies each about once: a MoE's tens of thousands of experts' tensors made
+        the bank quadratic when every add grew each tensor by one row."""
+        n = len(self.updates)
+        f32 = dict(dtype=torch.float32, device=self.device)
+        stores = (torch.zeros((capacity, self.length), **f32), torch.ones(capacity, **f32),
+                  torch.ones(capacity, **f32), torch.zeros(capacity, **f32),
+                  torch.zeros(capacity, dtype=torch.bool, device=self.device), torch.zeros(capacity, **f32))
+        for new, old in zip(stores, getattr(self, "_stores", ())):
+            new[:n].copy_(old[:n])
+        self._stores = stores
+        self._scaled_max_store = stores[5]
+
+    def _view(self, n: int) -> None:
+        """The state's tensors as the first ``n`` slots of the stores (the updates write them in place)."""
+        self.history, self.scale, self.scale_inv, self.expected, self.kept, self._scaled_max = (
+            t[:n] for t in self._stores)
 
     # ---- cheap steps -------------------------------------------------------------------
     def capture(self, slot: int, x: torch.Tensor, shared: bool = False, weight: bool = False) -> DeferredRow:
@@ -168,28 +195,23 @@ class DeviceDelayedBank:
         i = self._taken
         self._taken = i + 1
         rows = self._rows
-        if i == len(rows):
-            rows.append(DeferredRow(self, i))
+        if i >= len(rows):  # (a block's rows may have skipped some numbers: each is made once)
+            rows.extend(DeferredRow(self, j) for j in range(len(rows), i + 1))
         return rows[i]
 
-    def capture_parts(self, slots: list[int], parts: torch.Tensor) -> list[DeferredRow]:
+    def capture_parts(self, slots: list[int], parts: torch.Tensor) -> DeferredRows:
         """Captures of several slots whose amax parts were measured together: ``parts`` is
         ``[len(slots), 2]``, each row (max, min) of one tensor as :meth:`capture`'s pass gives them
-        (a grouped GEMM's experts, from one segmented reduction over the rows of all of them). The
-        rows, as :meth:`capture` returns one, in ``slots`` order."""
-        start = self._block_pairs
+        (a grouped GEMM's experts, from one segmented reduction over the rows of all of them). Their
+        rows, in ``slots`` order, as one :class:`DeferredRows`: no Python per slot."""
+        start, n = self._block_pairs, len(slots)
         self._part_blocks.append(parts)
-        self._block_pairs += len(slots)
-        out = []
-        for k, slot in enumerate(slots):
-            self._codes.append(-_SPAN - (start + k))
-            self._captured.append(slot)
-            i = self._taken
-            self._taken = i + 1
-            if i == len(self._rows):
-                self._rows.append(DeferredRow(self, i))
-            out.append(self._rows[i])
-        return out
+        self._block_pairs = start + n
+        self._codes.extend(range(-_SPAN - start, -_SPAN - start - n, -1))
+        self._captured.extend(slots)
+        i = self._taken
+        self._taken = i + n
+        return DeferredRows(self, i, n)
 
     def _extra_code(self, parts: tuple[torch.Tensor, torch.Tensor]) -> int:
         """The code of parts read elsewhere than the buffers (kept until the step's rows are gathered)."""

@@ -55,6 +55,8 @@ class Sink(Protocol):
 
     def record_deferred(self, role: str, row: Any, kid: int, numel: int) -> None: ...
 
+    def record_rows(self, role: str, rows: Any, kids: list[int]) -> None: ...
+
     full: bool  # this step takes full stats
     active: bool  # this step is captured at all
     roles: frozenset  # the tensor roles captured

@@ -243,9 +243,7 @@ class _ExpertsTap:
             slots = [self.tap(e, param).slot(role, like.device, shape) for e in range(parts.shape[0])]
             got = self._slots[param, role] = (slots[0][0], [s for _, s, _ in slots], [k for _, _, k in slots])
         bank, slots, kids = got
-        record = self.sink.record_deferred
-        for kid, row in zip(kids, bank.capture_parts(slots, parts)):
-            record(role, row, kid, -1)
+        self.sink.record_rows(role, bank.capture_parts(slots, parts), kids)
 
     def _groups(self, offs: torch.Tensor | None, ids: torch.Tensor | None, n: int):
         """``(perm, sizes)``: the order that puts each expert's rows together (None: they are) and the
