@@ -81,8 +81,9 @@ class Monitor:
             ``every=1`` is full stats every step.
         full_on_anomaly: after a cheap step that ``fp8scope.detect.triage`` flags (a non-finite
             amax, or an amax far beyond what the scale could represent), take full stats on this
-            many following steps (counts, underflow, quantization error of the aftermath); 0 turns
-            it off.
+            many following steps (counts, underflow, quantization error of the aftermath): of
+            every layer after a non-finite amax, of the clipped tensors' layers after a clip; 0
+            turns it off.
         steps: ``(first, stop)`` global steps to capture; others log only scalars.
         step: global step number of the first step this monitor ends (for restarts from a
             checkpoint); default 0.
@@ -317,10 +318,10 @@ class Monitor:
         from functools import partial
 
         from fp8scope.detect.config import DetectConfig
-        from fp8scope.detect.triage import suspicious_cheap_step
+        from fp8scope.detect.triage import suspicious_rows
 
         cfg = self._detect if isinstance(self._detect, DetectConfig) else DetectConfig()
-        return partial(suspicious_cheap_step, cfg)
+        return partial(suspicious_rows, cfg)
 
     def _manifest_tensors(self, keys: list[TensorKey]) -> None:
         """Writer thread: record the monitored tensors in run.json (merged with earlier segments)."""
@@ -376,7 +377,7 @@ class Monitor:
                 self._writer.wait(self._writer.submit(payload) - 1, timeout=60)
                 if self._writer.suspicious_step is not None:  # clipping or NaN seen: look closer
                     self._writer.suspicious_step = None
-                    self.collector.force_full = max(self.collector.force_full, self.full_on_anomaly)
+                    self.collector.look_closer(self.full_on_anomaly, self._writer.suspicious_layers)
         except Exception as exc:
             self._warn("step", f"step logging failed ({type(exc).__name__}: {exc}); training continues")
         self._step += 1

@@ -81,6 +81,7 @@ class StepPayload:
     # RECIPE_FIELDS after the narrow rows in ``host``, each (key id, recipe name)
     n_recipe: int = 0
     recipe_keys: list[tuple[int, str]] = field(default_factory=list)
+    focus: frozenset = frozenset()  # on a cheap step, the layers that took full stats (a closer look)
 
     @property
     def n_rows(self) -> int:

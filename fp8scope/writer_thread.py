@@ -24,6 +24,7 @@ import time
 import warnings
 from typing import Callable
 
+import numpy as np
 import pyarrow as pa
 
 from fp8scope.step_payload import StepPayload, TensorKey, cheap_rows, stats_matrix
@@ -31,7 +32,7 @@ from fp8scope.step_records import cheap_tensor_batch, recipe_batch, scalar_batch
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
 Listener = Callable[[int, int, "pa.RecordBatch | None", pa.RecordBatch], "dict[str, pa.RecordBatch] | None"]
-# suspicious(amax, scale_inv, fp8_max) -> bool, numpy arrays of a cheap step's rows
+# suspicious(amax, scale_inv, fp8_max) -> a bool per row, numpy arrays of a cheap step's rows
 Suspicious = Callable[..., bool]
 
 _SYNC = object()  # queued by sync(): done once everything before it is
@@ -59,6 +60,9 @@ class BackgroundWriter:
         self._done = 0
         self.failed: str | None = None
         self.suspicious_step: int | None = None  # last cheap step the ``suspicious`` predicate flagged
+        # the layers of its flagged rows, None after a non-finite amax (every layer deserves the closer look);
+        # set before suspicious_step, which the training thread reads first
+        self.suspicious_layers: frozenset | None = None
         self.suspicious = suspicious
         self._last_check = time.monotonic()
         self.dropped = 0
@@ -176,7 +180,7 @@ class BackgroundWriter:
             matrix, tail = stats_matrix(payload)
             if payload.n_rows:
                 tensors = tensor_batch(payload.step, self.rank, matrix, payload.key_ids, self._keys, payload.full,
-                                       cache=self._identity_cache)
+                                       cache=self._identity_cache, focus=payload.focus)
         else:  # a cheap step: four float columns change, the rest is cached per row list
             rows, tail = cheap_rows(payload)
             if payload.n_rows:
@@ -184,7 +188,10 @@ class BackgroundWriter:
                                              self._keys, self._identity_cache)
                 if self.suspicious is not None:
                     cols = [tensors.column(c).to_numpy(zero_copy_only=False) for c in ("amax", "scale_inv", "fp8_max")]
-                    if self.suspicious(*cols):
+                    flagged = np.asarray(self.suspicious(*cols), dtype=bool)
+                    if flagged.any():
+                        self.suspicious_layers = None if (~np.isfinite(cols[0][flagged])).any() else frozenset(
+                            tensors.column("layer").filter(pa.array(flagged)).to_pylist())
                         self.suspicious_step = payload.step
         if tensors is not None:
             self._writer.write("tensors", tensors)

@@ -8,6 +8,7 @@ import time
 import warnings
 
 import pandas as pd
+import numpy as np
 import pytest
 import torch
 
@@ -353,6 +354,60 @@ def test_a_clipped_cheap_step_triggers_full_stats_on_the_next_steps(mlp, tmp_pat
     assert sorted(df[df.full].step.unique()) in ([0, 6, 7], [0, 7, 8])
     up = df[(df.layer == "up") & (df.tensor == "activation")].set_index("step")
     assert up.loc[5, "amax"] > up.loc[5, "fp8_max"] * up.loc[5, "scale_inv"]
+    # the closer look is at the layers the triage flagged at step 5, every role of them
+    from fp8scope.detect.config import DetectConfig
+    from fp8scope.detect.triage import suspicious_rows
+
+    five = df[df.step == 5]
+    flagged = set(five.layer[suspicious_rows(DetectConfig(), five.amax, five.scale_inv, five.fp8_max)])
+    after = df[df.step.isin(sorted(df[df.full].step.unique())[1:])]
+    assert "up" in flagged and set(after[after.full].layer) == flagged
+    assert after[after.full].underflow.notna().all() and after[~after.full].underflow.isna().all()
+
+
+@pytest.mark.parametrize("layers", ["emulated", "whatif"])
+def test_a_closer_look_takes_full_stats_of_its_layers_only_and_of_every_layer_after_a_nan(mlp, tmp_path, layers):
+    """``look_closer``: full stats of the layers a clip was seen in on the next steps, cheap rows of the
+    others (a MoE's experts clip one or another on most steps early on: full stats of every tensor after
+    each would be most steps'); after a non-finite amax, of every layer (the writer's flag)."""
+    if layers == "emulated":
+        convert_to_fp8(mlp, recipe=DelayedScaling(amax_history_len=4))
+    with fp8scope.Monitor(mlp, tmp_path / "focus", every=100, full_on_anomaly=0) as mon:
+        train(mlp, mon, steps=3)
+        # (step 3 has begun: the look starts with the next step to begin, as the writer's flag does)
+        mon.collector.look_closer(2, frozenset({"down"}))
+        mon.collector.look_closer(1, frozenset({"head"}))  # joins the look under way
+        train(mlp, mon, steps=3)
+    df = fp8scope.load_run(tmp_path / "focus").tensors()
+    full = {s: set(g.layer[g.full]) for s, g in df.groupby("step")}
+    assert full == {0: {"up", "down", "head"}, 1: set(), 2: set(), 3: set(), 4: {"down", "head"}, 5: {"down", "head"}}
+    assert set(df[df.full & (df.step == 4)].tensor) == {"activation", "weight", "gradient"}
+    assert df[df.full].underflow.notna().all() and df[~df.full].underflow.isna().all()
+
+    # a NaN in the head's weight at step 5 alone (put back before the update; gradients not captured, which
+    # it reaches): only its row is non-finite
+    opt = torch.optim.SGD(mlp.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(1)
+    with fp8scope.Monitor(mlp, tmp_path / "nan", every=100, full_on_anomaly=1,
+                          tensors=("activation", "weight")) as mon:
+        for step in range(8):
+            if step == 5:
+                kept = mlp.head.weight.detach().clone()
+                with torch.no_grad():
+                    mlp.head.weight[0, 0] = float("nan")
+            mlp(torch.randn(8, 16, generator=gen)).pow(2).mean().backward()
+            if step == 5:
+                with torch.no_grad():
+                    mlp.head.weight.copy_(kept)
+                opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
+            mon.step()
+    df = fp8scope.load_run(tmp_path / "nan").tensors()
+    five = df[df.step == 5]
+    assert set(five.layer[five.amax.isna() | ~np.isfinite(five.amax.fillna(0))]) == {"head"}
+    later = df[df.full & (df.step > 5)]
+    assert later.step.nunique() == 1 and set(later.layer) == {"up", "down", "head"}
 
 
 def test_tensor_batch_identity_cache_gives_the_same_rows():

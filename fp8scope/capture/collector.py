@@ -31,6 +31,8 @@ from fp8scope.step_payload import StepPayload, TensorKey
 
 __all__ = ["StepCollector", "StepPayload", "TensorKey"]
 
+_NO_LAYERS: frozenset = frozenset()
+
 
 class StepCollector:
     """Per-step buffer of on-device stats vectors. One instance per Monitor."""
@@ -59,17 +61,35 @@ class StepCollector:
         self.recipe_seen: dict | None = None  # the first recipe a framework's layers reported (note_recipe)
         self._layer_recipes: dict[str, str] = {}  # layer -> the recipe kind its scales come from (layer_recipe)
         self.force_full = 0  # the next N steps get full stats (set after a suspicious cheap step)
+        self.force_layers: frozenset | None = None  # ... of these layers (None: every one)
+        # this step's layers that take full stats on a cheap step: adapters test ``full or layer in focus``
+        # (an attribute and a set lookup, no call: a capture's Python is a GPU step's host time)
+        self.focus: frozenset = _NO_LAYERS
         self.whatif_recipes: tuple[str, ...] = ()  # other recipes measured on full steps (capture.stats)
         self._recipe_rows: list[tuple[int, tuple[str, ...], torch.Tensor]] = []  # (kid, recipes, [n, RECIPE_FIELDS])
 
     # ---- step boundaries ------------------------------------------------------------
     def begin_step(self, step: int) -> None:
         self.step = step
-        self.full = step % self.every == 0 or self.force_full > 0
-        if self.force_full > 0:
+        forced = self.force_full > 0
+        self.full = step % self.every == 0 or (forced and self.force_layers is None)
+        self.focus = self.force_layers if forced and not self.full else _NO_LAYERS
+        if forced:
             self.force_full -= 1
         lo, hi = self.steps if self.steps is not None else (None, None)
         self.active = self.enabled and (lo is None or step >= lo) and (hi is None or step < hi)
+
+    def look_closer(self, steps: int, layers: frozenset | None) -> None:
+        """Full stats on the next ``steps`` steps for ``layers`` (None: every layer), added to a closer
+        look already under way (``detect.triage``: the layers a clip was seen in, or all after a NaN)."""
+        if steps <= 0:
+            return
+        if self.force_full > 0 and (self.force_layers is None or layers is None):
+            layers = None
+        elif self.force_full > 0:
+            layers = self.force_layers | layers
+        self.force_layers = layers
+        self.force_full = max(self.force_full, steps)
 
     def wants(self, role: str, grad_enabled: bool | None = None) -> bool:
         """Capture this role now? Forwards under no_grad (eval) are skipped unless asked for;
@@ -146,7 +166,7 @@ class StepCollector:
         amax pass. Returns, on full steps, TE's amax of ``x`` (NaN elements ignored) as measured
         by the stats pass, so a what-if state can record it without reading ``x`` again."""
         kid = self.key_id(layer, role, source, fmt, tuple(x.shape))
-        if self.full:
+        if self.full or layer in self.focus:
             recipes = self._recipes_for(role)
             if recipes:
                 try:
@@ -269,7 +289,7 @@ class StepCollector:
             step=self.step, full=self.full, wall_time=time.time(), key_ids=key_ids, order=order,
             n_wide=len(wide), n_narrow=n_narrow, host=host, ready=ready, scalar_names=names,
             host_scalars=host_scalars, numels=numels,
-            n_recipe=len(recipe_keys), recipe_keys=recipe_keys,
+            n_recipe=len(recipe_keys), recipe_keys=recipe_keys, focus=self.focus,
         )
 
     @staticmethod

@@ -58,6 +58,7 @@ class Sink(Protocol):
     def record_rows(self, role: str, rows: Any, kids: list[int]) -> None: ...
 
     full: bool  # this step takes full stats
+    focus: frozenset  # on a cheap step, the layers that take full stats (a closer look)
     active: bool  # this step is captured at all
     roles: frozenset  # the tensor roles captured
     capture_no_grad: bool  # forwards under no_grad are captured too

@@ -35,7 +35,7 @@ class EmulatedSource(Adapter):
             try:
                 if not sink.wants(role, grad_enabled=grad_enabled):
                     return
-                if sink.full:
+                if sink.full or layer in sink.focus:
                     sink.record(layer, role, "emulated", fmt, x, scale, scale_inv, expected_amax, deq=deq, amax=amax,
                                 original=original)
                 else:

@@ -190,7 +190,9 @@ class _ExpertsTap:
         sink, n = self.sink, stack.shape[0]
         roles = sink.roles
         forward = sink.capture_no_grad or torch.is_grad_enabled()
-        if sink.full or not self.delayed:  # each expert's rows as a plain layer's: the sizes on the host
+        if sink.full or not self.delayed or (sink.focus and self._focused(param, n)):
+            # each expert's rows as a plain layer's (the sizes on the host): their taps take full stats of
+            # the experts a closer look wants, cheap rows of the others
             perm, sizes = self._groups(offs, ids, n)
             xs = x if perm is None else x[perm]
             start = 0
@@ -212,6 +214,10 @@ class _ExpertsTap:
             # (the hook holds no reference to ``out``: a tensor's hook that held its tensor would keep the
             # step's activations alive in a cycle)
             out.register_hook(lambda g: self._on_grad(param, g.reshape(g.shape[0], -1), ids, n) and None)
+
+    def _focused(self, param: str, n: int) -> bool:
+        """Whether a closer look (``StepCollector.look_closer``) wants one of ``param``'s experts."""
+        return any(self.tap(e, param).layer in self.sink.focus for e in range(n))
 
     def _grads_by_size(self, param: str, grad: torch.Tensor, perm: torch.Tensor | None, sizes: list[int]) -> None:
         if not self.sink.active:

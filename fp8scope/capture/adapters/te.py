@@ -384,7 +384,7 @@ class _Reader:
                 b = nvfp4_scaled(as_matrix(t), role, columnwise, rec, divide_first=self.layout.nvfp4_divides_first)
                 # full steps only (a cheap row reads the amax): rounded to nearest, gradients too, so the
                 # monitor never draws from the user's generator (TE rounds them stochastically)
-                deq = quantize(b, E2M1)[1] if sink.full else None
+                deq = quantize(b, E2M1)[1] if sink.full or name in sink.focus else None
                 sink.record(name, role + (COLUMNWISE if columnwise else ""), "te", _E2M1, b.x, b.scale, b.scale_inv,
                             b.amax, deq=deq, original=t)
 

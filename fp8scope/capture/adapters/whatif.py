@@ -167,7 +167,7 @@ class _WhatIfTap:
 
                 state = self.states[role] = ScalingState(self.recipe, fmt, device=x.device)
             scale, scale_inv, expected = state.begin(x, record=True)
-            if sink.full:
+            if sink.full or layer in sink.focus:
                 sink.record(layer, role, "whatif", fmt, x, scale, scale_inv, expected)
             else:
                 sink.record_values(layer, role, "whatif", fmt, x, state.latest())
@@ -176,7 +176,7 @@ class _WhatIfTap:
         if slot is None or slot[0].device != x.device:  # first capture, or the model moved
             slot = self.slot(role, x.device, x.shape)
         bank, s, kid = slot
-        if sink.full:
+        if sink.full or layer in sink.focus:
             # delayed scaling: the scales do not depend on this tensor, so the stats pass measures
             # its amax too and the bank records that one
             scale, scale_inv, expected = bank.scales(s)
