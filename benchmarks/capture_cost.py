@@ -29,6 +29,10 @@
    monitor adds to a cheap step (the experts' GEMMs of a grouped or batched implementation in one
    segmented reduction: the count does not grow with the experts), and the monitored / unmonitored
    step time at ``every=50`` (paired ratios, interleaved).
+3e. MoE at scale (``--sections moescale``): a ``transformers`` Qwen3-MoE with Qwen3-30B-A3B's 48
+   layers of 128 experts (8 per token) at tiny widths (``--moe-layers``, ``--moe-experts``): the first
+   step, the ops a cheap step adds, the step-time ratios of cheap captures alone and of the default
+   monitor, and the rows and bytes a step logs.
 4. The first steps of a fresh process (``--sections first``), with the stats eager
    (``FP8SCOPE_COMPILE=0``), compiled at first use on the training thread (``sync``) and compiled
    ahead in a child process (``ahead``; the default on a GPU): step 0's time, the slowest later
@@ -44,6 +48,7 @@
     python benchmarks/capture_cost.py --sections first   # section 4: does a compile stall a step?
     python benchmarks/capture_cost.py --sections hostbound --rounds 16   # section 3c only
     python benchmarks/capture_cost.py --sections moe --rounds 8   # section 3d only
+    python benchmarks/capture_cost.py --sections moescale --rounds 4 --block 5   # section 3e only
 
 Op and kernel counts are deterministic; timings are this machine's, printed as ratios measured in
 one run. Section 3 times the product's default: on a GPU the stats compiled (at their first use here,
@@ -390,6 +395,82 @@ def moe(device: str, rounds: int, block: int) -> None:
               f"{paired['every=50']:.3f}x")
 
 
+def moe_scale(device: str, rounds: int, block: int, layers: int, experts: int) -> None:
+    """Section 3e: a MoE with a large model's counts of layers and experts at tiny widths (Qwen3-30B-A3B's
+    48 layers of 128 experts, 8 per token, by default): what a monitor costs when its tensors number
+    tens of thousands. The first step (every tensor's state and key made, full stats), the ops a cheap
+    step adds, the step-time ratios, and the rows and bytes a step logs."""
+    import transformers
+
+    os.environ["FP8SCOPE_COMPILE"] = "0" if device == "cpu" else "sync"
+    g = torch.Generator().manual_seed(1)
+    batches = [torch.randint(0, 256, (4, 32), generator=g).to(device) for _ in range(8)]
+
+    def build():
+        torch.manual_seed(0)
+        cfg = transformers.Qwen3MoeConfig(
+            vocab_size=256, hidden_size=32, num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+            head_dim=8, num_experts=experts, num_experts_per_tok=8, moe_intermediate_size=16, intermediate_size=64,
+            max_position_embeddings=64)
+        model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm").to(device)
+        return model, torch.optim.AdamW(model.parameters(), 1e-3)
+
+    def step_fn(setup, step, mon):
+        model, opt = setup
+        ids = batches[step % len(batches)]
+        out = model(input_ids=ids, labels=ids)
+        out.loss.backward()
+        opt.step()
+        opt.zero_grad()
+        if mon is not None:
+            mon.step(loss=out.loss)
+
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    print(f"\n3e. MoE at scale: a transformers Qwen3-MoE, {layers} layers x {experts} experts (8 per token), widths "
+          "32 / 16, grouped_mm, what-if, eager")
+    counts, first = {}, {}
+    for monitored in (False, True):
+        setup = build()
+        with tempfile.TemporaryDirectory() as tmp:
+            mon = fp8scope.Monitor(setup[0], tmp, every=10**9, detect=False, full_on_anomaly=0) if monitored else None
+            sync()
+            t0 = time.perf_counter()
+            step_fn(setup, 0, mon)
+            sync()
+            first[monitored] = time.perf_counter() - t0
+            for step in range(1, 3):
+                step_fn(setup, step, mon)
+            counts[monitored] = count_ops(lambda: step_fn(setup, 3, mon))[0]
+            if mon:
+                tensors = len(mon.collector.keys)
+                mon.close()
+    print(f"   {tensors} tensors; step 0 (states, keys, full stats): {first[True]:.2f} s monitored, "
+          f"{first[False]:.2f} s not; a cheap step adds {counts[True] - counts[False]} aten ops")
+    plain, cheap, default = build(), build(), build()
+    with tempfile.TemporaryDirectory() as tmp:
+        mons = {"cheap": fp8scope.Monitor(cheap[0], os.path.join(tmp, "cheap"), every=10**9, detect=False,
+                                          full_on_anomaly=0),
+                "default": fp8scope.Monitor(default[0], os.path.join(tmp, "default"), every=50)}
+        try:
+            medians, paired = time_interleaved(
+                {"plain": (plain, None), "cheap captures only": (cheap, mons["cheap"]),
+                 "every=50 (the default monitor)": (default, mons["default"])},
+                rounds, block, warmup=3, sync=sync if device.startswith("cuda") else None, step_fn=step_fn)
+        finally:
+            for m in mons.values():
+                m.close()
+        run = fp8scope.load_run(os.path.join(tmp, "default"))
+        rows = run.tensors()
+        steps = rows["step"].nunique()
+        streams = os.path.join(tmp, "default", "streams")
+        size = sum(os.path.getsize(os.path.join(streams, f)) for f in os.listdir(streams) if f.startswith("tensors"))
+        full = int(rows.groupby("step")["full"].any().sum())
+    for name in medians:
+        print(f"   {name:34s} {medians[name] * 1e3:8.1f} ms/step   {paired[name]:.3f}x")
+    print(f"   the default monitor logged {len(rows) / steps:,.0f} rows a step, {size / steps / 1e6:.2f} MB a step "
+          f"({size / len(rows):.0f} bytes a row) in its tensors stream; {full} of its {steps} steps took full stats")
+
+
 def first_steps(device: str, steps: int, modes: tuple[str, ...], cap_s: float = 120.0, cold: bool = True) -> None:
     """Section 4: the first steps of a fresh process under each ``FP8SCOPE_COMPILE`` mode, each
     in a process of its own (a variant compiles once per process), with inductor's cache empty
@@ -461,6 +542,8 @@ def main() -> int:
     ap.add_argument("--first-modes", default="0,sync,ahead", help="section 4: FP8SCOPE_COMPILE modes")
     ap.add_argument("--first-cap", type=float, default=120.0, help="section 4: at most this many seconds per mode")
     ap.add_argument("--first-warm", action="store_true", help="section 4: inductor's cache as earlier runs left it")
+    ap.add_argument("--moe-layers", type=int, default=48, help="section 3e: the MoE's layers")
+    ap.add_argument("--moe-experts", type=int, default=128, help="section 3e: its experts per layer")
     ap.add_argument("--first-run", help=argparse.SUPPRESS)  # one process of section 4
     args = ap.parse_args()
     if args.first_run is not None:
@@ -482,6 +565,8 @@ def main() -> int:
         host_bound(args.device, args.rounds, args.block)
     if "moe" in sections:
         moe(args.device, args.rounds, args.block)
+    if "moescale" in sections:
+        moe_scale(args.device, args.rounds, args.block, args.moe_layers, args.moe_experts)
     if "ratio" in sections:
         compile_stats = args.compile_stats or (args.device != "cpu" and not args.no_compile_stats)
         from fp8scope.emulate.recipe_table import RECIPES
