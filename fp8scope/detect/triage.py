@@ -5,10 +5,12 @@ monitor takes full stats on the next ``full_on_anomaly`` steps (counts, underflo
 error of the aftermath): of every layer after a non-finite amax (a NaN spreads, and its first layer
 is what is looked for), of the clipped tensors' layers after a clip. A MoE's experts clip one or
 another on most steps early in training (an expert's tokens change every step, and its delayed scale
-lags them): full stats of all its tens of thousands of tensors for each would be most steps'. The rule uses the saturation rule's lowest warning threshold (a cheap
-step's rows carry no role): whatever that rule warns about gets its closer look, and a gradient
-clipped less than gradients warn at (``sat_grad_warn_ratio``) gets one too, whose full rows then
-say how many of its elements overflowed.
+lags them): full stats of all its tens of thousands of tensors for each would be most steps'.
+
+The rule uses the saturation rule's lowest warning threshold (a cheap step's rows carry no role):
+whatever that rule warns about gets its closer look, and a gradient clipped less than gradients
+warn at (``sat_grad_warn_ratio``) gets one too, whose full rows then say how many of its elements
+overflowed.
 """
 
 from __future__ import annotations
