@@ -318,10 +318,10 @@ class Monitor:
         from functools import partial
 
         from fp8scope.detect.config import DetectConfig
-        from fp8scope.detect.triage import suspicious_rows
+        from fp8scope.detect.triage import closer_look
 
         cfg = self._detect if isinstance(self._detect, DetectConfig) else DetectConfig()
-        return partial(suspicious_rows, cfg)
+        return partial(closer_look, cfg)
 
     def _manifest_tensors(self, keys: list[TensorKey]) -> None:
         """Writer thread: record the monitored tensors in run.json (merged with earlier segments)."""

@@ -11,8 +11,8 @@ Durability is the same on every device: ``Monitor.step`` waits for the *previous
 append, so step ``t`` is on disk by the time ``step(t + 1)`` (or ``close()``) returns; the
 current step's copy and append overlap with the next step's compute.
 
-Which cheap steps deserve full stats next is decided by ``detect`` (the monitor hands a
-``suspicious(amax, scale_inv, fp8_max)`` predicate in); this module only applies it.
+Which cheap steps deserve full stats next, and of which layers, is decided by ``detect`` (the
+monitor hands ``detect.triage.closer_look`` in); this module only applies it.
 """
 
 from __future__ import annotations
@@ -24,7 +24,6 @@ import time
 import warnings
 from typing import Callable
 
-import numpy as np
 import pyarrow as pa
 
 from fp8scope.step_payload import StepPayload, TensorKey, cheap_rows, stats_matrix
@@ -32,7 +31,8 @@ from fp8scope.step_records import cheap_tensor_batch, recipe_batch, scalar_batch
 
 # listener(step, rank, tensors_batch | None, scalars_batch) -> {table: batch} to write too
 Listener = Callable[[int, int, "pa.RecordBatch | None", pa.RecordBatch], "dict[str, pa.RecordBatch] | None"]
-# suspicious(amax, scale_inv, fp8_max) -> a bool per row, numpy arrays of a cheap step's rows
+# suspicious(amax, scale_inv, fp8_max) -> None, or (a bool per row, every layer?): numpy arrays of a cheap
+# step's rows (detect.triage.closer_look)
 Suspicious = Callable[..., bool]
 
 _SYNC = object()  # queued by sync(): done once everything before it is
@@ -188,10 +188,11 @@ class BackgroundWriter:
                                              self._keys, self._identity_cache)
                 if self.suspicious is not None:
                     cols = [tensors.column(c).to_numpy(zero_copy_only=False) for c in ("amax", "scale_inv", "fp8_max")]
-                    flagged = np.asarray(self.suspicious(*cols), dtype=bool)
-                    if flagged.any():
-                        self.suspicious_layers = None if (~np.isfinite(cols[0][flagged])).any() else frozenset(
-                            tensors.column("layer").filter(pa.array(flagged)).to_pylist())
+                    look = self.suspicious(*cols)
+                    if look is not None:
+                        rows, every_layer = look
+                        self.suspicious_layers = None if every_layer else frozenset(
+                            tensors.column("layer").filter(pa.array(rows)).to_pylist())
                         self.suspicious_step = payload.step
         if tensors is not None:
             self._writer.write("tensors", tensors)

@@ -84,10 +84,8 @@ class StepCollector:
         look already under way (``detect.triage``: the layers a clip was seen in, or all after a NaN)."""
         if steps <= 0:
             return
-        if self.force_full > 0 and (self.force_layers is None or layers is None):
-            layers = None
-        elif self.force_full > 0:
-            layers = self.force_layers | layers
+        if self.force_full > 0:
+            layers = None if self.force_layers is None or layers is None else self.force_layers | layers
         self.force_layers = layers
         self.force_full = max(self.force_full, steps)
 
@@ -236,9 +234,12 @@ class StepCollector:
             caps, recomputed = self.caps, self._recomputed
             self.caps, self._recomputed = [], []
             recipe_rows, self._recipe_rows = self._recipe_rows, []
-        if recomputed:  # (a block of rows counts as captured by its first tensor: its tensors are captured together)
-            seen = {kid if type(kid) is int else kid[0] for _, kid, _ in caps}
-            caps = caps + [c for c in recomputed if (c[1] if type(c[1]) is int else c[1][0]) not in seen]
+        if recomputed:
+            def first(kid):  # a block of rows counts as captured by its first tensor: all are captured together
+                return kid if type(kid) is int else kid[0]
+
+            seen = {first(kid) for _, kid, _ in caps}
+            caps = caps + [c for c in recomputed if first(c[1]) not in seen]
         tensor_scalars, names, host_scalars = self._scalars(scalars)
         wide: list[torch.Tensor] = []
         narrow: list = []  # tuples of four 0-d tensors or floats

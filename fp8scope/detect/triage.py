@@ -31,6 +31,18 @@ def suspicious_rows(cfg: DetectConfig, amax, scale_inv, fp8_max):
         return ~np.isfinite(amax) | (amax > ratio * np.asarray(scale_inv) * np.asarray(fp8_max))
 
 
+def closer_look(cfg: DetectConfig, amax, scale_inv, fp8_max):
+    """Where a cheap step deserves a closer look: None (nowhere), else ``(rows, every_layer)``, the
+    :func:`suspicious_rows` mask and whether every layer deserves it (a non-finite amax: a NaN
+    spreads, and where it first appeared is the question) rather than the flagged rows' layers."""
+    import numpy as np
+
+    rows = suspicious_rows(cfg, amax, scale_inv, fp8_max)
+    if not rows.any():
+        return None
+    return rows, not np.isfinite(np.asarray(amax, dtype=np.float64)[rows]).all()
+
+
 def suspicious_cheap_step(cfg: DetectConfig, amax, scale_inv, fp8_max) -> bool:
     """Whether any row of a cheap step is suspicious (:func:`suspicious_rows`)."""
     return bool(suspicious_rows(cfg, amax, scale_inv, fp8_max).any())

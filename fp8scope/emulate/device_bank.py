@@ -86,6 +86,7 @@ class DeviceDelayedBank:
         self.updates: list[int] = []  # updates applied per slot (host ints)
         # history ([slots, length], row 0 of each slot's history first), scale, scale_inv, expected, kept,
         # scaled max: views of the first len(self) slots of stores with room for more
+        self._stores: tuple[torch.Tensor, ...] = ()
         self._reserve(0)
         self._view(0)
         # where each capture's amax parts (a, c) are, in capture order: row r of the step's buffer of
@@ -130,7 +131,7 @@ class DeviceDelayedBank:
                                                             other.expected, other.kept))
             updates = other.updates[o]
         n = len(self.updates)
-        if n == len(self._scaled_max_store):
+        if n == len(self._stores[0]):
             self._reserve(max(64, 2 * n))
         for store, value in zip(self._stores, (*row, torch.full((1,), sm, **f32))):
             store[n:n + 1].copy_(value)
@@ -148,10 +149,9 @@ class DeviceDelayedBank:
         stores = (torch.zeros((capacity, self.length), **f32), torch.ones(capacity, **f32),
                   torch.ones(capacity, **f32), torch.zeros(capacity, **f32),
                   torch.zeros(capacity, dtype=torch.bool, device=self.device), torch.zeros(capacity, **f32))
-        for new, old in zip(stores, getattr(self, "_stores", ())):
+        for new, old in zip(stores, self._stores):
             new[:n].copy_(old[:n])
         self._stores = stores
-        self._scaled_max_store = stores[5]
 
     def _view(self, n: int) -> None:
         """The state's tensors as the first ``n`` slots of the stores (the updates write them in place)."""
