@@ -159,6 +159,9 @@ def cases(steps: int) -> list[Case]:
         Case("mixtral-nan-cheap", "mixtral", [f"nan:{LLAMA.format(2)}.self_attn.o_proj:{late - 3}"],
              f"{LLAMA.format(2)}.self_attn.o_proj", "activation", late - 3, "fp8", whatif_ok=True),
         Case("qwen3moe-clean-seed1", "qwen3moe", seed=1, whatif_ok=True),
+        # Qwen3-30B-A3B's 128 experts, 8 per token: an expert often gets a handful of tokens, whose few
+        # values make a share of one flushed value a false underflow rate (DetectConfig.underflow_min_count)
+        Case("qwen3moe128-clean", "qwen3moe128", whatif_ok=True),
     ]
 
 
@@ -194,6 +197,12 @@ def _hf_config(arch: str, vocab: int, seq: int, d: int):
                                            moe_intermediate_size=d, num_hidden_layers=4, num_attention_heads=4,
                                            num_key_value_heads=2, head_dim=d // 4, num_experts=8, num_experts_per_tok=2,
                                            norm_topk_prob=True, decoder_sparse_step=1, max_position_embeddings=seq)
+    if arch == "qwen3moe128":  # Qwen3-30B-A3B's expert counts: 128 experts of width 3d/8, 8 per token
+        return transformers.Qwen3MoeConfig(vocab_size=vocab, hidden_size=d, intermediate_size=2 * d,
+                                           moe_intermediate_size=3 * d // 8, num_hidden_layers=4, num_attention_heads=4,
+                                           num_key_value_heads=2, head_dim=d // 4, num_experts=128,
+                                           num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
+                                           max_position_embeddings=seq)
     if arch == "opt":  # ReLU: its MLP's down projection reads mostly exact zeros
         return transformers.OPTConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=4, ffn_dim=4 * d,
                                       num_attention_heads=4, max_position_embeddings=seq, word_embed_proj_dim=d)

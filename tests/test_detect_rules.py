@@ -427,3 +427,100 @@ def test_a_tensor_idle_until_a_late_step_starts_on_the_initial_scale_without_an_
     ev = ev[ev["rule"].isin(["scale_mismatch", "underflow"])]
     got = sorted((r.rule, r.layer, int(r.step)) for r in ev.itertuples())
     assert got == [("scale_mismatch", "mlp.experts.1.down_proj", 9), ("underflow", "mlp.experts.1.down_proj", 9)], got
+
+
+def test_one_flushed_value_of_an_expert_with_few_tokens_is_no_underflow_rate(tmp_path):
+    """A MoE expert that got 3 tokens holds 48 down_proj inputs: one of them flushed is 2.1 %, over the
+    2 % threshold, and a clean Qwen3-MoE with 128 experts did that on a few experts at every full step.
+    A share of fewer than ``underflow_min_count`` flushed values is not a rate. Many flushed values of a
+    small tensor, and a large tensor's share, are judged as before. Rows written through the real write path."""
+    from fp8scope.detect import detect
+    from fp8scope.schema import FIELD_INDEX, N_FIELDS
+    from fp8scope.step_payload import TensorKey
+    from fp8scope.step_records import tensor_batch
+    from fp8scope.store.manifest import new_manifest, write_manifest
+    from fp8scope.store.writer import RunWriter
+
+    # (layer, values, values flushed at step 20)
+    tensors = [("experts.0.down_proj", 48, 1), ("experts.1.down_proj", 48, 12), ("dense.down_proj", 10**6, 25_000),
+               ("dense.up_proj", 10**6, 1_000)]
+    keys = [TensorKey(name, "activation", "whatif", "e4m3", 448.0, (n, 1), "delayed") for name, n, _ in tensors]
+    with RunWriter(tmp_path, 0) as w:
+        for step in range(0, 30, 10):
+            m = np.full((len(tensors), N_FIELDS), np.nan)
+            for i, (_, n, flushed) in enumerate(tensors):
+                for f, v in (("amax", 1.0), ("scale", 448.0), ("scale_inv", 1 / 448.0), ("expected_amax", 1.0),
+                             ("numel", n), ("min_nonzero", 1e-7), ("zeros", 0), ("nonfinite", 0), ("overflow", 0),
+                             ("saturated", 0), ("underflow", flushed if step == 20 else 0)):
+                    m[i, FIELD_INDEX[f]] = v
+            w.write("tensors", tensor_batch(step, 0, m, list(range(len(tensors))), keys, True))
+    write_manifest(tmp_path, new_manifest(recipe=None, world_size=1))
+    ev = detect(tmp_path)
+    ev = ev[ev["rule"] == "underflow"]
+    assert sorted((r.layer, int(r.step)) for r in ev.itertuples()) == [("dense.down_proj", 20), ("experts.1.down_proj", 20)]
+    msg = ev[ev["layer"] == "experts.1.down_proj"]["message"].iloc[0]
+    assert "25.00% of non-zero values flush to zero in the cast (12 values; threshold 2.00%)" in msg, msg
+    # the same rows with no floor: the one flushed value of 48 was a warning
+    ev0 = detect(tmp_path, DetectConfig(underflow_min_count=0))
+    assert "experts.0.down_proj" in set(ev0[ev0["rule"] == "underflow"]["layer"])
+
+
+def test_an_experts_climb_within_its_kinds_spread_is_info_and_an_outlier_is_a_warning(tmp_path):
+    """A MoE's 128 experts sit far apart (an expert's amax is the max over the few tokens routed to it; a
+    clean Qwen3-MoE's spread 0.5 binades MAD), so one of them climbing 2 binades is within its kind's spread:
+    ``amax_trend`` raises nothing. An expert growing 256x leaves the spread and warns, and a dense kind of
+    4 layers keeps its 2x guard (its MAD is mostly the outlier's own). A spike that leaves a rarely weighted
+    expert 16x below its kind's median is info, one after two steps with tokens in a hundred is no event (idle
+    rows, amax 0, are no history); a dense layer's spike warns. Rows through the real write path."""
+    from fp8scope.detect import detect
+    from fp8scope.schema import FIELD_INDEX, N_FIELDS
+    from fp8scope.step_payload import TensorKey
+    from fp8scope.step_records import tensor_batch
+    from fp8scope.store.manifest import new_manifest, write_manifest
+    from fp8scope.store.writer import RunWriter
+
+    rng = np.random.default_rng(0)
+    steps = 170
+    ramp = np.clip((np.arange(steps) - 100) / 60, 0, 1)  # 0 until step 100, then a steady climb to 1 at step 160
+    levels = {}  # layer -> log2 amax per step
+    offsets = rng.normal(0, 0.7, 128)
+    offsets[:4] = 0.0
+    for e in range(128):
+        levels[f"moe.experts.{e}.down_proj"] = offsets[e] + rng.normal(0, 0.03, steps)
+    levels["moe.experts.0.down_proj"] += 8 * np.clip((np.arange(steps) - 90) / 100, 0, 1)  # grows 256x
+    levels["moe.experts.1.down_proj"] += 2 * ramp  # wanders 4x up, within the spread
+    levels["moe.experts.2.down_proj"] += -10 + np.where(np.arange(steps) == 150, np.log2(40), 0)  # 40x, still far below
+    idle = np.full(steps, -np.inf)  # an expert routed tokens at three steps only: amax 0 (no data) elsewhere
+    idle[[40, 120, 160]] = (0.0, -3.0, np.log2(100) - 3.0)
+    levels["moe.experts.3.down_proj"] = idle
+    for l, off in enumerate((0.0, 0.2, -0.1, 0.1)):
+        levels[f"dense.{l}.down"] = off + rng.normal(0, 0.02, steps)
+    levels["dense.2.down"] += 2 * ramp
+    levels["dense.0.down"] += np.where(np.arange(steps) == 150, np.log2(40), 0)
+    names = list(levels)
+    keys = [TensorKey(n, "activation", "emulated", "e4m3", 448.0, (64, 64), "delayed") for n in names]
+    with RunWriter(tmp_path, 0) as w:
+        for step in range(steps):
+            m = np.full((len(names), N_FIELDS), np.nan)
+            amax = np.exp2([levels[n][step] for n in names])
+            scale = 448.0 / np.where(amax > 0, amax, 448.0)  # an idle expert keeps scale 1 (TE: amax 0 keeps it)
+            m[:, FIELD_INDEX["amax"]] = amax
+            m[:, FIELD_INDEX["expected_amax"]] = 448.0 / scale
+            m[:, FIELD_INDEX["scale"]] = scale
+            m[:, FIELD_INDEX["scale_inv"]] = 1.0 / scale
+            w.write("tensors", tensor_batch(step, 0, m, list(range(len(names))), keys, False))
+    write_manifest(tmp_path, new_manifest(recipe=None, world_size=1))
+    ev = detect(tmp_path)
+    first = {}
+    for r in ev[ev["rule"].isin(["amax_trend", "amax_spike"])].sort_values("step", kind="stable").itertuples():
+        first.setdefault((r.rule, r.layer), r.severity)
+    assert first[("amax_trend", "moe.experts.0.down_proj")] == "warning"
+    assert ("amax_trend", "moe.experts.1.down_proj") not in first
+    assert first[("amax_trend", "dense.2.down")] == "warning"
+    assert first[("amax_spike", "moe.experts.2.down_proj")] == "info"
+    assert ("amax_spike", "moe.experts.3.down_proj") not in first  # two rows with data are no history
+    assert first[("amax_spike", "dense.0.down")] == "warning"
+    assert not {k for k, sev in first.items() if sev != "info"} - {
+        ("amax_trend", "moe.experts.0.down_proj"), ("amax_trend", "dense.2.down"), ("amax_spike", "dense.0.down")}, first
+    msg = ev[(ev["rule"] == "amax_spike") & (ev["layer"] == "moe.experts.2.down_proj")]["message"].iloc[0]
+    assert "below the median of its kind" in msg, msg

@@ -249,6 +249,7 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
         c["sat_ratio"] = derived.amax_over_range(get)
         c["ovf_frac"] = derived.overflow_fraction(get)
         c["uf_frac"] = derived.underflow_fraction(get)
+        c["uf_count"] = get("underflow")
         mn = c["min_nonzero"]
         pos = fin & (amax > 0)
         c["dr"] = np.where(pos & (mn > 0) & np.isfinite(mn), np.log2(amax / mn), np.nan)
@@ -465,7 +466,7 @@ def _sliding_max(x, w: int):
 
 def window_features_numpy(key, cols: dict, cfg: DetectConfig, tail: int | None = None) -> dict:
     """Window features of rows sorted by (key, step), as numpy arrays: prev_max / n_prev (previous
-    spike_window rows), prev_bad_amax, prev_scale_inv, si_old / si_max / n_si (last collapse_window + 1
+    spike_window rows; n_prev counts those with data, amax > 0), prev_bad_amax, prev_scale_inv, si_old / si_max / n_si (last collapse_window + 1
     rows), max_jump (largest one-step rise of scale_inv over the last collapse_window rows), n_sat /
     n_rate (last sat_rate_window rows), dev_old / dev_jump (trend_window rows).
 
@@ -494,7 +495,10 @@ def window_features_numpy(key, cols: dict, cfg: DetectConfig, tail: int | None =
 
     amax_f, si, dev = cols["amax_f"], cols["scale_inv_f"], cols["dev"]
     out["prev_max"] = lay.max_window(amax_f, W, False)
-    out["n_prev"] = lay.count_window(~np.isnan(amax_f), W, False)
+    # rows with data (amax > 0): an idle MoE expert's rows (no token: amax 0) are no history to judge a
+    # spike or a warm-up by (a clean Qwen3-MoE's rarely routed experts "spiked" 17-1,000x over the one or
+    # two steps in a hundred they got tokens)
+    out["n_prev"] = lay.count_window(amax_f > 0, W, False)
     out["prev_bad_amax"] = mine(prev_rows(cols["bad_amax"], False))
     prev_si = prev_rows(si, np.nan)
     out["prev_scale_inv"] = mine(prev_si)

@@ -54,6 +54,13 @@ def _pct(v) -> str:
         return "?"
 
 
+def _count(v) -> str:
+    try:
+        return f"{int(v):,}"
+    except (TypeError, ValueError, OverflowError):
+        return "?"
+
+
 def _where(r: dict) -> str:
     return f"{r['layer']} {r['tensor']}"
 
@@ -117,8 +124,9 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
     ufw, ufg, ufc = float(cfg.underflow_warn), float(cfg.underflow_grad_warn), float(cfg.underflow_critical)
     dre, cw, cf, cj = float(cfg.dynamic_range_excess), int(cfg.collapse_window), float(cfg.collapse_factor), float(cfg.collapse_max_jump)
     oz, ob, ow, om = float(cfg.outlier_z), float(cfg.outlier_min_binades), float(cfg.outlier_warn_binades), int(cfg.outlier_min_layers)
-    mm = float(cfg.mismatch_factor)
+    mm, ufn = float(cfg.mismatch_factor), float(cfg.underflow_min_count)
     tb, tj = float(cfg.trend_binades), float(cfg.trend_max_jump_share)
+    tn, tz, smb = int(cfg.trend_spread_layers), float(cfg.trend_z), float(cfg.spike_minor_binades)
 
     def uf_thr(c):  # a 4-bit recipe's own loss on a healthy tensor raises the bar (detect.design_loss)
         return np.maximum(np.where(c["is_grad"], ufg, ufw), c["uf_floor"])
@@ -132,11 +140,14 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             cond=lambda c: (c["n_prev"] >= mh) & (c["prev_max"] > 0) & (c["amax_f"] > spike * c["prev_max"]),
             value=lambda c: _div(c["amax_f"], c["prev_max"]),
             threshold=lambda c: spike,
-            severity=lambda c: _early(cfg, c, "warning"),
+            # a spike that leaves the tensor far below its kind's median is info (a rarely weighted expert)
+            severity=lambda c: np.where(c["dev"] <= -smb, "info", _early(cfg, c, "warning")),
             edge=False,
             message=lambda r: (
                 f"{_where(r)}: amax {_fmt(r['amax'])} is {_fmt(r['value'])}x the max of its last "
-                f"{int(r['n_prev'])} logged steps ({_fmt(r['prev_max'])})"
+                f"{int(r['n_prev'])} logged steps with data ({_fmt(r['prev_max'])})"
+                + (f", still {_fmt(2 ** -r['dev'])}x below the median of its kind" if (r.get("dev") or 0) <= -smb
+                   else "")
             ),
         ),
         RowRule(
@@ -215,14 +226,16 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         RowRule(
             "underflow",
             evaluable=lambda c: _nn(c["uf_frac"]),
-            # the first row with data (a non-zero amax before it: ever_max) uses the initial scale
-            cond=lambda c: (c["n_prev"] >= 1) & (c["ever_max"] > 0) & (c["uf_frac"] >= uf_thr(c)),
+            # the first row with data (a non-zero amax before it: ever_max) uses the initial scale; a share
+            # of fewer than underflow_min_count flushed values is not a rate (an expert with few tokens)
+            cond=lambda c: ((c["n_prev"] >= 1) & (c["ever_max"] > 0) & (c["uf_frac"] >= uf_thr(c))
+                            & (c["uf_count"] >= ufn)),
             value=lambda c: c["uf_frac"],
             threshold=uf_thr,
             severity=lambda c: np.where(c["uf_frac"] >= ufc, "critical", "warning"),
             message=lambda r: (
                 f"{_where(r)} ({r['fp8_format']}): {_pct(r['value'])} of non-zero values flush to zero in the cast "
-                f"(threshold {_pct(r['threshold'])})"
+                f"({_count(r['uf_count'])} values; threshold {_pct(r['threshold'])})"
             ),
         ),
         RowRule(
@@ -275,8 +288,11 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             # forward tensors only: gradients wander relative to their peers in healthy training (measured
             # on clean runs: 4-13x over 50 steps), outlier features are an activation's
             evaluable=lambda c: _nn(c["dev"]) & _nn(c["dev_old"]) & ~c["is_grad"],
+            # in a large kind (a MoE's experts) the climb must also leave the kind's spread: in the condition,
+            # not the severity, so the event's edge is where it leaves it
             cond=lambda c: ((c["n_kind"] >= om) & (c["dev"] - c["dev_old"] >= tb)
-                            & (c["dev_jump"] <= tj * (c["dev"] - c["dev_old"])) & (c["dev"] >= 1.0)),
+                            & (c["dev_jump"] <= tj * (c["dev"] - c["dev_old"])) & (c["dev"] >= 1.0)
+                            & ((c["n_kind"] < tn) | (c["z"] >= tz))),
             value=lambda c: np.exp2(c["dev"] - c["dev_old"]),
             threshold=lambda c: 2.0 ** tb,
             severity=lambda c: np.where(c["block"], "info", _early_window(cfg, c, "warning", int(cfg.trend_window))),
