@@ -429,11 +429,12 @@ def test_a_tensor_idle_until_a_late_step_starts_on_the_initial_scale_without_an_
     assert got == [("scale_mismatch", "mlp.experts.1.down_proj", 9), ("underflow", "mlp.experts.1.down_proj", 9)], got
 
 
-def test_one_flushed_value_of_an_expert_with_few_tokens_is_no_underflow_rate(tmp_path):
+def test_one_flushed_or_clipped_value_of_an_expert_with_few_tokens_is_no_rate(tmp_path):
     """A MoE expert that got 3 tokens holds 48 down_proj inputs: one of them flushed is 2.1 %, over the
     2 % threshold, and a clean Qwen3-MoE with 128 experts did that on a few experts at every full step.
-    A share of fewer than ``underflow_min_count`` flushed values is not a rate. Many flushed values of a
-    small tensor, and a large tensor's share, are judged as before. Rows written through the real write path."""
+    A share of fewer than ``share_min_values`` flushed values is not a rate. Many flushed values of a
+    small tensor, and a large tensor's share, are judged as before; so is the overflowed share of a
+    saturation (an amax 1.05x the range). Rows written through the real write path."""
     from fp8scope.detect import detect
     from fp8scope.schema import FIELD_INDEX, N_FIELDS
     from fp8scope.step_payload import TensorKey
@@ -441,28 +442,34 @@ def test_one_flushed_value_of_an_expert_with_few_tokens_is_no_underflow_rate(tmp
     from fp8scope.store.manifest import new_manifest, write_manifest
     from fp8scope.store.writer import RunWriter
 
-    # (layer, values, values flushed at step 20)
-    tensors = [("experts.0.down_proj", 48, 1), ("experts.1.down_proj", 48, 12), ("dense.down_proj", 10**6, 25_000),
-               ("dense.up_proj", 10**6, 1_000)]
-    keys = [TensorKey(name, "activation", "whatif", "e4m3", 448.0, (n, 1), "delayed") for name, n, _ in tensors]
+    # (layer, values, values flushed at step 20, values clipped at step 20: amax 1.05x the range)
+    tensors = [("experts.0.down_proj", 48, 1, 0), ("experts.1.down_proj", 48, 12, 0),
+               ("dense.down_proj", 10**6, 25_000, 0), ("dense.up_proj", 10**6, 1_000, 0),
+               ("experts.2.down_proj", 48, 0, 1), ("experts.3.down_proj", 48, 0, 12)]
+    keys = [TensorKey(name, "activation", "whatif", "e4m3", 448.0, (n, 1), "delayed") for name, n, _, _ in tensors]
     with RunWriter(tmp_path, 0) as w:
         for step in range(0, 30, 10):
             m = np.full((len(tensors), N_FIELDS), np.nan)
-            for i, (_, n, flushed) in enumerate(tensors):
-                for f, v in (("amax", 1.0), ("scale", 448.0), ("scale_inv", 1 / 448.0), ("expected_amax", 1.0),
-                             ("numel", n), ("min_nonzero", 1e-7), ("zeros", 0), ("nonfinite", 0), ("overflow", 0),
-                             ("saturated", 0), ("underflow", flushed if step == 20 else 0)):
+            for i, (_, n, flushed, clipped) in enumerate(tensors):
+                at = step == 20
+                for f, v in (("amax", 1.05 if at and clipped else 1.0), ("scale", 448.0), ("scale_inv", 1 / 448.0),
+                             ("expected_amax", 1.0), ("numel", n), ("min_nonzero", 1e-7), ("zeros", 0),
+                             ("nonfinite", 0), ("overflow", clipped if at else 0), ("saturated", clipped if at else 0),
+                             ("underflow", flushed if at else 0)):
                     m[i, FIELD_INDEX[f]] = v
             w.write("tensors", tensor_batch(step, 0, m, list(range(len(tensors))), keys, True))
     write_manifest(tmp_path, new_manifest(recipe=None, world_size=1))
-    ev = detect(tmp_path)
-    ev = ev[ev["rule"] == "underflow"]
+    every = detect(tmp_path)
+    ev = every[every["rule"] == "underflow"]
     assert sorted((r.layer, int(r.step)) for r in ev.itertuples()) == [("dense.down_proj", 20), ("experts.1.down_proj", 20)]
     msg = ev[ev["layer"] == "experts.1.down_proj"]["message"].iloc[0]
     assert "25.00% of non-zero values flush to zero in the cast (12 values; threshold 2.00%)" in msg, msg
-    # the same rows with no floor: the one flushed value of 48 was a warning
-    ev0 = detect(tmp_path, DetectConfig(underflow_min_count=0))
+    # clipped by 5 %: a saturation warning only where enough values overflowed to make 2 % a rate
+    assert sorted(every[every["rule"] == "saturation"]["layer"]) == ["experts.3.down_proj"]
+    # the same rows with no floor: the one flushed value of 48 was a warning, and so was the one clipped
+    ev0 = detect(tmp_path, DetectConfig(share_min_values=0))
     assert "experts.0.down_proj" in set(ev0[ev0["rule"] == "underflow"]["layer"])
+    assert "experts.2.down_proj" in set(ev0[ev0["rule"] == "saturation"]["layer"])
 
 
 def test_an_experts_climb_within_its_kinds_spread_is_info_and_an_outlier_is_a_warning(tmp_path):
@@ -470,7 +477,7 @@ def test_an_experts_climb_within_its_kinds_spread_is_info_and_an_outlier_is_a_wa
     clean Qwen3-MoE's spread 0.5 binades MAD), so one of them climbing 2 binades is within its kind's spread:
     ``amax_trend`` raises nothing. An expert growing 256x leaves the spread and warns, and a dense kind of
     4 layers keeps its 2x guard (its MAD is mostly the outlier's own). A spike that leaves a rarely weighted
-    expert 16x below its kind's median is info, one after two steps with tokens in a hundred is no event (idle
+    expert within its kind's spread is info, one after two steps with tokens in a hundred is no event (idle
     rows, amax 0, are no history); a dense layer's spike warns. Rows through the real write path."""
     from fp8scope.detect import detect
     from fp8scope.schema import FIELD_INDEX, N_FIELDS
@@ -523,4 +530,4 @@ def test_an_experts_climb_within_its_kinds_spread_is_info_and_an_outlier_is_a_wa
     assert not {k for k, sev in first.items() if sev != "info"} - {
         ("amax_trend", "moe.experts.0.down_proj"), ("amax_trend", "dense.2.down"), ("amax_spike", "dense.0.down")}, first
     msg = ev[(ev["rule"] == "amax_spike") & (ev["layer"] == "moe.experts.2.down_proj")]["message"].iloc[0]
-    assert "below the median of its kind" in msg, msg
+    assert "not above the spread of the 127 layers of its kind (z -6)" in msg, msg  # one expert idle

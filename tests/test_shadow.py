@@ -129,6 +129,39 @@ def test_lr_blowup_is_not_fp8():
     assert max(fork.loss_bf16) > 2 * fork.baseline
 
 
+def test_an_event_on_a_simulated_cast_starts_no_fork(tmp_path):
+    """A what-if layer trained in high precision: an event about its simulated cast (here saturation,
+    after an outlier planted in its input) says something about a recipe, and a BF16 fork would rerun
+    what already ran in BF16 there. Online detection marks such events ``simulated``; ``Shadow.on_event``
+    then arms a compare and starts no fork. An event about the real tensor (the amax spike) still does."""
+    from fp8scope.detect import DetectConfig
+
+    S, layer = 30, "blocks.1.mlp.down"
+    args = T.default_args(n_layers=2, d_model=64, n_heads=4, seq_len=32, batch_size=8, steps=100,
+                          corpus_chars=50_000, fp8="off", warmup=5)
+    setup = T.build(args)
+    convert_to_fp8(setup.model, DelayedScaling(amax_history_len=16), skip=[layer])  # that one layer what-if
+    setup.injector = Injector([f"outlier:{layer}:{S}:1000"]).attach(setup.model)
+    got = []
+    mon = fp8scope.Monitor(setup.model, tmp_path / "run", every=10, on_event=got.append,
+                           detect=DetectConfig(warmup_rows=0))
+    train(setup, S + 3, mon=mon)
+    mon.close()
+    at = {(e["rule"], e["simulated"]) for e in got if e["layer"] == layer and e["step"] == S}
+    assert ("saturation", True) in at and ("amax_spike", False) in at, at
+    sim = next(e for e in got if e["layer"] == layer and e["step"] == S and e["rule"] == "saturation")
+    real = next(e for e in got if e["layer"] == layer and e["step"] == S and e["rule"] == "amax_spike")
+    assert sim["severity"] != "info" and "simulated" in sim["message"]
+    assert not any(e["simulated"] for e in got if e["layer"] != layer)  # every other layer ran FP8
+
+    for event, forks in ((sim, 0), (real, 1)):
+        setup = tiny_gpt(None)
+        shadow = Shadow(None, setup.model, gpt_loss, setup.optimizer, fork_steps=2, max_grad_norm=1.0)
+        train(setup, 4, shadow, hook=lambda step: shadow.on_event(event) if step == 0 else None)
+        assert len(shadow.forks) == forks, (event["rule"], shadow.forks)
+        assert shadow.compares, "an event of either kind arms a compare"
+
+
 # ---- the real training state is untouched ---------------------------------------------------
 class DropoutNet(nn.Module):
     """Dropout first, then a plain Linear (FP8 cannot touch it: its error must be exactly 0

@@ -56,11 +56,6 @@ class DetectConfig:
     underflow_warn: float = 0.02  # activations / weights (E4M3): 2% of non-zeros
     underflow_grad_warn: float = 0.5  # gradients (E5M2): 50% (small gradients flush often)
     underflow_critical: float = 0.9
-    # ... and at least this many values flush: a share of a handful of values is not a rate. A MoE
-    # expert that got 3 tokens holds 48 down_proj inputs, and one flushed value is 2.1 % of them (a clean
-    # Qwen3-MoE's experts did that at every full step); from 400 values on (activations) the share
-    # alone decides, so a dense layer's rows are judged as before
-    underflow_min_count: int = 8
 
     # dynamic_range: log2(amax / min_nonzero) - format binades (E4M3 17.8, E5M2 31.8) above this
     # is "info" (most tiny values are harmless); it becomes a warning when underflow is also high
@@ -85,17 +80,22 @@ class DetectConfig:
     trend_window: int = 50
     trend_binades: float = 1.5
     trend_max_jump_share: float = 0.6
-    # ... and, in a kind of at least trend_spread_layers layers (a MoE's experts: hundreds), it stands
-    # trend_z robust z-scores above the kind's median, or the climb is no event: with that many members the
-    # kind's spread is a measurement, and a clean Qwen3-MoE's experts wander within it (z up to 2.6 over 400
-    # steps of 512 experts: an expert's amax is the max over the few tokens routed to it). A kind of a few
-    # layers has no spread to measure (its MAD is mostly the outlier's own), so the 2x guard alone decides
-    trend_spread_layers: int = 16
-    trend_z: float = 4.0
 
-    # amax_spike of a tensor that stays spike_minor_binades or more below its kind's median (16x) is
-    # "info": a rarely weighted MoE expert's gradient (1e-9 beside its peers' 5e-5) jumps 40x on one token
-    spike_minor_binades: float = 4.0
+    # A kind of at least spread_min_layers layers (a MoE's experts: hundreds) has a spread to measure, and
+    # an expert's amax is the max over the few tokens routed to it, scaled by their routing weights: its
+    # amax moves within that spread. There a trend must end spread_z robust z-scores above the kind's
+    # median (or it is no event), and a spike that leaves the tensor below that is info (an expert's
+    # gradient joining its peers: 1e-9 beside their 5e-5, then 40x on one token). A clean Qwen3-MoE's 512
+    # experts wandered up to z 2.6 over 400 steps. A kind of a few layers has no spread to measure (its MAD
+    # is mostly the outlier's own), so its rules stand as they are.
+    spread_min_layers: int = 16
+    spread_z: float = 4.0
+
+    # a share (underflow, overflow) of fewer than share_min_values values is not a rate: a MoE expert that
+    # got 3 tokens holds 48 down_proj inputs, so one flushed or clipped value is 2.1 % of them (a clean
+    # Qwen3-MoE's experts did that at every full step). From 400 values on (2 %) the share alone decides,
+    # so a dense layer's rows are judged as before
+    share_min_values: int = 8
 
     # Optimizer-side rules (detect/scalar_rules.py), over each scalar series of the run.
     # loss_spike / grad_norm_spike: log(value) is loss_spike_z / grad_spike_z robust z-scores above the median of the

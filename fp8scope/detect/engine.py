@@ -100,9 +100,10 @@ def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: li
                 seen[k] = True
             r["value"], r["threshold"] = none_if_nan(v), none_if_nan(t)
             msg = rule.message(r)
-            if rule.name in SIMULATED_CAST and km.simulated[k]:
+            simulated = rule.name in SIMULATED_CAST and bool(km.simulated[k])
+            if simulated:
                 msg += SIMULATED_NOTE
-            out.append(event(r, rule.name, s, v, t, msg))
+            out.append(event(r, rule.name, s, v, t, msg, simulated))
     return out
 
 

@@ -1,5 +1,6 @@
 """Events as the detectors emit them: one dict per event (EVENT_SCHEMA keys plus ``_order``, the
-tensor's execution order for sorting), and their frames and record batches for the store.
+tensor's execution order for sorting, and ``simulated``, a what-if layer's cast), and their frames
+and record batches for the store.
 
 Every rule family (tensor rules, optimizer-side scalar rules, NaN provenance, shadow compares,
 cross-rank checks), offline and online, builds its events with :func:`event`, so the report,
@@ -57,13 +58,16 @@ def nan_value(r: dict) -> float:
     return float("nan")
 
 
-def event(r: dict, rule: str, severity: str, value, threshold, message: str) -> dict:
+def event(r: dict, rule: str, severity: str, value, threshold, message: str, simulated: bool = False) -> dict:
+    """One event. ``simulated``: it judges a cast that did not happen (a what-if layer trained in high
+    precision): ``on_event`` callbacks see it (a ``Shadow`` starts no BF16 fork for it: the layer already
+    is BF16); the stored events say it in their message."""
     return {
         "step": int(r["step"]), "rank": int(r["rank"]), "rule": rule, "severity": severity,
         "layer": r.get("layer") or "", "tensor": r.get("tensor") or "",
         "value": float("nan") if value is None else float(value),
         "threshold": float("nan") if threshold is None else float(threshold),
-        "message": message, "_order": int(r.get("order") or 0),
+        "message": message, "_order": int(r.get("order") or 0), "simulated": bool(simulated),
     }
 
 
@@ -80,9 +84,9 @@ def to_frame(events: list[dict]) -> pd.DataFrame:
 
 
 def sort_events(events: list[dict]) -> list[dict]:
-    """Events in the frame's order (step, rank, execution order, rule), EVENT_COLUMNS keys only."""
+    """Events in the frame's order (step, rank, execution order, rule), EVENT_COLUMNS keys and ``simulated``."""
     ev = sorted(events, key=lambda e: (e["step"], e["rank"], e["_order"], e["rule"]))
-    return [{k: e[k] for k in EVENT_COLUMNS} for e in ev]
+    return [{**{k: e[k] for k in EVENT_COLUMNS}, "simulated": bool(e.get("simulated"))} for e in ev]
 
 
 def events_batch_from_records(records: list[dict]) -> pa.RecordBatch:

@@ -250,6 +250,7 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
         c["ovf_frac"] = derived.overflow_fraction(get)
         c["uf_frac"] = derived.underflow_fraction(get)
         c["uf_count"] = get("underflow")
+        c["ovf_count"] = get("overflow")
         mn = c["min_nonzero"]
         pos = fin & (amax > 0)
         c["dr"] = np.where(pos & (mn > 0) & np.isfinite(mn), np.log2(amax / mn), np.nan)

@@ -124,9 +124,12 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
     ufw, ufg, ufc = float(cfg.underflow_warn), float(cfg.underflow_grad_warn), float(cfg.underflow_critical)
     dre, cw, cf, cj = float(cfg.dynamic_range_excess), int(cfg.collapse_window), float(cfg.collapse_factor), float(cfg.collapse_max_jump)
     oz, ob, ow, om = float(cfg.outlier_z), float(cfg.outlier_min_binades), float(cfg.outlier_warn_binades), int(cfg.outlier_min_layers)
-    mm, ufn = float(cfg.mismatch_factor), float(cfg.underflow_min_count)
+    mm, smv = float(cfg.mismatch_factor), float(cfg.share_min_values)
     tb, tj = float(cfg.trend_binades), float(cfg.trend_max_jump_share)
-    tn, tz, smb = int(cfg.trend_spread_layers), float(cfg.trend_z), float(cfg.spike_minor_binades)
+    spn, spz = int(cfg.spread_min_layers), float(cfg.spread_z)
+
+    def within_spread(c):  # in a kind with a spread to measure (a MoE's experts), not above it
+        return (c["n_kind"] >= spn) & ~(c["z"] >= spz)
 
     def uf_thr(c):  # a 4-bit recipe's own loss on a healthy tensor raises the bar (detect.design_loss)
         return np.maximum(np.where(c["is_grad"], ufg, ufw), c["uf_floor"])
@@ -134,27 +137,30 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
     def ovf_thr(c):
         return np.maximum(sf, c["ovf_floor"])
 
+    def overflow_share(c):  # the overflowed share, where enough values overflowed to make it a rate
+        return np.where(_z(c["ovf_count"]) >= smv, _z(c["ovf_frac"]), 0.0)
+
     rules = [
         RowRule(
             "amax_spike",
             cond=lambda c: (c["n_prev"] >= mh) & (c["prev_max"] > 0) & (c["amax_f"] > spike * c["prev_max"]),
             value=lambda c: _div(c["amax_f"], c["prev_max"]),
             threshold=lambda c: spike,
-            # a spike that leaves the tensor far below its kind's median is info (a rarely weighted expert)
-            severity=lambda c: np.where(c["dev"] <= -smb, "info", _early(cfg, c, "warning")),
+            # within a large kind's spread it is info: an expert's gradient joining its peers
+            severity=lambda c: np.where(within_spread(c), "info", _early(cfg, c, "warning")),
             edge=False,
             message=lambda r: (
                 f"{_where(r)}: amax {_fmt(r['amax'])} is {_fmt(r['value'])}x the max of its last "
                 f"{int(r['n_prev'])} logged steps with data ({_fmt(r['prev_max'])})"
-                + (f", still {_fmt(2 ** -r['dev'])}x below the median of its kind" if (r.get("dev") or 0) <= -smb
-                   else "")
+                + (f", not above the spread of the {int(r['n_kind'])} layers of its kind (z {_fmt(r['z'])})"
+                   if (r.get("n_kind") or 0) >= spn and not (r.get("z") is not None and r["z"] >= spz) else "")
             ),
         ),
         RowRule(
             "saturation",
             evaluable=lambda c: _nn(c["sat_ratio"]),
             cond=lambda c: (c["sat_ratio"] > 1 + tol) & ((c["sat_ratio"] >= cfg.sat_warn_ratios(c["is_grad"]))
-                                                         | (_z(c["ovf_frac"]) >= ovf_thr(c))),
+                                                         | (overflow_share(c) >= ovf_thr(c))),
             value=lambda c: c["sat_ratio"],
             threshold=lambda c: cfg.sat_warn_ratios(c["is_grad"]),
             # clipping by a large factor (sat_critical_ratio and up) is never muted by warm-up
@@ -227,9 +233,9 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             "underflow",
             evaluable=lambda c: _nn(c["uf_frac"]),
             # the first row with data (a non-zero amax before it: ever_max) uses the initial scale; a share
-            # of fewer than underflow_min_count flushed values is not a rate (an expert with few tokens)
+            # of fewer than share_min_values flushed values is not a rate (an expert with few tokens)
             cond=lambda c: ((c["n_prev"] >= 1) & (c["ever_max"] > 0) & (c["uf_frac"] >= uf_thr(c))
-                            & (c["uf_count"] >= ufn)),
+                            & (c["uf_count"] >= smv)),
             value=lambda c: c["uf_frac"],
             threshold=uf_thr,
             severity=lambda c: np.where(c["uf_frac"] >= ufc, "critical", "warning"),
@@ -292,7 +298,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             # not the severity, so the event's edge is where it leaves it
             cond=lambda c: ((c["n_kind"] >= om) & (c["dev"] - c["dev_old"] >= tb)
                             & (c["dev_jump"] <= tj * (c["dev"] - c["dev_old"])) & (c["dev"] >= 1.0)
-                            & ((c["n_kind"] < tn) | (c["z"] >= tz))),
+                            & ~within_spread(c)),
             value=lambda c: np.exp2(c["dev"] - c["dev_old"]),
             threshold=lambda c: 2.0 ** tb,
             severity=lambda c: np.where(c["block"], "info", _early_window(cfg, c, "warning", int(cfg.trend_window))),

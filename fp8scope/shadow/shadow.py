@@ -188,7 +188,10 @@ class Shadow:
     def on_event(self, event: Any = None, *args: Any, **kwargs: Any) -> None:
         """Callback for online detection: ``Monitor(..., on_event=lambda ev: shadow.on_event(ev))``.
         Any event arms a compare of the next step; a warning or critical one also requests a fork
-        (it starts at the next ``after_step``). Thread-safe (detection runs in the writer thread)."""
+        (it starts at the next ``after_step``), unless it judges a simulated cast (``simulated``: a
+        what-if layer, which trained in high precision, so BF16 is what already ran there; a MoE's
+        experts under delayed scaling raise dozens of those). Thread-safe (detection runs in the
+        writer thread)."""
         def field(name):
             for getter in (lambda e: e.get(name), lambda e: getattr(e, name, None)):
                 try:
@@ -201,7 +204,7 @@ class Shadow:
 
         rule, severity, step = field("rule"), field("severity"), field("step")
         self.compare_next()
-        if severity != "info":  # info events only get a compare; warnings and critical ones a fork too
+        if severity != "info" and not field("simulated"):  # info and simulated events only get a compare
             if step is not None:
                 with self._lock:
                     if self._anomaly_step is None or int(step) < self._anomaly_step:
