@@ -11,7 +11,8 @@ where blaming that layer's FP8 would be false too. What is left:
   report, since every FP8 recipe keeps them in high precision;
 - MoE experts stored as 3-D weights (``adapters.experts``) in a model ``torch.compile``'d before
   the monitor attached: the experts are read in eager forwards only. In a small Mixtral they hold
-  8 in 10 of the GEMM weights.
+  8 in 10 of the GEMM weights. A model compiled after the monitor attached is found at its first
+  traced forward (:meth:`Coverage.leave_traced`; the monitor warns then and rewrites the coverage).
 
 So the monitor records which modules it left, how much of the GEMM weights they hold, and where
 they sit in the model's module order (``order``), and the report reads it
@@ -65,6 +66,15 @@ class Coverage:
         self.order.append(name)
         into.append((name, module, sum(sizes.values())))
 
+    def leave_traced(self, name: str, module: nn.Module) -> None:
+        """A monitored experts module that ran under torch.compile (compiled after the monitor attached):
+        its experts are read in eager forwards only, so it is left after all."""
+        sizes = {k: v for k, v in _gemm_params(expert_weights(module)).items() if k in self.monitored}
+        for k in sizes:
+            del self.monitored[k]
+        self.left.update(sizes)
+        self.experts.append((name, module, sum(sizes.values())))
+
     def names(self) -> list[str]:
         return [n for n, _, _ in self.experts + self.matrices + self.routers]
 
@@ -80,11 +90,7 @@ class Coverage:
         """The one attach warning naming what is not monitored, or None when nothing is left."""
         if not self.experts and not self.matrices:
             return None
-        total = sum(self.monitored.values()) + sum(self.left.values())  # routers' included
-
-        def share(group) -> str:
-            return share_text(sum(p for _, _, p in group), total) if total else "some"
-
+        share = self._share
         parts = [f"monitoring {layers} layer(s)"]
         if self.experts:
             parts.append(f"{len(self.experts)} MoE expert module(s) holding {share(self.experts)} of the model's GEMM "
@@ -97,3 +103,16 @@ class Coverage:
                          f"as linear and are not monitored: {describe_skipped((n, m) for n, m, _ in self.matrices)} "
                          "(fp8scope.register_linear_like(cls) adds a class)")
         return "; ".join(parts)
+
+    def traced_warning(self, names: list[str]) -> str:
+        """The warning for experts modules (``names``, left by :meth:`leave_traced`) that ran under
+        torch.compile after the monitor attached."""
+        group = [e for e in self.experts if e[0] in names]
+        return (f"{len(group)} MoE expert module(s) holding {self._share(group)} of the model's GEMM weights ran "
+                f"under torch.compile, compiled after the monitor attached, and are not monitored: "
+                f"{describe_skipped((n, m) for n, m, _ in group)} (experts stored as 3-D weights are captured in "
+                "eager forwards only; a fault that starts in them shows first where it reaches a monitored layer)")
+
+    def _share(self, group) -> str:
+        total = sum(self.monitored.values()) + sum(self.left.values())  # routers' included
+        return share_text(sum(p for _, _, p in group), total) if total else "some"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 import warnings
 from pathlib import Path
 from typing import Any, Iterable
@@ -178,6 +179,11 @@ class Monitor:
         self.sources: dict[str, int] = {}  # adapter name -> number of layers it monitors
         self.model_recipe: Any = None
         self.coverage: dict = {}  # run.json's meta.coverage (fp8scope.coverage)
+        self._cover: Any = None  # the fp8scope.coverage.Coverage behind it
+        self._eager_only: dict[str, Any] = {}  # layer -> module whose adapter reads eager forwards only (experts),
+        # until it is found running traced (_left_traced)
+        self._traced_said = 0  # how many of collector.traced_layers were said (_left_traced)
+        self._manifest_lock = threading.Lock()  # run.json: the writer thread and the training thread update it
         self._writer: BackgroundWriter | None = None
         self.detector: Any = None  # fp8scope.detect.OnlineDetector when detect is on
         self._store_failed: str | None = None
@@ -219,6 +225,8 @@ class Monitor:
                 cover.consider(name, module, inside=any(name.startswith(f"{m}.") for m in self.layers + cover.names()))
                 continue
             self._detach.append(adapter.attach(name, module, self.collector, self.recipe))
+            if adapter is ExpertsSource:
+                self._eager_only[name] = module
             self.layers.append(name)
             cover.layer(name, module)
             self.sources[adapter.name] = self.sources.get(adapter.name, 0) + 1
@@ -226,7 +234,7 @@ class Monitor:
                 self.model_recipe = module.recipe  # our emulated layers carry theirs
         if include is not None and not self.layers:
             raise UsageError("no monitored layer matched the `layers` selection")
-        self.coverage = cover.to_dict()
+        self._cover, self.coverage = cover, cover.to_dict()
         left = cover.warning(len(self.layers))
         if left:
             self._warn("skipped", left)
@@ -338,7 +346,27 @@ class Monitor:
         # emulated layer named one when the monitor attached
         seen = self.collector.recipe_seen
         extra = {"recipe": seen} if seen is not None and not manifest.get("recipe") else {}
-        update_manifest(self.run_dir, tensors=list(current.values()), **extra)
+        with self._manifest_lock:
+            update_manifest(self.run_dir, tensors=list(current.values()), **extra)
+
+    def _left_traced(self) -> None:
+        """Training thread: MoE experts whose module ran under torch.compile after the monitor attached.
+        Their adapter reads eager forwards only, so they are not captured: said once, and run.json's
+        coverage counts them as left (the report and ``info`` say it as for a model compiled first)."""
+        traced = self.collector.traced_layers
+        self._traced_said = len(traced)
+        new = sorted(n for n in traced if n in self._eager_only)
+        if not new:
+            return
+        for name in new:
+            self._cover.leave_traced(name, self._eager_only.pop(name))
+        self.coverage = self._cover.to_dict()
+        self._warn(f"traced:{new[0]}", self._cover.traced_warning(new))
+        if self.rank == 0 and self._writer is not None and self._store_failed is None:
+            from fp8scope.store.manifest import update_manifest
+
+            with self._manifest_lock:
+                update_manifest(self.run_dir, meta={"coverage": self.coverage})
 
     # ---- failure handling ------------------------------------------------------------
     def _warn(self, key: str, message: str) -> None:
@@ -372,6 +400,8 @@ class Monitor:
                 self._step = int(step)
             self.collector.step = self._step
             payload = self.collector.end_step(scalars)
+            if len(self.collector.traced_layers) != self._traced_said:  # experts ran compiled: not captured
+                self._left_traced()
             if self._writer is not None and self._writer.failed is None:
                 # wait only for the previous step: this one's copy and append overlap the next step
                 self._writer.wait(self._writer.submit(payload) - 1, timeout=60)

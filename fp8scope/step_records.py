@@ -88,12 +88,14 @@ def _identity_columns(kids: np.ndarray, keys: Sequence[TensorKey], cache: dict |
 
 
 def tensor_batch(
-    step: int, rank: int, matrix: np.ndarray, key_ids: Sequence[int], keys: Sequence[TensorKey], full: bool,
+    step: int, rank: int, matrix: np.ndarray, key_ids: Sequence[int], keys: Sequence[TensorKey], full: bool | None,
     cache: dict | None = None, focus: frozenset = frozenset(),
 ) -> pa.RecordBatch:
     """One record batch: a row per tensor captured in ``step`` (``cache``: see ``_identity_columns``).
     ``full``: the step took full stats; else the rows of the layers in ``focus`` did (a closer look
-    after a suspicious step, ``StepCollector.look_closer``)."""
+    after a suspicious step, ``StepCollector.look_closer``). None: each row where its full-stats
+    counts are present (the ranks' aggregate: a count is summed across ranks, NaN where one rank's
+    row was cheap, so a row is full where every rank took full stats of it)."""
     m, kids, order, calls = merge_rows(matrix, key_ids)
     n = len(kids)
     f = {name: m[:, i] for name, i in FIELD_INDEX.items()}
@@ -107,7 +109,7 @@ def tensor_batch(
         "rank": pa.array(np.full(n, rank, dtype=np.int32)),
         **_identity_columns(kids, keys, cache),
         "order": pa.array(order, type=pa.int32()),
-        "full": pa.array(np.full(n, full, dtype=bool) if full or not focus
+        "full": pa.array(~np.isnan(f["zeros"]) if full is None else np.full(n, full, dtype=bool) if full or not focus
                          else np.fromiter((keys[k].layer in focus for k in kids), dtype=bool, count=n)),
         "calls": pa.array(calls, type=pa.int32()),
         "amax": _float_col(f["amax"]),

@@ -201,3 +201,36 @@ def test_a_dense_model_is_covered_whole(tmp_path, capsys):
     capsys.readouterr()
     assert cli_main(["info", str(tmp_path)]) == 0
     assert "every module holding GEMM weights" in capsys.readouterr().out
+
+
+def test_experts_of_a_model_compiled_after_the_monitor_attached_are_said_and_left(tmp_path):
+    """The experts adapter reads eager forwards only. A model compiled after the monitor attached runs its
+    experts traced: they log nothing, and the monitor said nothing while its coverage counted them as
+    monitored. Now the first traced forward tells it (a side effect dynamo replays: ``fullgraph`` holds),
+    it warns once, and run.json's coverage leaves them, as for a model compiled before it attached."""
+    from fp8scope.store.manifest import coverage_text, read_manifest
+
+    torch.manual_seed(0)
+    cfg = transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                     num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+                                     num_experts_per_tok=2, max_position_embeddings=32)
+    model = transformers.AutoModelForCausalLM.from_config(cfg)
+    ids = torch.randint(0, 96, (2, 16))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = fp8scope.Monitor(model, tmp_path / "r", every=1)
+        assert coverage_text(read_manifest(tmp_path / "r")) is None  # every module holding GEMM weights, so far
+        compiled = torch.compile(model, fullgraph=True)  # a graph break would raise
+        for _ in range(2):
+            out = compiled(input_ids=ids, labels=ids)
+            out.loss.backward()
+            mon.step(loss=out.loss)
+        mon.close()
+    said = [str(w.message) for w in caught if "MoE expert" in str(w.message)]
+    assert len(said) == 1, said
+    assert ("2 MoE expert module(s) holding 84 % of the model's GEMM weights ran under torch.compile, compiled after "
+            "the monitor attached") in said[0] and "model.layers.1.mlp.experts (MixtralExperts)" in said[0], said
+    assert coverage_text(read_manifest(tmp_path / "r")).startswith(
+        "not monitored: 2 MoE expert modules (model.layers.0.mlp.experts, model.layers.1.mlp.experts, 84")
+    layers = set(fp8scope.load_run(tmp_path / "r").tensors()["layer"])
+    assert "model.layers.0.self_attn.q_proj" in layers and not any(".experts." in n for n in layers)

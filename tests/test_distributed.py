@@ -22,7 +22,7 @@ pytestmark = pytest.mark.timeout(180)
 STEPS = 4
 
 
-def _train_one(rank: int, run_dir: str, reduce: str, check, plant: bool) -> None:
+def _train_one(rank: int, run_dir: str, reduce: str, check, plant: bool, look: bool = False) -> None:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     from tests.conftest import MLP
@@ -39,13 +39,15 @@ def _train_one(rank: int, run_dir: str, reduce: str, check, plant: bool) -> None
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     gen = torch.Generator().manual_seed(100 + rank)  # each rank its own data
     mon = fp8scope.Monitor(model, run_dir, every=2, reduce=reduce, cross_rank_check=check)
-    for _ in range(STEPS):
+    for step in range(STEPS):
         x = torch.randn(8, 16, generator=gen)
         loss = ddp(x).pow(2).mean()
         loss.backward()
         opt.step()
         opt.zero_grad()
         mon.step(loss=loss.detach(), lr=0.05)
+        if look and step == 1:  # closer looks at cheap step 3, as triage asks for them: per rank, own layers
+            mon.collector.look_closer(1, frozenset({"up", "down"} if rank == 0 else {"up"}))
     mon.close()
     info = {"rank": mon.rank, "world": mon.world_size, "exchanges": getattr(mon._writer, "exchanges", 0),
             "exchange_failed": getattr(mon._writer, "exchange_failed", None), "failed": mon.logging_failed}
@@ -54,8 +56,8 @@ def _train_one(rank: int, run_dir: str, reduce: str, check, plant: bool) -> None
 
 
 def _train_runs(rank: int, root: str, configs: dict) -> None:
-    for name, (reduce, check, plant) in configs.items():  # several runs per spawn: process start-up dominates
-        _train_one(rank, os.path.join(root, name), reduce, check, plant)
+    for name, config in configs.items():  # several runs per spawn: process start-up dominates
+        _train_one(rank, os.path.join(root, name), *config)
 
 
 def _launch(tmp_path, world: int, configs: dict) -> dict:
@@ -72,7 +74,7 @@ def _launch(tmp_path, world: int, configs: dict) -> dict:
 def two_ranks(tmp_path_factory):
     """Two runs in one 2-rank job: aggregated + per-rank (clean), and per-rank only with a planted scale."""
     return _launch(tmp_path_factory.mktemp("dist2"), 2, {
-        "both": ("both", None, False),
+        "both": ("both", None, False, True),
         "planted": ("none", None, True),
     })
 
@@ -97,7 +99,13 @@ def test_ddp_two_ranks_per_rank_and_aggregated_series(two_ranks):
     np.testing.assert_array_equal(agg["scale"].sort_index(), g["scale"].min().sort_index())
     np.testing.assert_array_equal(agg["numel"].sort_index(), g["numel"].sum().sort_index())
     full = agg[agg["full"]]
-    assert len(full) == 2 * 9 and full["overflow"].notna().all()
+    # the full steps (0, 2), and at step 3 the layer both ranks looked closer at: a row is full where every
+    # rank's was; "down", which rank 0 alone looked at, is not (its counts cannot be summed across ranks)
+    assert per[(per.step == 3) & per.full].groupby("rank")["layer"].unique().map(sorted).to_dict() == {
+        0: ["down", "up"], 1: ["up"]}
+    pd.testing.assert_series_equal(agg["full"].sort_index(), g["full"].all().sort_index(), check_names=False)
+    assert sorted(set(full.index.get_level_values("step"))) == [0, 2, 3]
+    assert len(full) == 2 * 9 + 3 and full["overflow"].notna().all()
     np.testing.assert_array_equal(full["overflow"].sort_index(), g["overflow"].sum()[full.index].sort_index())
     assert (agg["calls"] == 2).all()
     # activations differ between ranks (different data), weights are identical replicas

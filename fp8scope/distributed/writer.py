@@ -198,7 +198,8 @@ class DistributedWriter(BackgroundWriter):
             self._warn_once("unknown", "other ranks monitor tensors rank 0 does not (pipeline stages?); "
                             "the aggregate (rank -1) covers the tensors rank 0 monitors")
         if kids:
-            batch = tensor_batch(payload.step, AGGREGATE_RANK, m, kids, self._keys, payload.full)
+            # full per row: where every rank took full stats (ranks may look closer at different layers)
+            batch = tensor_batch(payload.step, AGGREGATE_RANK, m, kids, self._keys, None)
             self._real.write("tensors", batch)
         names, values = reduce_scalars(parts, self._scalar_name)
         if names:

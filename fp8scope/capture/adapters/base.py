@@ -62,6 +62,7 @@ class Sink(Protocol):
     active: bool  # this step is captured at all
     roles: frozenset  # the tensor roles captured
     capture_no_grad: bool  # forwards under no_grad are captured too
+    traced_layers: set  # layers that ran traced where their adapter reads eager forwards only
 
 
 Handle = Callable[[], None]  # undoes one attachment

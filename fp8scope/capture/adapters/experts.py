@@ -20,7 +20,8 @@ expert that got no token this step at 0 (TE's amax of an empty split); such rows
 count. Full steps, and recipes other than delayed scaling, read the group sizes once per forward
 and capture each expert's rows as a plain layer's. The loop captures the experts it reaches.
 Experts whose GEMMs are none of these (a layout of their own) are named in one warning. Eager
-only: under ``torch.compile`` the experts are not captured.
+only: under ``torch.compile`` the experts are not captured, and the monitor says so (at attach for a
+model compiled before it, at the first traced forward for one compiled after).
 """
 
 from __future__ import annotations
@@ -109,7 +110,8 @@ class _ExpertsTap:
 
     # ---- the module's forward ---------------------------------------------------------------
     def enter(self, module, args):
-        if torch.compiler.is_compiling():  # traced: not captured (docs/capture.md)
+        if torch.compiler.is_compiling():  # traced: not captured (docs/capture.md); the monitor says so
+            self.sink.traced_layers.add(self.layer)  # a side effect dynamo replays: no graph break
             return
         if not self.sink.active or self._mode is not None or module is not self.module():
             return
