@@ -89,8 +89,8 @@ class RowRule:
 
 def _early(cfg: DetectConfig, c: dict, sev):
     """Severity that drops to 'info' while the tensor warms up: fewer than ``warmup_rows`` logged rows of
-    its own before this one (per tensor, not a fixed step: a layer first seen late, or a run resumed,
-    warms up on its own history)."""
+    its own with data (amax > 0) before this one (per tensor, not a fixed step: a layer first seen late,
+    a run resumed, or a MoE expert that rarely gets tokens warms up on its own history)."""
     return np.where(c["n_prev"] < int(cfg.warmup_rows), "info", sev)
 
 
