@@ -87,6 +87,15 @@ def _identity_columns(kids: np.ndarray, keys: Sequence[TensorKey], cache: dict |
     return cols
 
 
+def _full_column(full: bool | None, focus: frozenset, zeros: np.ndarray, kids, keys: Sequence[TensorKey]) -> np.ndarray:
+    """Per row, whether it holds full stats (:func:`tensor_batch`'s ``full`` and ``focus``)."""
+    if full is None:  # a count is present where every contributing row had one
+        return ~np.isnan(zeros)
+    if full or not focus:
+        return np.full(len(kids), full, dtype=bool)
+    return np.fromiter((keys[k].layer in focus for k in kids), dtype=bool, count=len(kids))
+
+
 def tensor_batch(
     step: int, rank: int, matrix: np.ndarray, key_ids: Sequence[int], keys: Sequence[TensorKey], full: bool | None,
     cache: dict | None = None, focus: frozenset = frozenset(),
@@ -109,8 +118,7 @@ def tensor_batch(
         "rank": pa.array(np.full(n, rank, dtype=np.int32)),
         **_identity_columns(kids, keys, cache),
         "order": pa.array(order, type=pa.int32()),
-        "full": pa.array(~np.isnan(f["zeros"]) if full is None else np.full(n, full, dtype=bool) if full or not focus
-                         else np.fromiter((keys[k].layer in focus for k in kids), dtype=bool, count=n)),
+        "full": pa.array(_full_column(full, focus, f["zeros"], kids, keys)),
         "calls": pa.array(calls, type=pa.int32()),
         "amax": _float_col(f["amax"]),
         "min_nonzero": _float_col(f["min_nonzero"]),

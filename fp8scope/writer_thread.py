@@ -33,7 +33,7 @@ from fp8scope.step_records import cheap_tensor_batch, recipe_batch, scalar_batch
 Listener = Callable[[int, int, "pa.RecordBatch | None", pa.RecordBatch], "dict[str, pa.RecordBatch] | None"]
 # suspicious(amax, scale_inv, fp8_max) -> None, or (a bool per row, every layer?): numpy arrays of a cheap
 # step's rows (detect.triage.closer_look)
-Suspicious = Callable[..., bool]
+Suspicious = Callable[..., "tuple[object, bool] | None"]
 
 _SYNC = object()  # queued by sync(): done once everything before it is
 
