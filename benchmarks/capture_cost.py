@@ -28,7 +28,10 @@
    per token) what-if, under each of ``transformers``' experts implementations: the aten ops the
    monitor adds to a cheap step (the experts' GEMMs of a grouped or batched implementation in one
    segmented reduction: the count does not grow with the experts), and the monitored / unmonitored
-   step time at ``every=50`` (paired ratios, interleaved).
+   step time at ``every=50`` (paired ratios, interleaved). ``--moe-modes eager,compiled`` also runs
+   the model ``torch.compile``d (``grouped_mm`` and ``batched_mm``; the loop's experts are not
+   captured compiled): its graphs and graph breaks, monitored, and the aten ops the monitor's graph
+   taps run (a dispatch mode sees no compiled kernel, so the unmonitored compiled step counts none).
 3e. MoE at scale (``--sections moescale``): a ``transformers`` Qwen3-MoE with Qwen3-30B-A3B's 48
    layers of 128 experts (8 per token) at tiny widths (``--moe-layers``, ``--moe-experts``): the first
    step, the ops a cheap step adds, the step-time ratios of cheap captures alone and of the default
@@ -48,6 +51,7 @@
     python benchmarks/capture_cost.py --sections first   # section 4: does a compile stall a step?
     python benchmarks/capture_cost.py --sections hostbound --rounds 16   # section 3c only
     python benchmarks/capture_cost.py --sections moe --rounds 8   # section 3d only
+    python benchmarks/capture_cost.py --sections moe --moe-modes compiled --rounds 8   # 3d, compiled
     python benchmarks/capture_cost.py --sections moescale --rounds 4 --block 5   # section 3e only
 
 Op and kernel counts are deterministic; timings are this machine's, printed as ratios measured in
@@ -357,18 +361,37 @@ def host_bound(device: str, rounds: int, block: int) -> None:
         print(f"   {name:50s} {medians[name] * 1e3:7.2f} ms/step   {paired[name]:.3f}x")
 
 
-def moe(device: str, rounds: int, block: int) -> None:
+def moe(device: str, rounds: int, block: int, modes=("eager",)) -> None:
     """Section 3d: a Mixtral's experts (3-D weights, ``capture/adapters/experts.py``) under each
-    experts implementation: ops a cheap step adds, and the step-time ratio at ``every=50``."""
+    experts implementation, eager and (``modes``) compiled: ops a cheap step adds, and the step-time
+    ratio at ``every=50``."""
     from detection_suite import _hf_setup
 
     os.environ["FP8SCOPE_COMPILE"] = "0" if device == "cpu" else "sync"
-    print("\n3d. MoE experts: a transformers Mixtral (4 layers, width 128, 8 experts, 2 per token), what-if, eager "
+    print("\n3d. MoE experts: a transformers Mixtral (4 layers, width 128, 8 experts, 2 per token), what-if "
           "(ops against the same step unmonitored; paired ratios, interleaved)")
-    print("   implementation   tensors   ops a cheap step adds   every=50 ms/step   ratio")
-    for impl in ("eager", "grouped_mm", "batched_mm"):
+    print("   implementation        tensors   ops a cheap step adds   every=50 ms/step   ratio   graphs (breaks)")
+    runs = [(impl, False) for impl in ("eager", "grouped_mm", "batched_mm") if "eager" in modes]
+    runs += [(impl, True) for impl in ("grouped_mm", "batched_mm") if "compiled" in modes]
+    for impl, compiled in runs:
         def setup_of():
-            return _hf_setup(train.build(fp8="off", quiet=True, device=device), "mixtral", experts=impl)
+            setup = _hf_setup(train.build(fp8="off", quiet=True, device=device), "mixtral", experts=impl)
+            if compiled:
+                setup.model = torch.compile(setup.model)
+            return setup
+
+        graphs = ""
+        if compiled:
+            from fp8scope.compiled import reset_dynamo
+
+            reset_dynamo()
+            probe = setup_of()
+            with tempfile.TemporaryDirectory() as tmp:
+                mon = fp8scope.Monitor(probe.model, tmp, every=10**9, detect=False)
+                x, _ = probe.batches.next()
+                got = torch._dynamo.explain(probe.model._orig_mod)(x)
+                mon.close()
+            graphs = f"{got.graph_count} ({got.graph_break_count})"
 
         counts, n = {}, 0
         for monitored in (False, True):
@@ -391,8 +414,9 @@ def moe(device: str, rounds: int, block: int) -> None:
                                                    warmup=3, sync=sync)
             finally:
                 mon.close()
-        print(f"   {impl:16s} {n:7d}   {counts[True] - counts[False]:21d}   {medians['every=50'] * 1e3:16.1f}   "
-              f"{paired['every=50']:.3f}x")
+        label = f"{impl}, compiled" if compiled else impl
+        print(f"   {label:21s} {n:7d}   {counts[True] - counts[False]:21d}   {medians['every=50'] * 1e3:16.1f}   "
+              f"{paired['every=50']:.3f}x   {graphs}")
 
 
 def moe_scale(device: str, rounds: int, block: int, layers: int, experts: int) -> None:
@@ -542,6 +566,7 @@ def main() -> int:
     ap.add_argument("--first-modes", default="0,sync,ahead", help="section 4: FP8SCOPE_COMPILE modes")
     ap.add_argument("--first-cap", type=float, default=120.0, help="section 4: at most this many seconds per mode")
     ap.add_argument("--first-warm", action="store_true", help="section 4: inductor's cache as earlier runs left it")
+    ap.add_argument("--moe-modes", default="eager", help="section 3d: the model eager, compiled, or both")
     ap.add_argument("--moe-layers", type=int, default=48, help="section 3e: the MoE's layers")
     ap.add_argument("--moe-experts", type=int, default=128, help="section 3e: its experts per layer")
     ap.add_argument("--first-run", help=argparse.SUPPRESS)  # one process of section 4
@@ -564,7 +589,7 @@ def main() -> int:
     if "hostbound" in sections:
         host_bound(args.device, args.rounds, args.block)
     if "moe" in sections:
-        moe(args.device, args.rounds, args.block)
+        moe(args.device, args.rounds, args.block, args.moe_modes.split(","))
     if "moescale" in sections:
         moe_scale(args.device, args.rounds, args.block, args.moe_layers, args.moe_experts)
     if "ratio" in sections:

@@ -13,8 +13,9 @@
 #           (step_profile.py: kernels, host syncs, CPU per thread, the training thread's Python)
 #   PART=3  (about 4 minutes) the eager demo model's ratios, the compiled what-if ones, the host-bound
 #           section (online detection's rules in their child process and in a thread)
-#   STEPS=moe  a Mixtral's experts under each transformers experts implementation (capture_cost.py
-#           --sections moe; needs transformers and its dependencies on the machine or among WHEELS)
+#   STEPS=moe  a Mixtral's experts under each transformers experts implementation, eager and compiled
+#           (capture_cost.py --sections moe; needs transformers and its dependencies on the machine or
+#           among WHEELS)
 #   STEPS="large hostbound ..." runs the named steps (the functions below) instead, in that order:
 #           a lease that cannot hold every part runs what decides most first
 set -u
@@ -50,7 +51,8 @@ hostbound() {
   timeout 90 python3 benchmarks/capture_cost.py --device cuda --sections hostbound --rounds 8 2>&1 | quiet \
     | tee "$OUT/hostbound.txt"; }
 moe() {
-  timeout 240 python3 benchmarks/capture_cost.py --device cuda --sections moe --rounds 4 2>&1 | quiet \
+  timeout 300 python3 benchmarks/capture_cost.py --device cuda --sections moe --moe-modes eager,compiled --rounds 4 \
+    2>&1 | quiet \
     | tee "$OUT/moe.txt"; }
 first() {
   timeout 120 python3 benchmarks/capture_cost.py --device cuda --sections first --first-steps 40 \

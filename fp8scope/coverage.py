@@ -9,10 +9,10 @@ where blaming that layer's FP8 would be false too. What is left:
 - modules holding a weight matrix of a kind nothing recognises (``linear_like``);
 - MoE routers (``linear_like.is_router``): recorded, but neither warned about nor named in the
   report, since every FP8 recipe keeps them in high precision;
-- MoE experts stored as 3-D weights (``adapters.experts``) in a model ``torch.compile``'d before
-  the monitor attached: the experts are read in eager forwards only. In a small Mixtral they hold
-  8 in 10 of the GEMM weights. A model compiled after the monitor attached is found at its first
-  traced forward (:meth:`Coverage.leave_traced`; the monitor warns then and rewrites the coverage).
+- MoE experts stored as 3-D weights (``adapters.experts``) that run under ``torch.compile`` with
+  GEMMs read in eager forwards only (the loop; ``grouped_mm`` and ``batched_mm`` are read compiled). In
+  a small Mixtral they hold 8 in 10 of the GEMM weights. They are found at their first traced
+  forward (:meth:`Coverage.leave_traced`; the monitor warns then and rewrites the coverage).
 
 So the monitor records which modules it left, how much of the GEMM weights they hold, and where
 they sit in the model's module order (``order``), and the report reads it
@@ -53,10 +53,7 @@ class Coverage:
         already left (a TE module's parts, an experts module's activation)."""
         if inside:
             return
-        stacked = expert_weights(module)
-        if stacked:
-            kind, params, into = "experts", stacked, self.experts
-        elif holds_weight_matrix(module):
+        if holds_weight_matrix(module):
             kind, params, into = ("router", [module.weight], self.routers) if is_router(module) else (
                 "matrix", [module.weight], self.matrices)
         else:
@@ -67,8 +64,8 @@ class Coverage:
         into.append((name, module, sum(sizes.values())))
 
     def leave_traced(self, name: str, module: nn.Module) -> None:
-        """A monitored experts module that ran under torch.compile (compiled after the monitor attached):
-        its experts are read in eager forwards only, so it is left after all."""
+        """A monitored experts module that ran under torch.compile with GEMMs its adapter reads in eager
+        forwards only: it is left after all."""
         sizes = {k: v for k, v in _gemm_params(expert_weights(module)).items() if k in self.monitored}
         for k in sizes:
             del self.monitored[k]
@@ -87,31 +84,24 @@ class Coverage:
                 "unmonitored": left, "order": self.order}
 
     def warning(self, layers: int) -> str | None:
-        """The one attach warning naming what is not monitored, or None when nothing is left."""
-        if not self.experts and not self.matrices:
+        """The one attach warning naming what is not monitored, or None when nothing is left (experts
+        are left later, when they run: :meth:`traced_warning`)."""
+        if not self.matrices:
             return None
-        share = self._share
-        parts = [f"monitoring {layers} layer(s)"]
-        if self.experts:
-            parts.append(f"{len(self.experts)} MoE expert module(s) holding {share(self.experts)} of the model's GEMM "
-                         f"weights are not monitored: {describe_skipped((n, m) for n, m, _ in self.experts)} (experts "
-                         "stored as 3-D weights are captured in eager forwards, not in a model torch.compile'd before "
-                         "the monitor attached; a fault that starts in them shows first where it reaches a monitored "
-                         "layer)")
-        if self.matrices:
-            parts.append(f"{len(self.matrices)} module(s) holding a weight matrix are of a kind fp8scope does not know "
-                         f"as linear and are not monitored: {describe_skipped((n, m) for n, m, _ in self.matrices)} "
-                         "(fp8scope.register_linear_like(cls) adds a class)")
-        return "; ".join(parts)
+        return (f"monitoring {layers} layer(s); {len(self.matrices)} module(s) holding a weight matrix are of a kind "
+                f"fp8scope does not know as linear and are not monitored: "
+                f"{describe_skipped((n, m) for n, m, _ in self.matrices)} (fp8scope.register_linear_like(cls) adds a "
+                "class)")
 
     def traced_warning(self, names: list[str]) -> str:
         """The warning for experts modules (``names``, left by :meth:`leave_traced`) that ran under
-        torch.compile after the monitor attached."""
+        torch.compile with GEMMs read in eager forwards only."""
         group = [e for e in self.experts if e[0] in names]
         return (f"{len(group)} MoE expert module(s) holding {self._share(group)} of the model's GEMM weights ran "
-                f"under torch.compile, compiled after the monitor attached, and are not monitored: "
-                f"{describe_skipped((n, m) for n, m, _ in group)} (experts stored as 3-D weights are captured in "
-                "eager forwards only; a fault that starts in them shows first where it reaches a monitored layer)")
+                f"under torch.compile without a grouped or batched GEMM and are not monitored: "
+                f"{describe_skipped((n, m) for n, m, _ in group)} (compiled, experts are captured where they run "
+                "transformers' grouped_mm (the default experts_implementation) or batched_mm; the loop is captured in "
+                "eager forwards only. A fault that starts in them shows first where it reaches a monitored layer)")
 
     def _share(self, group) -> str:
         total = sum(self.monitored.values()) + sum(self.left.values())  # routers' included

@@ -109,14 +109,17 @@ def observe_in_backward(tap: int, *xs: torch.Tensor) -> None:
 
 
 class GradObserver(torch.autograd.Function):
-    """``x`` unchanged (a view); its gradient goes to tap ``tap`` when autograd computes it."""
+    """``x`` unchanged (a view); its gradient goes to tap ``tap`` when autograd computes it, followed
+    by the forward's ``context`` tensors (a MoE GEMM's routing, which says whose rows are whose)."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, tap: int) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx, x: torch.Tensor, tap: int, *context: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         ctx.tap = tap
+        ctx.save_for_backward(*context)
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):  # type: ignore[override]
-        observe_in_backward(ctx.tap, grad)
-        return grad, None
+        context = ctx.saved_tensors
+        observe_in_backward(ctx.tap, grad, *context)
+        return (grad, None, *(None for _ in context))

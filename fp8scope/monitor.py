@@ -180,8 +180,8 @@ class Monitor:
         self.model_recipe: Any = None
         self.coverage: dict = {}  # run.json's meta.coverage (fp8scope.coverage)
         self._cover: Any = None  # the fp8scope.coverage.Coverage behind it
-        self._eager_only: dict[str, Any] = {}  # layer -> module whose adapter reads eager forwards only (experts),
-        # until it is found running traced (_left_traced)
+        self._experts: dict[str, Any] = {}  # layer -> experts module, until it is found running traced with
+        # GEMMs its adapter reads in eager forwards only (_left_traced)
         self._traced_said = 0  # how many of collector.traced_layers were said (_left_traced)
         self._manifest_lock = threading.Lock()  # run.json: the writer thread and the training thread update it
         self._writer: BackgroundWriter | None = None
@@ -210,7 +210,6 @@ class Monitor:
         for name, module in self.model.named_modules():
             # a model wrapped by torch.compile names its layers "_orig_mod.<name>": the layer is the
             # same, so is its name (a run stays comparable with an eager one)
-            compiled = "_orig_mod" in name.split(".")
             name = ".".join(part for part in name.split(".") if part != "_orig_mod")
             if not name:
                 continue
@@ -219,14 +218,12 @@ class Monitor:
             if exclude is not None and exclude(name):
                 continue
             adapter = adapter_for(module)
-            if adapter is ExpertsSource and compiled:  # read in eager forwards only: left, and said so
-                adapter = None
             if adapter is None:
                 cover.consider(name, module, inside=any(name.startswith(f"{m}.") for m in self.layers + cover.names()))
                 continue
             self._detach.append(adapter.attach(name, module, self.collector, self.recipe))
             if adapter is ExpertsSource:
-                self._eager_only[name] = module
+                self._experts[name] = module
             self.layers.append(name)
             cover.layer(name, module)
             self.sources[adapter.name] = self.sources.get(adapter.name, 0) + 1
@@ -350,16 +347,16 @@ class Monitor:
             update_manifest(self.run_dir, tensors=list(current.values()), **extra)
 
     def _left_traced(self) -> None:
-        """Training thread: MoE experts whose module ran under torch.compile after the monitor attached.
-        Their adapter reads eager forwards only, so they are not captured: said once, and run.json's
-        coverage counts them as left (the report and ``info`` say it as for a model compiled first)."""
+        """Training thread: MoE experts whose module ran under torch.compile with GEMMs their adapter
+        reads in eager forwards only (the loop): they are not captured, said once, and
+        run.json's coverage counts them as left (the report and ``info`` say so)."""
         traced = self.collector.traced_layers
         self._traced_said = len(traced)
-        new = sorted(n for n in traced if n in self._eager_only)
+        new = sorted(n for n in traced if n in self._experts)
         if not new:
             return
         for name in new:
-            self._cover.leave_traced(name, self._eager_only.pop(name))
+            self._cover.leave_traced(name, self._experts.pop(name))
         self.coverage = self._cover.to_dict()
         self._warn(f"traced:{new[0]}", self._cover.traced_warning(new))
         if self.rank == 0 and self._writer is not None and self._store_failed is None:
@@ -400,7 +397,7 @@ class Monitor:
                 self._step = int(step)
             self.collector.step = self._step
             payload = self.collector.end_step(scalars)
-            if len(self.collector.traced_layers) != self._traced_said:  # experts ran compiled: not captured
+            if len(self.collector.traced_layers) != self._traced_said:  # experts ran compiled, uncaptured
                 self._left_traced()
             if self._writer is not None and self._writer.failed is None:
                 # wait only for the previous step: this one's copy and append overlap the next step

@@ -481,45 +481,66 @@ def test_torchao_compiled_real_fp8_gemms(tmp_path, recipe):
     assert (df.amax * df.scale <= df.fp8_max * (1 + 1e-3)).all()
 
 
+def _moe_rows_on(tmp_path, device: str, implementation: str, every: int, check_sync: bool = False,
+                 compiled: bool = False):
+    """A Mixtral of ``tests/test_experts.py`` trained 6 steps on ``device`` (``compiled``: through
+    ``torch.compile(fullgraph=True)``): its experts' rows, and fp8scope's synchronizing calls in steps
+    3-5 (``check_sync``)."""
+    from tests.test_experts import _rows, build
+
+    name = f"{device}-{implementation}-{every}{'-compiled' if compiled else ''}"
+    model = build("mixtral", implementation).to(device)
+    mon = fp8scope.Monitor(model, tmp_path / name, every=every, detect=False)
+    forward = torch.compile(model, fullgraph=True) if compiled else model
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    g = torch.Generator().manual_seed(1)
+    caught = []
+    for step in range(6):
+        ids = torch.randint(0, 96, (4, 16), generator=g).to(device)
+        watched = check_sync and step >= 3
+        if watched:
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            with warnings.catch_warnings(record=True) as got:
+                warnings.simplefilter("always")
+                loss = forward(input_ids=ids, labels=ids).loss
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                mon.step(loss=loss.detach())
+            caught += [f"{w.filename}:{w.lineno}" for w in got if "synchroniz" in str(w.message)
+                       and "fp8scope" in w.filename]
+        finally:
+            if watched:
+                torch.cuda.set_sync_debug_mode(0)
+    mon.close()
+    return _rows(fp8scope.load_run(tmp_path / name).tensors()), caught
+
+
+def test_compiled_moe_experts_on_cuda_log_the_cpus_rows_and_their_cheap_steps_do_not_sync(tmp_path):
+    """Compiled by inductor for the GPU (Triton), the grouped and batched experts' graph taps still
+    find their stacks by address and log the eager CPU rows, and their cheap steps make no
+    synchronizing call of fp8scope's."""
+    pytest.importorskip("transformers")
+    ref, _ = _moe_rows_on(tmp_path, "cpu", "eager", 1)
+    for implementation in ("grouped_mm", "batched_mm"):
+        got, _ = _moe_rows_on(tmp_path, "cuda", implementation, 2, compiled=True)
+        assert list(got.index) == list(ref.index), implementation
+        assert torch.allclose(torch.tensor(got.to_numpy()), torch.tensor(ref.to_numpy()), rtol=1e-3), implementation
+    _, syncs = _moe_rows_on(tmp_path, "cuda", "grouped_mm", 100, check_sync=True, compiled=True)
+    assert not syncs, syncs[:10]
+
+
 def test_moe_experts_on_cuda_log_the_cpus_rows_and_their_cheap_steps_do_not_sync(tmp_path):
     """A Mixtral's experts (3-D weights) on CUDA under grouped_mm and the eager loop log the rows
     the CPU logs; the grouped cheap steps' capture (a segmented reduction for all experts) makes no
     synchronizing call of fp8scope's (transformers' own routing may)."""
     pytest.importorskip("transformers")
-    from tests.test_experts import _rows, build
-
-    def rows(device: str, implementation: str, every: int, check_sync: bool = False):
-        model = build("mixtral", implementation).to(device)
-        mon = fp8scope.Monitor(model, tmp_path / f"{device}-{implementation}-{every}", every=every, detect=False)
-        opt = torch.optim.AdamW(model.parameters(), 1e-3)
-        g = torch.Generator().manual_seed(1)
-        caught = []
-        for step in range(6):
-            ids = torch.randint(0, 96, (4, 16), generator=g).to(device)
-            watched = check_sync and step >= 3
-            if watched:
-                torch.cuda.synchronize()
-                torch.cuda.set_sync_debug_mode("warn")
-            try:
-                with warnings.catch_warnings(record=True) as got:
-                    warnings.simplefilter("always")
-                    loss = model(input_ids=ids, labels=ids).loss
-                    loss.backward()
-                    opt.step()
-                    opt.zero_grad()
-                    mon.step(loss=loss.detach())
-                caught += [f"{w.filename}:{w.lineno}" for w in got if "synchroniz" in str(w.message)
-                           and "fp8scope" in w.filename]
-            finally:
-                if watched:
-                    torch.cuda.set_sync_debug_mode(0)
-        mon.close()
-        return _rows(fp8scope.load_run(tmp_path / f"{device}-{implementation}-{every}").tensors()), caught
-
-    ref, _ = rows("cpu", "eager", 1)
+    ref, _ = _moe_rows_on(tmp_path, "cpu", "eager", 1)
     for implementation in ("eager", "grouped_mm"):
-        got, _ = rows("cuda", implementation, 1)
+        got, _ = _moe_rows_on(tmp_path, "cuda", implementation, 1)
         assert list(got.index) == list(ref.index)
         assert torch.allclose(torch.tensor(got.to_numpy()), torch.tensor(ref.to_numpy()), rtol=1e-3)
-    _, syncs = rows("cuda", "grouped_mm", 100, check_sync=True)
+    _, syncs = _moe_rows_on(tmp_path, "cuda", "grouped_mm", 100, check_sync=True)
     assert not syncs, syncs[:10]

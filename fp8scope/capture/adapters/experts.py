@@ -19,14 +19,21 @@ parts together (:meth:`~fp8scope.emulate.device_bank.DeviceDelayedBank.capture_p
 expert that got no token this step at 0 (TE's amax of an empty split); such rows have no element
 count. Full steps, and recipes other than delayed scaling, read the group sizes once per forward
 and capture each expert's rows as a plain layer's. The loop captures the experts it reaches.
-Experts whose GEMMs are none of these (a layout of their own) are named in one warning. Eager
-only: under ``torch.compile`` the experts are not captured, and the monitor says so (at attach for a
-model compiled before it, at the first traced forward for one compiled after).
+Experts whose GEMMs are none of these (a layout of their own) are named in one warning.
+
+Under ``torch.compile`` dynamo traces the mode too (:class:`_TracedMode`): a grouped GEMM, or a
+batched one, hands its input, stack and routing to one opaque op of :mod:`fp8scope.graph_taps`, and
+its output's gradient goes the same way, so the graph runs the eager capture above on the real
+tensors and logs the same rows, without a graph break. Traced code has no addresses, so the stack is
+found by its shape there and checked by its address when the graph runs. The loop is read in eager
+forwards only: experts that ran traced without a grouped or batched GEMM are left, and the monitor
+says so at that step's end.
 """
 
 from __future__ import annotations
 
 import weakref
+from functools import partial
 from typing import Any
 
 import torch
@@ -40,6 +47,9 @@ from fp8scope.linear_like import NN_LINEAR, expert_weights
 _GROUPED = frozenset({"_grouped_mm", "grouped_mm", "grouped_mm_fallback"})
 _MATMUL = frozenset({"matmul", "__matmul__"})
 _READ = _GROUPED | _MATMUL | {"linear", "bmm", "__getitem__"}
+# dynamo traces a TorchFunctionMode entered in compiled code from torch 2.6 (pytorch#137121); before, the
+# experts of a compiled model are left, and said so
+_TRACES_MODES = torch.torch_version.TorchVersion(torch.__version__) >= (2, 6)
 
 
 class ExpertsSource(Adapter):
@@ -56,7 +66,7 @@ class ExpertsSource(Adapter):
         tap = _ExpertsTap(layer, module, sink, recipe)
         pre = module.register_forward_pre_hook(guarded(sink, tap.enter))
         post = module.register_forward_hook(guarded(sink, tap.leave), always_call=True)
-        return lambda: (pre.remove(), post.remove()) and None
+        return lambda: (pre.remove(), post.remove(), tap.unregister()) and None
 
     @staticmethod
     def weights(module: nn.Module) -> list[nn.Parameter]:
@@ -80,8 +90,29 @@ class _Mode(TorchFunctionMode):
         return out
 
 
+class _TracedMode(TorchFunctionMode):
+    """The mode as dynamo traces it (a model under ``torch.compile``): a grouped GEMM, or a batched
+    one on an expert-indexed stack, hands its tensors to the graph's taps
+    (:meth:`_ExpertsTap.traced_gemm`)."""
+
+    def __init__(self, tap: "_ExpertsTap"):
+        super().__init__()
+        self.tap = tap
+        self.seen = 0  # GEMMs on the module's stacks in this traced forward
+        self.gathers: list[tuple] = []  # (W[ids], W, its stack's name, ids) in this forward (batched_mm)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        name = getattr(func, "__name__", "")
+        if name in _GROUPED or name in ("bmm", "__getitem__"):
+            out = self.tap.traced_gemm(self, name, args, kwargs, out)
+        return out
+
+
 class _ExpertsTap:
     def __init__(self, layer: str, module: nn.Module, sink: Sink, recipe: Any):
+        from fp8scope import graph_taps
         from fp8scope.emulate import DelayedScaling
 
         self.layer, self.sink, self.recipe = layer, sink, recipe
@@ -95,6 +126,24 @@ class _ExpertsTap:
         self._host: dict[int, tuple] = {}  # id(offs or ids) -> (it, perm, group sizes): read once per forward
         self._gathers: dict[int, tuple] = {}  # id(W[ids]) -> (W[ids], parameter name, W, ids) in this forward
         self._slots: dict[tuple[str, str], tuple] = {}  # (parameter, role) -> (bank, every expert's slot, key ids)
+        self._traced: list[_TracedMode] = []  # the mode of the forward dynamo is tracing
+        # under torch.compile a grouped or batched GEMM hands its tensors to these taps (see graph_taps),
+        # per stack and routing: its forward's, as traced with grad on and off (a compiled forward runs
+        # its graph with grad off, so the tap cannot ask), and its output's gradient
+        self._graph_taps: dict[tuple[str, Any], int] = {}
+        for name, _ in self.params:
+            for routing in ("offs", "ids"):  # a grouped GEMM's cumulative offsets, a batched one's expert per row
+                for training in (True, False):
+                    self._graph_taps[name, routing, training] = graph_taps.register(
+                        guarded(sink, partial(self._graph_forward, name, routing, training)))
+                self._graph_taps[name, routing, "gradient"] = graph_taps.register(
+                    guarded(sink, partial(self._graph_grad, name, routing)))
+
+    def unregister(self) -> None:
+        from fp8scope import graph_taps
+
+        for tap in self._graph_taps.values():
+            graph_taps.unregister(tap)
 
     def __deepcopy__(self, memo: dict) -> "_ExpertsTap":
         # A copy of the model (a fork's replica, whose hooks are then removed; the user's EMA copy)
@@ -110,8 +159,13 @@ class _ExpertsTap:
 
     # ---- the module's forward ---------------------------------------------------------------
     def enter(self, module, args):
-        if torch.compiler.is_compiling():  # traced: not captured (docs/capture.md); the monitor says so
-            self.sink.traced_layers.add(self.layer)  # a side effect dynamo replays: no graph break
+        if torch.compiler.is_compiling():  # traced: the mode is traced too, and its taps run with the graph
+            if not _TRACES_MODES:
+                self.sink.traced_layers.add(self.layer)  # a side effect dynamo replays: no graph break
+                return
+            mode = _TracedMode(self)
+            self._traced.append(mode)
+            mode.__enter__()
             return
         if not self.sink.active or self._mode is not None or module is not self.module():
             return
@@ -120,6 +174,14 @@ class _ExpertsTap:
         self._mode.__enter__()
 
     def leave(self, module, args, output):
+        if torch.compiler.is_compiling():
+            if not self._traced:
+                return
+            mode = self._traced.pop()
+            mode.__exit__(None, None, None)
+            if not mode.seen:  # the loop, traced: not captured; the monitor says so at the step's end
+                self.sink.traced_layers.add(self.layer)  # a side effect dynamo replays: no graph break
+            return
         mode, self._mode = self._mode, None
         if mode is None:
             return
@@ -172,7 +234,7 @@ class _ExpertsTap:
             if hit is None or hit[2] is not None or not isinstance(offs, torch.Tensor):
                 return
             self._seen += 1
-            self._routed(hit[0], x, lambda e: w[e].t(), w, out, offs=offs)  # w: [experts, in, out]
+            self._routed(hit[0], x, lambda e: w[e].t(), hit[1], out, offs=offs)  # w: [experts, in, out]
             return
         x, w = (args[0], args[1]) if len(args) > 1 else (args[0], kwargs.get("weight"))
         hit = self._param(w)
@@ -183,15 +245,102 @@ class _ExpertsTap:
         # F.linear's weight is [out, in]; x @ W[e] holds [in, out]
         self.tap(expert, param).forward_hook(_ExpertGemm(w if name == "linear" else w.t()), (x,), out)
 
-    def _routed(self, param: str, x: torch.Tensor, weight_of, stack: torch.Tensor, out: torch.Tensor,
-                offs: torch.Tensor | None = None, ids: torch.Tensor | None = None) -> None:
+    # ---- under torch.compile ----------------------------------------------------------------
+    def _stack_of(self, w: Any) -> str | None:
+        """As traced: the stack ``w`` (a grouped GEMM's weight, a batched one's gathered source) is,
+        read by its shape (a traced tensor has no address): ``[experts, in, out]`` or ``[experts, out,
+        in]``; None where no stack or two fit. The graph's tap checks the address when it runs
+        (:meth:`_graph_forward`)."""
+        if not isinstance(w, torch.Tensor) or w.dim() != 3:
+            return None
+        fits = [name for name, p in self.params
+                if p.shape[0] == w.shape[0] and sorted(p.shape[1:]) == sorted(w.shape[1:])]
+        return fits[0] if len(fits) == 1 else None
+
+    def traced_gemm(self, mode: _TracedMode, name: str, args: tuple, kwargs: dict, out: Any) -> Any:
+        """A GEMM as dynamo traces it: a grouped GEMM's input, weight and offsets, or a batched GEMM's
+        input, stack and expert ids, go to the forward's graph tap, and its output through
+        :class:`~fp8scope.graph_taps.GradObserver` to the gradient's, with the routing, which says whose
+        gradient rows are whose as it said whose input rows were. Returns the output the model goes on
+        with."""
+        from fp8scope.graph_taps import GradObserver, observe
+
+        if name == "__getitem__":  # batched_mm's weights gathered per row: W[expert_ids]
+            index = args[1] if len(args) > 1 else None
+            param = self._stack_of(args[0])
+            if param is not None and isinstance(index, torch.Tensor) and index.dim() == 1 \
+                    and not index.is_floating_point() and index.dtype != torch.bool:
+                mode.gathers.append((out, args[0], param, index))
+            return out
+        if name == "bmm":
+            a, b = args[0], args[1]
+            got = next((g for g in mode.gathers if g[0] is a or g[0] is b), None)
+            if got is None:
+                return out
+            x = a.squeeze(1) if got[0] is b else b.squeeze(-1)  # bmm(x[:, None], W[ids]) or bmm(W[ids], x[..., None])
+            w, param, route, routing = got[1], got[2], got[3], "ids"
+        else:
+            x, w = args[0], args[1]
+            route, routing = kwargs.get("offs", args[2] if len(args) > 2 else None), "offs"
+            param = self._stack_of(w)
+            if param is None or not isinstance(route, torch.Tensor) or not isinstance(x, torch.Tensor):
+                return out
+        mode.seen += 1
+        sink, training = self.sink, torch.is_grad_enabled()
+        if (sink.capture_no_grad or training) and sink.roles & {"activation", "weight"}:
+            observe(self._graph_taps[param, routing, training], x, w, route)
+        if "gradient" in sink.roles and isinstance(out, torch.Tensor) and out.requires_grad:
+            # a copy: the model may change the output in place (GPT-OSS adds its experts' biases), which
+            # autograd forbids on a custom Function's view; the compiler fuses the copy into its consumer
+            return GradObserver.apply(out, self._graph_taps[param, routing, "gradient"], route).clone()
+        return out
+
+    def _graph_forward(self, param: str, routing: str, training: bool, x: torch.Tensor, w: torch.Tensor,
+                       route: torch.Tensor) -> None:
+        """Run by the compiled graph: a grouped (``routing`` "offs") or batched ("ids") GEMM's forward,
+        captured as an eager one's."""
+        if not self.sink.active:
+            return
+        hit = self._param(w)
+        if hit is None or hit[0] != param or hit[2] is not None:
+            self.sink.warn(f"experts-traced:{self.layer}",
+                           f"{self.layer}: a compiled GEMM's weight is not the stack {param} its shape matched: "
+                           "it is not captured")
+            return
+        self._host = {}  # no forward's end runs here to clear it
+        if routing == "offs":  # w: [experts, in, out]
+            self._routed(param, x, lambda e: w[e].t(), hit[1], None, offs=route, training=training)
+        else:
+            self._routed(param, x, lambda e: _as_out_in(w[e], x.shape[-1]), hit[1], None, ids=route, training=training)
+
+    def _graph_grad(self, param: str, routing: str, grad: torch.Tensor, route: torch.Tensor) -> None:
+        """Run by the compiled backward: a GEMM's output gradient, routed as its input was."""
+        sink = self.sink
+        if not sink.active:
+            return
+        n = dict(self.params)[param].shape[0]
+        offs, ids = (route, None) if routing == "offs" else (None, route)
+        if sink.full or not self.delayed or (sink.focus and self._focused(param, n)):
+            self._host = {}
+            perm, sizes = self._groups(offs, ids, n)
+            self._grads_by_size(param, grad, perm, sizes)
+        else:
+            ids = _expert_ids(offs, grad.shape[0]) if ids is None else ids
+            self._on_grad(param, grad.reshape(grad.shape[0], -1), ids, n)
+
+    def _routed(self, param: str, x: torch.Tensor, weight_of, stack: torch.Tensor, out: torch.Tensor | None,
+                offs: torch.Tensor | None = None, ids: torch.Tensor | None = None,
+                training: bool | None = None) -> None:
         """``out`` = the GEMMs of ``x``'s rows, each by its expert's weight (``weight_of(e)``, as
-        ``[out, in]``; ``stack`` holds them all): rows ``offs[e-1]:offs[e]`` are expert e's
+        ``[out, in]``; ``stack``, the Parameter, holds them all: read whole, as stored, since an
+        expert's amax does not depend on the order of its values, where a transposed view of it would
+        be copied); rows ``offs[e-1]:offs[e]`` are expert e's
         (grouped_mm; rows past ``offs[-1]`` belong to nobody: expert-parallel sentinels), or row r is
         expert ``ids[r]``'s (batched_mm)."""
         sink, n = self.sink, stack.shape[0]
         roles = sink.roles
-        forward = sink.capture_no_grad or torch.is_grad_enabled()
+        training = torch.is_grad_enabled() if training is None else training
+        forward = sink.capture_no_grad or training
         if sink.full or not self.delayed or (sink.focus and self._focused(param, n)):
             # each expert's rows as a plain layer's (the sizes on the host): their taps take full stats of
             # the experts a closer look wants, cheap rows of the others
@@ -199,10 +348,14 @@ class _ExpertsTap:
             xs = x if perm is None else x[perm]
             start = 0
             for e, size in enumerate(sizes):
-                if size:  # the gradient is hooked below, on the whole output (a slice of it gets none)
-                    self.tap(e, param).forward_hook(_ExpertGemm(weight_of(e)), (xs[start:start + size],), None)
+                if size and forward:  # the gradient is hooked below, on the whole output (a slice of it gets none)
+                    tap = self.tap(e, param)
+                    if "activation" in roles:
+                        tap.capture("activation", xs[start:start + size], training)
+                    if "weight" in roles:
+                        tap.capture("weight", weight_of(e), training)
                 start += size
-            if "gradient" in roles and out.requires_grad:
+            if "gradient" in roles and out is not None and out.requires_grad:
                 out.register_hook(lambda g: self._grads_by_size(param, g, perm, sizes) and None)
             return
         if offs is not None:
@@ -212,7 +365,7 @@ class _ExpertsTap:
         if forward and "weight" in roles:
             self._deferred(param, "weight", weight_of(0),
                            torch.stack(stack.detach().reshape(n, -1).aminmax(dim=1)[::-1], 1))
-        if "gradient" in roles and out.requires_grad:
+        if "gradient" in roles and out is not None and out.requires_grad:
             # (the hook holds no reference to ``out``: a tensor's hook that held its tensor would keep the
             # step's activations alive in a cycle)
             out.register_hook(lambda g: self._on_grad(param, g.reshape(g.shape[0], -1), ids, n) and None)
