@@ -66,8 +66,8 @@ class StepCollector:
         # (an attribute and a set lookup, no call: a capture's Python is a GPU step's host time)
         self.focus: frozenset = _NO_LAYERS
         self.whatif_recipes: tuple[str, ...] = ()  # other recipes measured on full steps (capture.stats)
-        # layers whose module ran traced (torch.compile'd after the monitor attached) where their adapter reads
-        # eager forwards only (MoE experts): not captured; the monitor says so once and updates the coverage
+        # layers whose module ran traced (torch.compile) with what their adapter reads in eager forwards only
+        # (MoE experts run as a loop): not captured; the monitor says so once and updates the coverage
         self.traced_layers: set[str] = set()
         self._recipe_rows: list[tuple[int, tuple[str, ...], torch.Tensor]] = []  # (kid, recipes, [n, RECIPE_FIELDS])
 

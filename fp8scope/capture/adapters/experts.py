@@ -124,7 +124,8 @@ class _ExpertsTap:
         self._mode: _Mode | None = None
         self._seen = 0  # GEMMs recognised in this forward
         self._host: dict[int, tuple] = {}  # id(offs or ids) -> (it, perm, group sizes): read once per forward
-        self._gathers: dict[int, tuple] = {}  # id(W[ids]) -> (W[ids], parameter name, W, ids) in this forward
+        self._stacks = dict(self.params)
+        self._gathers: list[tuple] = []  # (W[ids], W, its stack's name, ids) in this forward (batched_mm)
         self._slots: dict[tuple[str, str], tuple] = {}  # (parameter, role) -> (bank, every expert's slot, key ids)
         self._traced: list[_TracedMode] = []  # the mode of the forward dynamo is tracing
         # under torch.compile a grouped or batched GEMM hands its tensors to these taps (see graph_taps),
@@ -186,7 +187,7 @@ class _ExpertsTap:
         if mode is None:
             return
         mode.__exit__(None, None, None)
-        self._host, self._gathers = {}, {}
+        self._host, self._gathers = {}, []
         if not self._seen:
             self.sink.warn("experts-unread", f"{self.layer}: its experts ran no GEMM fp8scope reads (F.linear or a "
                            "matmul on an expert's slice, grouped_mm, batched_mm): they are not captured")
@@ -212,29 +213,24 @@ class _ExpertsTap:
     def gemm(self, name: str, args: tuple, kwargs: dict, out: Any) -> None:
         if name == "__getitem__":  # batched_mm's weights gathered per row: W[expert_ids]
             hit = self._param(args[0])
-            index = args[1] if len(args) > 1 else None
-            if hit is not None and hit[2] is None and isinstance(index, torch.Tensor) and index.dim() == 1 \
-                    and not index.is_floating_point() and index.dtype != torch.bool:
-                self._gathers[id(out)] = (out, hit[0], hit[1], index)
+            if hit is not None and hit[2] is None and _expert_index(args):
+                self._gathers.append((out, hit[1], hit[0], args[1]))
             return
         if name == "bmm":
-            a, b = args[0], args[1]
-            got = self._gathers.get(id(b)) or self._gathers.get(id(a))
-            if got is None or not (got[0] is a or got[0] is b):
+            got = _batched_input(self._gathers, args)
+            if got is None:
                 return
-            _, param, p, ids = got
-            x = a.squeeze(1) if got[0] is b else b.squeeze(-1)  # bmm(x[:, None], W[ids]) or bmm(W[ids], x[..., None])
+            x, (_, p, param, ids) = got
             self._seen += 1
-            self._routed(param, x, lambda e: _as_out_in(p[e], x.shape[-1]), p, out, ids=ids)
+            self._routed(param, x, _weight_of(p, "ids", x.shape[-1]), p, out, ids=ids)
             return
         if name in _GROUPED:
-            x, w = args[0], args[1]
-            offs = kwargs.get("offs", args[2] if len(args) > 2 else None)
+            x, w, offs = _grouped_args(args, kwargs)
             hit = self._param(w)
             if hit is None or hit[2] is not None or not isinstance(offs, torch.Tensor):
                 return
             self._seen += 1
-            self._routed(hit[0], x, lambda e: w[e].t(), hit[1], out, offs=offs)  # w: [experts, in, out]
+            self._routed(hit[0], x, _weight_of(w, "offs", x.shape[-1]), hit[1], out, offs=offs)
             return
         x, w = (args[0], args[1]) if len(args) > 1 else (args[0], kwargs.get("weight"))
         hit = self._param(w)
@@ -266,22 +262,18 @@ class _ExpertsTap:
         from fp8scope.graph_taps import GradObserver, observe
 
         if name == "__getitem__":  # batched_mm's weights gathered per row: W[expert_ids]
-            index = args[1] if len(args) > 1 else None
             param = self._stack_of(args[0])
-            if param is not None and isinstance(index, torch.Tensor) and index.dim() == 1 \
-                    and not index.is_floating_point() and index.dtype != torch.bool:
-                mode.gathers.append((out, args[0], param, index))
+            if param is not None and _expert_index(args):
+                mode.gathers.append((out, args[0], param, args[1]))
             return out
         if name == "bmm":
-            a, b = args[0], args[1]
-            got = next((g for g in mode.gathers if g[0] is a or g[0] is b), None)
+            got = _batched_input(mode.gathers, args)
             if got is None:
                 return out
-            x = a.squeeze(1) if got[0] is b else b.squeeze(-1)  # bmm(x[:, None], W[ids]) or bmm(W[ids], x[..., None])
-            w, param, route, routing = got[1], got[2], got[3], "ids"
+            x, (_, w, param, route) = got
+            routing = "ids"
         else:
-            x, w = args[0], args[1]
-            route, routing = kwargs.get("offs", args[2] if len(args) > 2 else None), "offs"
+            (x, w, route), routing = _grouped_args(args, kwargs), "offs"
             param = self._stack_of(w)
             if param is None or not isinstance(route, torch.Tensor) or not isinstance(x, torch.Tensor):
                 return out
@@ -308,19 +300,17 @@ class _ExpertsTap:
                            "it is not captured")
             return
         self._host = {}  # no forward's end runs here to clear it
-        if routing == "offs":  # w: [experts, in, out]
-            self._routed(param, x, lambda e: w[e].t(), hit[1], None, offs=route, training=training)
-        else:
-            self._routed(param, x, lambda e: _as_out_in(w[e], x.shape[-1]), hit[1], None, ids=route, training=training)
+        self._routed(param, x, _weight_of(w, routing, x.shape[-1]), hit[1], None, training=training,
+                     **{routing: route})
 
     def _graph_grad(self, param: str, routing: str, grad: torch.Tensor, route: torch.Tensor) -> None:
         """Run by the compiled backward: a GEMM's output gradient, routed as its input was."""
         sink = self.sink
         if not sink.active:
             return
-        n = dict(self.params)[param].shape[0]
+        n = self._stacks[param].shape[0]
         offs, ids = (route, None) if routing == "offs" else (None, route)
-        if sink.full or not self.delayed or (sink.focus and self._focused(param, n)):
+        if self._by_size(param, n):
             self._host = {}
             perm, sizes = self._groups(offs, ids, n)
             self._grads_by_size(param, grad, perm, sizes)
@@ -341,7 +331,7 @@ class _ExpertsTap:
         roles = sink.roles
         training = torch.is_grad_enabled() if training is None else training
         forward = sink.capture_no_grad or training
-        if sink.full or not self.delayed or (sink.focus and self._focused(param, n)):
+        if self._by_size(param, n):
             # each expert's rows as a plain layer's (the sizes on the host): their taps take full stats of
             # the experts a closer look wants, cheap rows of the others
             perm, sizes = self._groups(offs, ids, n)
@@ -369,6 +359,12 @@ class _ExpertsTap:
             # (the hook holds no reference to ``out``: a tensor's hook that held its tensor would keep the
             # step's activations alive in a cycle)
             out.register_hook(lambda g: self._on_grad(param, g.reshape(g.shape[0], -1), ids, n) and None)
+
+    def _by_size(self, param: str, n: int) -> bool:
+        """Whether this capture of ``param``'s GEMM reads its group sizes on the host and captures each
+        expert's rows as a plain layer's: a full step, a recipe other than delayed scaling, or a closer
+        look at one of its experts; else one segmented reduction gives every expert's cheap row."""
+        return self.sink.full or not self.delayed or bool(self.sink.focus and self._focused(param, n))
 
     def _focused(self, param: str, n: int) -> bool:
         """Whether a closer look (``StepCollector.look_closer``) wants one of ``param``'s experts."""
@@ -433,6 +429,37 @@ class _ExpertGemm:
 def _as_out_in(w: torch.Tensor, k: int) -> torch.Tensor:
     """An expert's weight as ``[out, in]`` for an input of ``k`` features (stored either way)."""
     return w.t() if w.shape[0] == k and w.shape[1] != k else w
+
+
+def _grouped_args(args: tuple, kwargs: dict) -> tuple:
+    """A grouped GEMM's ``(x, w, offs)``: ``grouped_mm(x, w, offs)`` with ``offs`` by keyword or not."""
+    return args[0], args[1], kwargs.get("offs", args[2] if len(args) > 2 else None)
+
+
+def _expert_index(args: tuple) -> bool:
+    """Whether ``W[args[1]]`` gathers a stack by one expert id per row (batched_mm)."""
+    index = args[1] if len(args) > 1 else None
+    return isinstance(index, torch.Tensor) and index.dim() == 1 and not index.is_floating_point() \
+        and index.dtype != torch.bool
+
+
+def _batched_input(gathers: list, args: tuple) -> tuple | None:
+    """``(x, gather)`` of ``bmm(x[:, None], W[ids])`` or ``bmm(W[ids], x[..., None])``, where ``gather``
+    is the entry of ``gathers`` (``(W[ids], W, name, ids)``) it reads; None for another bmm."""
+    a, b = args[0], args[1]
+    got = next((g for g in gathers if g[0] is a or g[0] is b), None)
+    if got is None:
+        return None
+    return (a.squeeze(1) if got[0] is b else b.squeeze(-1)), got
+
+
+def _weight_of(w: torch.Tensor, routing: str, k: int):
+    """Expert e's weight as ``[out, in]``: from a grouped GEMM's ``w`` (``routing`` "offs":
+    ``[experts, in, out]``) or a batched GEMM's gathered stack ("ids": stored either way, for an
+    input of ``k`` features)."""
+    if routing == "offs":
+        return lambda e: w[e].t()
+    return lambda e: _as_out_in(w[e], k)
 
 
 def _expert_ids(offs: torch.Tensor, rows: int) -> torch.Tensor:
