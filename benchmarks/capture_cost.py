@@ -483,8 +483,9 @@ def moe_scale(device: str, rounds: int, block: int, layers: int, experts: int) -
         finally:
             for m in mons.values():
                 m.close()
-        run = fp8scope.load_run(os.path.join(tmp, "default"))
-        rows = run.tensors()
+        t0 = time.perf_counter()
+        rows = fp8scope.load_run(os.path.join(tmp, "default")).tensors()
+        read_s = time.perf_counter() - t0
         steps = rows["step"].nunique()
         streams = os.path.join(tmp, "default", "streams")
         size = sum(os.path.getsize(os.path.join(streams, f)) for f in os.listdir(streams) if f.startswith("tensors"))
@@ -492,7 +493,8 @@ def moe_scale(device: str, rounds: int, block: int, layers: int, experts: int) -
     for name in medians:
         print(f"   {name:34s} {medians[name] * 1e3:8.1f} ms/step   {paired[name]:.3f}x")
     print(f"   the default monitor logged {len(rows) / steps:,.0f} rows a step, {size / steps / 1e6:.2f} MB a step "
-          f"({size / len(rows):.0f} bytes a row) in its tensors stream; {full} of its {steps} steps took full stats")
+          f"({size / len(rows):.0f} bytes a row) in its tensors stream, read back as a DataFrame in {read_s:.2f} s; "
+          f"{full} of its {steps} steps took full stats")
 
 
 def first_steps(device: str, steps: int, modes: tuple[str, ...], cap_s: float = 120.0, cold: bool = True) -> None:
