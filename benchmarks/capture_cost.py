@@ -10,6 +10,9 @@
    ``mon.step``, against the same step unmonitored), on a cheap and on a full step, for the
    what-if model (plain FP32) and the emulated FP8 one, with the stats eager (the op counts of
    compiled code are not visible to a dispatch mode; section 1 counts its kernels).
+2b. The kernels of a ``torch.compile``d demo-model step (``--sections kernels``, forward and
+   backward, the third step's generated code), their launches and fp8scope's taps in them,
+   unmonitored and monitored: the monitor's taps add no kernel.
 1b. Per other recipe measured on a tensor (``Monitor(whatif_recipes=...)``): eager ops, generated
    kernels, one call's time eager and compiled.
 1c. The host time of one compiled full-stats call, through ``torch.compile`` and called directly
@@ -45,6 +48,7 @@
 
     python benchmarks/capture_cost.py                 # all sections, ~6 minutes on a 2-core CPU
     python benchmarks/capture_cost.py --sections ops  # section 2 only (deterministic)
+    python benchmarks/capture_cost.py --sections kernels  # section 2b only (deterministic)
     python benchmarks/capture_cost.py --sections recipes,ratio --whatif-recipes all  # other recipes' cost
     python benchmarks/capture_cost.py --device cuda   # on a GPU
     python benchmarks/capture_cost.py --sections parts --rounds 10  # section 3b only
@@ -285,6 +289,35 @@ def time_monitors(device: str, fp8: str, compiled: bool, configs: dict, rounds: 
             for _, mon in setups.values():
                 if mon is not None:
                     mon.close()
+
+
+def compiled_kernels(device: str) -> None:
+    """Section 2b: the kernels of a compiled demo-model step after the first ones (the third step's
+    generated code, forward and backward), and the monitor's taps in it, unmonitored and monitored
+    (cheap steps). Deterministic: the generated code is."""
+    from torch._inductor.utils import run_and_get_code
+
+    print("\n2b. A torch.compile'd demo-model step (the third): generated kernels, their launches and fp8scope's taps, "
+          "forward + backward")
+    for fp8 in ("delayed", "off"):
+        for monitored in (False, True):
+            torch._dynamo.reset()
+            setup = demo_setup(device, fp8, True)
+            with tempfile.TemporaryDirectory() as tmp:
+                mon = fp8scope.Monitor(setup.model, tmp, every=10**6, detect=False) if monitored else None
+                try:
+                    train.train_step(setup, 0, mon)
+                    train.train_step(setup, 1, mon)
+                    _, codes = run_and_get_code(train.train_step, setup, 2, mon)
+                finally:
+                    if mon is not None:
+                        mon.close()
+            counts = [(*kernels_and_launches(c), c.count("torch.ops.fp8scope.observe")) for c in codes]
+            counts = [c for c in counts if c != (0, 0, 0)]  # the optimizer's graphs, if any, hold kernels too
+            cells = [" + ".join(str(c[i]) for c in counts) + f" = {sum(c[i] for c in counts)}" for i in range(3)]
+            kind = "what-if" if fp8 == "off" else "emulated"
+            print(f"   {kind:8s} {'monitored' if monitored else 'unmonitored':11s} "
+                  f"kernels {cells[0]:14s} launches {cells[1]:14s} taps {cells[2]}")
 
 
 def demo_setup(device: str, fp8: str, compiled: bool, build: dict | None = None):
@@ -584,6 +617,8 @@ def main() -> int:
         call_cost(args.device, args.reps)
     if "recipes" in sections:
         per_recipe(args.device, args.reps)
+    if "kernels" in sections:
+        compiled_kernels(args.device)
     if "ops" in sections:
         step_ops(args.device)
     if "parts" in sections:

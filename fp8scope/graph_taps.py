@@ -12,18 +12,23 @@ graph and never look inside; at run time they call the tap registered under the 
 same Python capture code that eager hooks run, so compiled and eager runs log the same rows.
 
 Neither returns anything, so each must say why it is not dead code. ``observe`` declares a write
-to a one-element sink tensor. ``observe_grad`` is an ordered effect instead (``torch.library``'s
-effect types: AOT autograd threads a token through a graph's effectful calls), because a backward
-cannot write the sink: it would take it from its forward, saved there as an input of the graph,
-and autograd checks a saved tensor's version when the backward runs. Any other graph that wrote
-the sink in between (the rest of the forward after a graph break, the next block of a model
-compiled block by block, another micro-batch's forward) failed the user's backward ("modified by
-an inplace operation"). The forward keeps the sink: as effects, its taps cut inductor's fused
-kernels apart (the 1-layer emulated model of ``tests/test_compile_mode.py`` compiled to 18 kernels
-a step where the unmonitored one has 13 and the sink's form 14). A sink made fresh for each call
-is dead code to the compiler, taps and all. Values the tap needs that the graph computes (an
-emulated layer's scales) travel as the op's tensor arguments: the Python attributes the graph
-writes are only updated after the graph has run.
+to a one-element sink tensor. A backward cannot write the sink: it would take it from its forward,
+saved there as an input of the graph, and autograd checks a saved tensor's version when the
+backward runs. Any other graph that wrote the sink in between (the rest of the forward after a
+graph break, the next block of a model compiled block by block, another micro-batch's forward)
+failed the user's backward ("modified by an inplace operation"). So ``observe_grad`` is registered
+as a side effect (``torch.fx.node.has_side_effect``), which FX's dead-code elimination and
+inductor's scheduler both keep, and which costs no kernel. It was an ordered effect before
+(``torch.library``'s effect types: AOT autograd threads a token through a graph's effectful
+calls), which works too, but inductor's FX graph cache refuses every graph holding one ("Can't
+cache HigherOrderOperator: with_effects"): each process recompiled every monitored backward, and an
+emulated model's backward, from scratch (docs/benchmarks.md). A torch whose inductor does not keep
+a side effect keeps the ordered effect. The forward keeps the sink: as effects, its taps cut
+inductor's fused kernels apart (the 1-layer emulated model of ``tests/test_compile_mode.py``
+compiled to 18 kernels a step where the unmonitored one has 13 and the sink's form 14). A sink
+made fresh for each call is dead code to the compiler, taps and all. Values the tap needs that the
+graph computes (an emulated layer's scales) travel as the op's tensor arguments: the Python
+attributes the graph writes are only updated after the graph has run.
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ import weakref
 from typing import Callable
 
 import torch
+import torch.fx.node
 
 _TAPS: list = []  # tap id -> the callable, or a weak reference to a bound method
 _SINK = torch.zeros(1)
@@ -75,21 +81,43 @@ torch.library.register_fake("fp8scope::observe_grad", lib=_LIB)(lambda xs, tap: 
 observe_grad_op = torch.ops.fp8scope.observe_grad.default
 
 
-def _register_ordered(op) -> bool:
-    """Register ``op`` as an ordered effect through ``torch.library`` (``_register_effectful_op``,
-    with its ``EffectType``), where torch has that entry point: there an effect in a backward graph
-    is known to compile (``tests/test_compile_mode.py``). Earlier releases have effects only in the
+def _side_effect(op) -> bool:
+    """Register ``op`` with ``torch.fx.node.has_side_effect`` where both of torch's dead-code
+    eliminations honour it: FX's always has, inductor's scheduler since it asks
+    ``torch._library.utils.is_impure`` (pytorch#169141, late 2025; before, inductor dropped an op
+    that FX had kept). Checked by that function's answer, and only from torch 2.11, the first
+    release sure to hold the change (2.13 is the one tested here)."""
+    side_effect = getattr(torch.fx.node, "has_side_effect", None)
+    if side_effect is None or tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11):
+        return False
+    try:
+        from torch._library.utils import is_impure
+    except ImportError:
+        return False
+    side_effect(op)
+    return bool(is_impure(op))
+
+
+def _keep_in_graphs(op) -> str | None:
+    """Tell the compiler to keep ``op``, which returns nothing: as a side effect (:func:`_side_effect`:
+    graphs stay cacheable), else as an ordered effect through ``torch.library``
+    (``_register_effectful_op``, with its ``EffectType``), where an effect in a backward graph is
+    known to compile (``tests/test_compile_mode.py``). Earlier releases have effects only in the
     private ``torch._higher_order_ops.effects``, whose effects in a backward graph no test here has
-    compiled: there the backward's taps keep the sink's form (see :data:`GRAD_TAPS`)."""
+    compiled: there the backward's taps keep the sink's form (None; see :data:`GRAD_TAPS`)."""
+    if _side_effect(op):
+        return "side effect"
     register, effect = getattr(torch.library, "_register_effectful_op", None), getattr(torch.library, "EffectType", None)
     if register is None or effect is None:
-        return False
+        return None
     register(op, effect.ORDERED, lib=_LIB)
-    return True
+    return "ordered effect"
 
 
-GRAD_TAPS = _register_ordered(observe_grad_op)
-"""Whether this torch keeps ``observe_grad`` as an effect. Without it the compiler would drop every
+GRAD_KEPT_AS = _keep_in_graphs(observe_grad_op)
+GRAD_TAPS = GRAD_KEPT_AS is not None
+"""Whether this torch keeps ``observe_grad`` (as a side effect or an ordered effect:
+:data:`GRAD_KEPT_AS`). Without either the compiler would drop every
 call (it returns nothing), so a backward's taps write the shared sink as they did before, which
 holds for a model that compiles to one graph (an emulated layer's gradient amax feeds its scaling:
 it must not be dropped), and the monitor says so once (``fp8scope.monitor``)."""

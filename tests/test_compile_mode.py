@@ -188,6 +188,34 @@ def test_a_llama_compiled_block_by_block_trains_monitored_and_logs_the_eager_row
     assert_same_rows(compiled, eager)
 
 
+def test_a_monitored_compiled_models_graphs_come_from_inductors_cache_when_compiled_again(tmp_path):
+    """Inductor's FX graph cache serves a monitored model's forward and backward graphs, as it does
+    an unmonitored model's: a restarted job does not compile them again. The backward's taps were an
+    ordered effect, and the cache refuses every graph holding one ("Can't cache HigherOrderOperator:
+    with_effects"), so every process compiled every monitored backward, and an emulated model's
+    backward, from scratch. Here ``torch._dynamo.reset()`` makes the same monitored model compile
+    again (the same taps: a new process registers its taps under the same ids)."""
+    from torch._dynamo.utils import counters
+
+    from fp8scope import graph_taps
+
+    assert graph_taps.GRAD_KEPT_AS == "side effect"
+    model = tiny("emulated")
+    compiled = torch.compile(model)
+    with fp8scope.Monitor(compiled, tmp_path / "r", every=2, detect=False) as mon:
+        for attempt in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            for _ in range(3):
+                loss_of(compiled, batch(model)).backward()
+                mon.step()
+            cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+            assert "fxgraph_cache_bypass" not in cache, cache
+    assert cache == {"fxgraph_cache_hit": 2}, cache  # the forward and the backward
+    rows = fp8scope.load_run(tmp_path / "r").tensors()
+    assert (rows.tensor == "gradient").sum() == 6 * 6 and rows.amax.notna().all()
+
+
 def test_where_torch_cannot_mark_an_effect_the_backward_taps_keep_the_shared_sink(tmp_path, monkeypatch):
     """A torch without ``torch.library``'s effect registration: a backward's taps write the shared
     sink as before (dropping them would drop an emulated layer's gradient amax, and its scaling with

@@ -365,7 +365,7 @@ def test_compiled_model_monitored_on_cuda(tmp_path, kind):
 @pytest.mark.parametrize("kind", ["whatif", "emulated"])
 def test_a_model_compiled_block_by_block_trains_monitored_on_cuda(tmp_path, kind):
     """Each block compiled apart (FSDP2's way), on CUDA with this torch's Triton: the backward's
-    taps are ordered effects (``graph_taps``), which failed the first backward as writes of a
+    taps are side effects (``graph_taps``), which failed the first backward as writes of a
     shared sink; every tensor of every step is logged."""
     m = _tiny_gpt_on_cuda(kind)
     for i, block in enumerate(m.blocks):
