@@ -362,11 +362,35 @@ def test_compiled_model_monitored_on_cuda(tmp_path, kind):
     assert len(df) == 6 * n and df.amax.notna().all() and not df.layer.str.contains("_orig_mod").any()
 
 
+def test_a_monitored_model_compiled_again_on_cuda_comes_from_inductors_cache(tmp_path):
+    """The backward's taps are a side effect (``graph_taps``), so Triton's graphs of a monitored
+    emulated model stay in inductor's FX graph cache, as on the CPU
+    (``tests/test_compile_mode.py``): compiled again, each is a cache hit, and none bypasses it."""
+    from torch._dynamo.utils import counters
+
+    m = _tiny_gpt_on_cuda("emulated")
+    run = torch.compile(m)
+    with fp8scope.Monitor(run, tmp_path / "r", every=2, detect=False) as mon:
+        for attempt in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            for _ in range(3):
+                idx = torch.randint(0, 64, (4, 32), device="cuda")
+                run(idx).float().logsumexp(-1).mean().backward()
+                mon.step()
+            cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+            assert "fxgraph_cache_bypass" not in cache, cache
+    # the model's forward and backward (and any stats variant compiled in this process) are hits
+    assert cache.get("fxgraph_cache_hit", 0) >= 2 and "fxgraph_cache_miss" not in cache, cache
+    rows = fp8scope.load_run(tmp_path / "r").tensors()
+    assert (rows.tensor == "gradient").sum() == 6 * len(m.linear_names()) and rows.amax.notna().all()
+
+
 @pytest.mark.parametrize("kind", ["whatif", "emulated"])
 def test_a_model_compiled_block_by_block_trains_monitored_on_cuda(tmp_path, kind):
     """Each block compiled apart (FSDP2's way), on CUDA with this torch's Triton: the backward's
-    taps are side effects (``graph_taps``), which failed the first backward as writes of a
-    shared sink; every tensor of every step is logged."""
+    taps are side effects the compiler keeps (``graph_taps``; as writes of a shared sink they
+    failed the first backward); every tensor of every step is logged."""
     m = _tiny_gpt_on_cuda(kind)
     for i, block in enumerate(m.blocks):
         m.blocks[i] = torch.compile(block)
