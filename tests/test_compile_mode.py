@@ -199,11 +199,12 @@ def test_a_monitored_compiled_models_graphs_come_from_inductors_cache_when_compi
 
     from fp8scope import graph_taps
 
-    assert graph_taps.GRAD_KEPT_AS == "side effect"
+    if graph_taps.GRAD_KEPT_AS != "side effect":
+        pytest.skip(f"this torch keeps the backward's taps as {graph_taps.GRAD_KEPT_AS or 'a sink write'}")
     model = tiny("emulated")
     compiled = torch.compile(model)
     with fp8scope.Monitor(compiled, tmp_path / "r", every=2, detect=False) as mon:
-        for attempt in range(2):
+        for _ in range(2):
             torch._dynamo.reset()
             counters.clear()
             for _ in range(3):

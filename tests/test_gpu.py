@@ -368,10 +368,14 @@ def test_a_monitored_model_compiled_again_on_cuda_comes_from_inductors_cache(tmp
     (``tests/test_compile_mode.py``): compiled again, each is a cache hit, and none bypasses it."""
     from torch._dynamo.utils import counters
 
+    from fp8scope import graph_taps
+
+    if graph_taps.GRAD_KEPT_AS != "side effect":
+        pytest.skip(f"this torch keeps the backward's taps as {graph_taps.GRAD_KEPT_AS or 'a sink write'}")
     m = _tiny_gpt_on_cuda("emulated")
     run = torch.compile(m)
     with fp8scope.Monitor(run, tmp_path / "r", every=2, detect=False) as mon:
-        for attempt in range(2):
+        for _ in range(2):
             torch._dynamo.reset()
             counters.clear()
             for _ in range(3):
