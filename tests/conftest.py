@@ -169,6 +169,30 @@ def fp8scope_python_calls(run_step) -> int:
     return calls[0]
 
 
+def fx_cache_when_compiled_again(run, path, step) -> tuple[dict, object]:
+    """Train ``run`` (a torch.compile'd model) monitored for 3 steps of ``step(run)`` (forward and
+    backward), make dynamo forget it, and train 3 more with the same monitor: its taps keep their
+    ids, as a new process's would. Inductor's FX-graph-cache counters of the second compile, and
+    the run's rows. Neither compile may bypass the cache; skipped where this torch keeps the
+    backward's taps in a form the cache refuses (``graph_taps.GRAD_KEPT_AS``)."""
+    import fp8scope
+    from fp8scope import graph_taps
+    from torch._dynamo.utils import counters
+
+    if graph_taps.GRAD_KEPT_AS != "side effect":
+        pytest.skip(f"this torch keeps the backward's taps as {graph_taps.GRAD_KEPT_AS or 'a sink write'}")
+    with fp8scope.Monitor(run, path, every=2, detect=False) as mon:
+        for _ in range(2):
+            torch._dynamo.reset()
+            counters.clear()
+            for _ in range(3):
+                step(run)
+                mon.step()
+            cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
+            assert "fxgraph_cache_bypass" not in cache, cache
+    return cache, fp8scope.load_run(path).tensors()
+
+
 def assert_same_row(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-9, *context) -> None:
     """Two stats rows (``step_payload.WIDE_FIELDS``) from two forms of the one definition: NaN where
     NaN, the values within ``rtol``, and the squared sums within 2e-6, as the CPU's eager pass over

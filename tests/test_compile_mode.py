@@ -195,25 +195,12 @@ def test_a_monitored_compiled_models_graphs_come_from_inductors_cache_when_compi
     with_effects"), so every process compiled every monitored backward, and an emulated model's
     backward, from scratch. Here ``torch._dynamo.reset()`` makes the same monitored model compile
     again (the same taps: a new process registers its taps under the same ids)."""
-    from torch._dynamo.utils import counters
+    from tests.conftest import fx_cache_when_compiled_again
 
-    from fp8scope import graph_taps
-
-    if graph_taps.GRAD_KEPT_AS != "side effect":
-        pytest.skip(f"this torch keeps the backward's taps as {graph_taps.GRAD_KEPT_AS or 'a sink write'}")
     model = tiny("emulated")
-    compiled = torch.compile(model)
-    with fp8scope.Monitor(compiled, tmp_path / "r", every=2, detect=False) as mon:
-        for _ in range(2):
-            torch._dynamo.reset()
-            counters.clear()
-            for _ in range(3):
-                loss_of(compiled, batch(model)).backward()
-                mon.step()
-            cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
-            assert "fxgraph_cache_bypass" not in cache, cache
+    cache, rows = fx_cache_when_compiled_again(torch.compile(model), tmp_path / "r",
+                                               lambda run: loss_of(run, batch(model)).backward())
     assert cache == {"fxgraph_cache_hit": 2}, cache  # the forward and the backward
-    rows = fp8scope.load_run(tmp_path / "r").tensors()
     assert (rows.tensor == "gradient").sum() == 6 * 6 and rows.amax.notna().all()
 
 

@@ -15,7 +15,7 @@ import torch
 
 import fp8scope
 from fp8scope.emulate import DelayedScaling, convert_to_fp8
-from tests.conftest import MLP
+from tests.conftest import MLP, fx_cache_when_compiled_again
 
 pytestmark = pytest.mark.gpu
 
@@ -366,27 +366,13 @@ def test_a_monitored_model_compiled_again_on_cuda_comes_from_inductors_cache(tmp
     """The backward's taps are a side effect (``graph_taps``), so Triton's graphs of a monitored
     emulated model stay in inductor's FX graph cache, as on the CPU
     (``tests/test_compile_mode.py``): compiled again, each is a cache hit, and none bypasses it."""
-    from torch._dynamo.utils import counters
+    def step(run):
+        run(torch.randint(0, 64, (4, 32), device="cuda")).float().logsumexp(-1).mean().backward()
 
-    from fp8scope import graph_taps
-
-    if graph_taps.GRAD_KEPT_AS != "side effect":
-        pytest.skip(f"this torch keeps the backward's taps as {graph_taps.GRAD_KEPT_AS or 'a sink write'}")
     m = _tiny_gpt_on_cuda("emulated")
-    run = torch.compile(m)
-    with fp8scope.Monitor(run, tmp_path / "r", every=2, detect=False) as mon:
-        for _ in range(2):
-            torch._dynamo.reset()
-            counters.clear()
-            for _ in range(3):
-                idx = torch.randint(0, 64, (4, 32), device="cuda")
-                run(idx).float().logsumexp(-1).mean().backward()
-                mon.step()
-            cache = {k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph_cache")}
-            assert "fxgraph_cache_bypass" not in cache, cache
+    cache, rows = fx_cache_when_compiled_again(torch.compile(m), tmp_path / "r", step)
     # the model's forward and backward (and any stats variant compiled in this process) are hits
     assert cache.get("fxgraph_cache_hit", 0) >= 2 and "fxgraph_cache_miss" not in cache, cache
-    rows = fp8scope.load_run(tmp_path / "r").tensors()
     assert (rows.tensor == "gradient").sum() == 6 * len(m.linear_names()) and rows.amax.notna().all()
 
 
