@@ -313,7 +313,6 @@ def compiled_kernels(device: str) -> None:
                     if mon is not None:
                         mon.close()
             counts = [(*kernels_and_launches(c), c.count("torch.ops.fp8scope.observe")) for c in codes]
-            counts = [c for c in counts if c != (0, 0, 0)]  # the optimizer's graphs, if any, hold kernels too
             cells = [" + ".join(str(c[i]) for c in counts) + f" = {sum(c[i] for c in counts)}" for i in range(3)]
             kind = "what-if" if fp8 == "off" else "emulated"
             print(f"   {kind:8s} {'monitored' if monitored else 'unmonitored':11s} "

@@ -88,7 +88,7 @@ def _side_effect(op) -> bool:
     that FX had kept). Checked by that function's answer, and only from torch 2.11, the first
     release sure to hold the change (2.13 is the one tested here)."""
     side_effect = getattr(torch.fx.node, "has_side_effect", None)
-    if side_effect is None or tuple(int(v) for v in torch.__version__.split(".")[:2]) < (2, 11):
+    if side_effect is None or torch.torch_version.TorchVersion(torch.__version__) < (2, 11):
         return False
     try:
         from torch._library.utils import is_impure
@@ -104,7 +104,7 @@ def _keep_in_graphs(op) -> str | None:
     (``_register_effectful_op``, with its ``EffectType``), where an effect in a backward graph is
     known to compile (``tests/test_compile_mode.py``). Earlier releases have effects only in the
     private ``torch._higher_order_ops.effects``, whose effects in a backward graph no test here has
-    compiled: there the backward's taps keep the sink's form (None; see :data:`GRAD_TAPS`)."""
+    compiled: there the backward's taps keep the sink's form (None; see :data:`GRAD_KEPT_AS`)."""
     if _side_effect(op):
         return "side effect"
     register, effect = getattr(torch.library, "_register_effectful_op", None), getattr(torch.library, "EffectType", None)
@@ -115,10 +115,8 @@ def _keep_in_graphs(op) -> str | None:
 
 
 GRAD_KEPT_AS = _keep_in_graphs(observe_grad_op)
-GRAD_TAPS = GRAD_KEPT_AS is not None
-"""Whether this torch keeps ``observe_grad`` (as a side effect or an ordered effect:
-:data:`GRAD_KEPT_AS`). Without either the compiler would drop every
-call (it returns nothing), so a backward's taps write the shared sink as they did before, which
+"""How this torch keeps ``observe_grad``: "side effect", "ordered effect", or None where it can do
+neither. Then the compiler would drop every call (it returns nothing), so a backward's taps write the shared sink as they did before, which
 holds for a model that compiles to one graph (an emulated layer's gradient amax feeds its scaling:
 it must not be dropped), and the monitor says so once (``fp8scope.monitor``)."""
 
@@ -130,7 +128,7 @@ def observe(tap: int, *xs: torch.Tensor) -> None:
 
 def observe_in_backward(tap: int, *xs: torch.Tensor) -> None:
     """:func:`observe` from a backward (see the module's docstring for why it is another op)."""
-    if GRAD_TAPS:
+    if GRAD_KEPT_AS is not None:
         observe_grad_op(list(xs), tap)
     else:
         observe_op(list(xs), _SINK, tap)

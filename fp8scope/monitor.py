@@ -241,7 +241,7 @@ class Monitor:
         self._retrace_compiled()
         from fp8scope import graph_taps
 
-        if self.layers and not graph_taps.GRAD_TAPS:
+        if self.layers and graph_taps.GRAD_KEPT_AS is None:
             self._warn("grad-taps", "this torch cannot mark an op as an effect: if the model is torch.compile'd "
                        "into several graphs (a graph break, or blocks compiled one by one), its backward may fail; "
                        "a newer torch does not have this problem")

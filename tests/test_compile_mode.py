@@ -210,7 +210,7 @@ def test_where_torch_cannot_mark_an_effect_the_backward_taps_keep_the_shared_sin
     it), a model that is one graph logs every gradient, and the monitor says what can fail."""
     from fp8scope import graph_taps
 
-    monkeypatch.setattr(graph_taps, "GRAD_TAPS", False)
+    monkeypatch.setattr(graph_taps, "GRAD_KEPT_AS", None)
     model = tiny("emulated")
     with pytest.warns(RuntimeWarning, match="cannot mark an op as an effect"):
         rows = trained_rows(model, torch.compile(model), tmp_path / "r", steps=3, every=2)
