@@ -144,7 +144,7 @@ def test_closing_the_monitor_ends_the_child_at_once_while_a_forked_worker_holds_
         train(model, mon, 5)
         t0 = time.monotonic()
         mon.close()
-        assert time.monotonic() - t0 < 3
+        assert time.monotonic() - t0 < 20  # not the 60 s the worker holds the pipe, on a loaded machine too
         assert not _alive(pid)
     finally:
         os.kill(worker, signal.SIGKILL)
