@@ -45,6 +45,13 @@
    step and its index, and the step from which the stats run compiled. Each mode runs in a process
    of its own, with inductor's cache empty (``--first-warm``: as earlier runs left it); the
    Monitor's setup (``compiled.prepare``) is not timed.
+4b. A restart of a ``torch.compile``d model (``--sections restart``): the demo model compiled, what-if
+   and emulated FP8, unmonitored and monitored (``every=50``, no online detection), its first steps
+   in a fresh process twice over one inductor cache, empty for the first process (a run's first
+   start) and as the first left it for the second (a restart after a preemption, or another rank on
+   the same machine): each process's time to the end of those steps, and its graphs from inductor's
+   FX graph cache and from AOT autograd's cache (hit / miss / bypass). The monitor's graphs must come
+   from the cache as the unmonitored ones do.
 
     python benchmarks/capture_cost.py                 # all sections, ~6 minutes on a 2-core CPU
     python benchmarks/capture_cost.py --sections ops  # section 2 only (deterministic)
@@ -53,6 +60,7 @@
     python benchmarks/capture_cost.py --device cuda   # on a GPU
     python benchmarks/capture_cost.py --sections parts --rounds 10  # section 3b only
     python benchmarks/capture_cost.py --sections first   # section 4: does a compile stall a step?
+    python benchmarks/capture_cost.py --sections restart   # section 4b: a compiled model's restart
     python benchmarks/capture_cost.py --sections hostbound --rounds 16   # section 3c only
     python benchmarks/capture_cost.py --sections moe --rounds 8   # section 3d only
     python benchmarks/capture_cost.py --sections moe --moe-modes compiled --rounds 8   # 3d, compiled
@@ -583,6 +591,55 @@ def first_run(device: str, mode: str, steps: int, cap_s: float = 120.0) -> None:
     print(json.dumps({"times": times, "compiled_from": compiled_from, "compiled_at_s": compiled_at}))
 
 
+def restarts(device: str, models: tuple[str, ...], steps: int) -> None:
+    """Section 4b: a compiled model's first ``steps`` steps in two fresh processes over one inductor
+    cache, empty for the first."""
+    import json
+    import subprocess
+
+    print(f"\n4b. a restart of the compiled demo model: its first {steps} steps in a fresh process, twice over one "
+          f"inductor cache (empty for the first process); FX graph cache and AOT autograd cache hit/miss/bypass")
+    print("   model      monitor        first start s   restart s   restart: FX graphs h/m/b   AOT autograd h/m/b")
+    for fp8 in models:
+        for monitored in (False, True):
+            runs = []
+            with tempfile.TemporaryDirectory() as cache:
+                env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
+                for _ in range(2):
+                    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", device,
+                                          "--restart-run", f"{fp8},{int(monitored)}", "--restart-steps", str(steps)],
+                                         capture_output=True, text=True, check=True, env=env).stdout
+                    runs.append(json.loads(out.strip().splitlines()[-1]))
+            again = runs[1]
+            print(f"   {'what-if' if fp8 == 'off' else 'emulated':10s} {'every=50' if monitored else 'none':10s}"
+                  f" {runs[0]['s']:15.1f} {again['s']:11.1f}   {again['fx']:>24s}   {again['aot']:>18s}")
+
+
+def restart_run(device: str, spec: str, steps: int) -> None:
+    """One process of section 4b: build, compile, ``steps`` steps; JSON on the last line."""
+    import json
+
+    from torch._dynamo.utils import counters
+
+    fp8, monitored = spec.split(",")
+    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    start = time.perf_counter()
+    setup = demo_setup(device, fp8, compiled=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        mon = fp8scope.Monitor(setup.model, tmp, every=50, detect=False) if monitored == "1" else None
+        for step in range(steps):
+            train.train_step(setup, step, mon)
+        sync()
+        took = time.perf_counter() - start
+        if mon is not None:
+            mon.close()
+
+    def hmb(group: str, prefix: str) -> str:
+        return "/".join(str(counters[group][f"{prefix}_{k}"]) for k in ("hit", "miss", "bypass"))
+
+    print(json.dumps({"s": took, "fx": hmb("inductor", "fxgraph_cache"), "aot": hmb("aot_autograd", "autograd_cache")}))
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--device", default="cpu")
@@ -593,7 +650,7 @@ def main() -> int:
     ap.add_argument("--compile-stats", action="store_true", help="section 3: compile the stats on the CPU too")
     ap.add_argument("--no-compile-stats", action="store_true", help="section 3: eager stats on a GPU too")
     ap.add_argument("--modes", default="eager,compiled", help="section 3: the model eager, compiled, or both")
-    ap.add_argument("--models", default="off,delayed", help="section 3: off (what-if), delayed (emulated)")
+    ap.add_argument("--models", default="off,delayed", help="sections 3 and 4b: off (what-if), delayed (emulated)")
     ap.add_argument("--whatif-recipes", default="", help="section 3: also time a monitor measuring these recipes "
                                                          "(comma-separated; 'all': every one)")
     ap.add_argument("--first-steps", type=int, default=60, help="section 4: steps per mode")
@@ -603,10 +660,15 @@ def main() -> int:
     ap.add_argument("--moe-modes", default="eager", help="section 3d: the model eager, compiled, or both")
     ap.add_argument("--moe-layers", type=int, default=48, help="section 3e: the MoE's layers")
     ap.add_argument("--moe-experts", type=int, default=128, help="section 3e: its experts per layer")
+    ap.add_argument("--restart-steps", type=int, default=3, help="section 4b: steps per process")
     ap.add_argument("--first-run", help=argparse.SUPPRESS)  # one process of section 4
+    ap.add_argument("--restart-run", help=argparse.SUPPRESS)  # one process of section 4b
     args = ap.parse_args()
     if args.first_run is not None:
         first_run(args.device, args.first_run, args.first_steps, args.first_cap)
+        return 0
+    if args.restart_run is not None:
+        restart_run(args.device, args.restart_run, args.restart_steps)
         return 0
     sections = args.sections.split(",")
     print(f"torch {torch.__version__}, device {args.device}, {torch.get_num_threads()} threads")
@@ -638,6 +700,8 @@ def main() -> int:
     if "first" in sections:
         first_steps(args.device, args.first_steps, tuple(args.first_modes.split(",")), args.first_cap,
                     cold=not args.first_warm)
+    if "restart" in sections:
+        restarts(args.device, tuple(args.models.split(",")), args.restart_steps)
     return 0
 
 

@@ -16,6 +16,9 @@
 #   STEPS=moe  a Mixtral's experts under each transformers experts implementation, eager and compiled
 #           (capture_cost.py --sections moe; needs transformers and its dependencies on the machine or
 #           among WHEELS)
+#   STEPS=restart  the compiled demo model's first steps in a fresh process, again over the cache the
+#           first process left (capture_cost.py --sections restart: a monitored model's graphs from
+#           inductor's cache, as an unmonitored one's)
 #   STEPS="large hostbound ..." runs the named steps (the functions below) instead, in that order:
 #           a lease that cannot hold every part runs what decides most first
 set -u
@@ -54,6 +57,8 @@ moe() {
   timeout 300 python3 benchmarks/capture_cost.py --device cuda --sections moe --moe-modes eager,compiled --rounds 4 \
     2>&1 | quiet \
     | tee "$OUT/moe.txt"; }
+restart() {
+  timeout 300 python3 benchmarks/capture_cost.py --device cuda --sections restart 2>&1 | quiet | tee "$OUT/restart.txt"; }
 first() {
   timeout 120 python3 benchmarks/capture_cost.py --device cuda --sections first --first-steps 40 \
     --first-modes sync,ahead --first-cap 30 2>&1 | quiet | tee "$OUT/first.txt"; }

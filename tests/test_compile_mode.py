@@ -81,6 +81,38 @@ def test_emulated_layers_trace_where_dynamo_cannot_ask_about_autocast(tmp_path, 
     assert graph_breaks(tiny("emulated"), tmp_path, monitored=True) == (1, 0)
 
 
+def test_compiled_emulated_layers_switch_autocast_off_only_under_autocast():
+    """Without the user's autocast the emulated layers' graph holds no autocast switch, which AOT
+    autograd's cache refuses (a restart would trace the model again); under it, dynamo guards on the
+    autocast state and the compiled layers still run their GEMMs in their own dtypes, as eager ones."""
+    def two_layers():
+        torch.manual_seed(0)
+        return convert_to_fp8(torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.Linear(32, 8)),
+                              DelayedScaling(amax_history_len=4))
+
+    eager, model, x = two_layers(), two_layers(), torch.randn(4, 32)
+    for m in (eager, model):
+        m(x).sum().backward()  # the scaling states are made at a layer's first call
+    graphs = []
+
+    def keep(gm, _examples):
+        graphs.append(gm)
+        return gm.forward
+
+    def switches(gm) -> int:
+        return sum("_enter_autocast" in str(n.target) for n in gm.graph.nodes)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(model, backend=keep)
+    compiled(x).sum().backward()
+    eager(x).sum().backward()
+    assert len(graphs) == 1 and switches(graphs[0]) == 0
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        got, want = compiled(x), eager(x)
+    assert len(graphs) == 2 and switches(graphs[1]) > 0
+    assert got.dtype == want.dtype == torch.bfloat16 and torch.equal(got, want)
+
+
 def train(model, run_dir, steps: int, compiled: bool, every: int = 3):
     model = torch.compile(model) if compiled else model
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)

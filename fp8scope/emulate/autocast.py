@@ -94,11 +94,18 @@ def autocast_off(device_type: str):
     chose, whatever autocast the user runs. Nothing on a device type without autocast (the "meta"
     device, on which ``tests/test_host_sync.py`` runs the emulated layers), where there is nothing
     to switch off. Another device type is asked once, eagerly; traced, it is taken to have autocast
-    (every real accelerator's backend does)."""
+    (every real accelerator's backend does).
+
+    Nothing either where autocast is off, the usual case: a compiled graph that switches autocast
+    (``_enter_autocast``) is one AOT autograd's cache refuses, so a restarted process would trace
+    the model's joint graph again (``benchmarks/capture_cost.py --sections restart``). Dynamo
+    guards on the autocast state it reads here."""
     has = _HAS_AUTOCAST.get(device_type)
     if has is None:
         if torch.compiler.is_compiling():
             has = True
         else:
             has = _HAS_AUTOCAST[device_type] = torch.amp.is_autocast_available(device_type)
-    return torch.autocast(device_type, enabled=False) if has else nullcontext()
+    if not has or not torch.is_autocast_enabled(device_type):
+        return nullcontext()
+    return torch.autocast(device_type, enabled=False)
