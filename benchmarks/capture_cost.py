@@ -327,6 +327,22 @@ def compiled_kernels(device: str) -> None:
                   f"kernels {cells[0]:14s} launches {cells[1]:14s} taps {cells[2]}")
 
 
+def synchronizer(device: str):
+    """Waits for the device's queued work before a step's time is read (nothing to wait for on a CPU)."""
+    return torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+
+
+def child(device: str, *args: str, env: dict | None = None) -> dict:
+    """This script run again in a fresh process (sections 4 and 4b: what a process does once, it
+    does there); the JSON its last line prints."""
+    import json
+    import subprocess
+
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", device, *args],
+                         capture_output=True, text=True, check=True, env=env).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
 def demo_setup(device: str, fp8: str, compiled: bool, build: dict | None = None):
     """The demo model (``train.build``), compiled when asked."""
     setup = train.build(fp8=fp8, quiet=True, device=device, **(build or {}))
@@ -489,7 +505,7 @@ def moe_scale(device: str, rounds: int, block: int, layers: int, experts: int) -
         if mon is not None:
             mon.step(loss=out.loss)
 
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = synchronizer(device)
     print(f"\n3e. MoE at scale: a transformers Qwen3-MoE, {layers} layers x {experts} experts (8 per token), widths "
           "32 / 16, grouped_mm, what-if, eager")
     counts, first = {}, {}
@@ -541,9 +557,6 @@ def first_steps(device: str, steps: int, modes: tuple[str, ...], cap_s: float = 
     """Section 4: the first steps of a fresh process under each ``FP8SCOPE_COMPILE`` mode, each
     in a process of its own (a variant compiles once per process), with inductor's cache empty
     (``cold``) or as earlier runs left it."""
-    import json
-    import subprocess
-
     print(f"\n4. the first steps of a fresh process (at least {steps}, and on until the stats run compiled, "
           f"at most {cap_s:.0f} s), demo model, what-if, full stats every 10th, each mode in a process of its own, "
           f"inductor's cache {'empty' if cold else 'as earlier runs left it'}")
@@ -551,10 +564,7 @@ def first_steps(device: str, steps: int, modes: tuple[str, ...], cap_s: float = 
     for mode in modes:
         with tempfile.TemporaryDirectory() as cache:  # inductor's cache empty, as on a run's first day
             env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache) if cold else None
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", device, "--first-run", mode,
-                                  "--first-steps", str(steps), "--first-cap", str(cap_s)],
-                                 capture_output=True, text=True, check=True, env=env).stdout
-        r = json.loads(out.strip().splitlines()[-1])
+            r = child(device, "--first-run", mode, "--first-steps", str(steps), "--first-cap", str(cap_s), env=env)
         ms = [t * 1e3 for t in r["times"]]
         ready = f"{r['compiled_from']} ({r['compiled_at_s']:.1f} s)" if r["compiled_from"] is not None else "-"
         worst = max(range(1, len(ms)), key=ms.__getitem__, default=0)  # past step 0 (CUDA's and the allocator's start)
@@ -567,7 +577,7 @@ def first_run(device: str, mode: str, steps: int, cap_s: float = 120.0) -> None:
     import json
 
     os.environ["FP8SCOPE_COMPILE"] = mode
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = synchronizer(device)
     setup = train.build(fp8="off", quiet=True, device=device)
     family = stats_mod.FULL_STATS
     times, compiled_from, compiled_at = [], None, None
@@ -594,9 +604,6 @@ def first_run(device: str, mode: str, steps: int, cap_s: float = 120.0) -> None:
 def restarts(device: str, models: tuple[str, ...], steps: int) -> None:
     """Section 4b: a compiled model's first ``steps`` steps in two fresh processes over one inductor
     cache, empty for the first."""
-    import json
-    import subprocess
-
     print(f"\n4b. a restart of the compiled demo model: its first {steps} steps in a fresh process, twice over one "
           f"inductor cache (empty for the first process); FX graph cache and AOT autograd cache hit/miss/bypass")
     print("   model      monitor        first start s   restart s   restart: FX graphs h/m/b   AOT autograd h/m/b")
@@ -606,10 +613,8 @@ def restarts(device: str, models: tuple[str, ...], steps: int) -> None:
             with tempfile.TemporaryDirectory() as cache:
                 env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=cache)
                 for _ in range(2):
-                    out = subprocess.run([sys.executable, os.path.abspath(__file__), "--device", device,
-                                          "--restart-run", f"{fp8},{int(monitored)}", "--restart-steps", str(steps)],
-                                         capture_output=True, text=True, check=True, env=env).stdout
-                    runs.append(json.loads(out.strip().splitlines()[-1]))
+                    runs.append(child(device, "--restart-run", f"{fp8},{int(monitored)}", "--restart-steps", str(steps),
+                                      env=env))
             again = runs[1]
             print(f"   {'what-if' if fp8 == 'off' else 'emulated':10s} {'every=50' if monitored else 'none':10s}"
                   f" {runs[0]['s']:15.1f} {again['s']:11.1f}   {again['fx']:>24s}   {again['aot']:>18s}")
@@ -622,7 +627,7 @@ def restart_run(device: str, spec: str, steps: int) -> None:
     from torch._dynamo.utils import counters
 
     fp8, monitored = spec.split(",")
-    sync = torch.cuda.synchronize if device.startswith("cuda") else (lambda: None)
+    sync = synchronizer(device)
     start = time.perf_counter()
     setup = demo_setup(device, fp8, compiled=True)
     with tempfile.TemporaryDirectory() as tmp:

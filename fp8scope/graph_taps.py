@@ -116,9 +116,10 @@ def _keep_in_graphs(op) -> str | None:
 
 GRAD_KEPT_AS = _keep_in_graphs(observe_grad_op)
 """How this torch keeps ``observe_grad``: "side effect", "ordered effect", or None where it can do
-neither. Then the compiler would drop every call (it returns nothing), so a backward's taps write the shared sink as they did before, which
-holds for a model that compiles to one graph (an emulated layer's gradient amax feeds its scaling:
-it must not be dropped), and the monitor says so once (``fp8scope.monitor``)."""
+neither. Then the compiler would drop every call (it returns nothing), so a backward's taps write
+the shared sink as they did before, which holds for a model that compiles to one graph (an emulated
+layer's gradient amax feeds its scaling: it must not be dropped), and the monitor says so once
+(``fp8scope.monitor``)."""
 
 
 def observe(tap: int, *xs: torch.Tensor) -> None:
