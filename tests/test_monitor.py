@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import re
 import shutil
 import time
 import warnings
@@ -586,9 +587,11 @@ def test_background_detector_examines_a_backlog_in_batches_and_flush_does_not_wa
     bg.close()
 
 
-def test_steps_queued_while_the_detector_starts_are_no_lag():
+def test_a_backlog_is_warned_about_only_when_it_keeps_steps_waiting():
     """A detector that starts (a child process importing its libraries) lets steps queue; they are
-    examined in one batch then, without the lag warning, which still fires for a backlog after."""
+    examined in one batch then, without the lag warning, as is a backlog of a fast loop that is
+    examined within ``lag_warn_s``. A backlog whose oldest step waited longer is said once, with
+    its steps and seconds."""
     import threading
     import warnings
 
@@ -602,26 +605,38 @@ def test_steps_queued_while_the_detector_starts_are_no_lag():
 
         def process(self, steps):
             calls.append([s[0] for s in steps])
-            if len(calls) == 2:
+            if len(calls) in (2, 4):
                 hold.wait(10)
+                hold.clear()
 
-    bg = BackgroundDetector(Det(), lambda table, batch: None, lag_warn=8, pair_wait_s=0)
+    def backlog(first: int, wait_s: float) -> None:
+        """Step ``first`` examined alone; the detector holds it while 20 more queue for ``wait_s``."""
+        n = len(calls)
+        bg(first, 0, None, None)
+        deadline = time.monotonic() + 10
+        while len(calls) == n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for s in range(first + 1, first + 21):
+            bg(s, 0, None, None)
+        time.sleep(wait_s)
+        hold.set()
+        bg.flush()
+
+    bg = BackgroundDetector(Det(), lambda table, batch: None, lag_warn=8, pair_wait_s=0, lag_warn_s=1.0)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for s in range(30):
             bg(s, 0, None, None)
+        time.sleep(1.2)  # longer than lag_warn_s, but the detector was not ready
         started.set()
         bg.flush()
-        assert not [w for w in caught if "behind" in str(w.message)]
         assert calls == [list(range(30))]
-        bg(30, 0, None, None)  # examined alone; the detector then holds it while 20 more queue
-        deadline = time.monotonic() + 10
-        while len(calls) < 2 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for s in range(31, 51):
-            bg(s, 0, None, None)
-        hold.set()
-        bg.flush()
-    assert [w for w in caught if "fell 20 steps behind" in str(w.message)]
-    assert [s for c in calls for s in c] == list(range(51))
+        backlog(30, 0.0)  # 20 steps behind for a moment: no news
+        assert not [w for w in caught if "behind" in str(w.message)]
+        backlog(51, 1.5)
+    said = [str(w.message) for w in caught if "behind" in str(w.message)]
+    got = re.search(r"fell 20 steps \((\d+\.\d) s\) behind", said[0]) if len(said) == 1 else None
+    assert got is not None and float(got.group(1)) >= 1.5, said
+    assert [s for c in calls for s in c] == list(range(72))
+    assert bg.max_lag >= 30 and bg.max_wait_s >= 1.5
     bg.close()

@@ -19,8 +19,10 @@ goes"). A pass carries each tensor's last window rows and, for one new step, red
 where it lies (``features._Tail``) instead of sliding it over the carried rows, so a step costs
 little beside a training step (``benchmarks/report_speed.py --online``). When steps queue up
 anyway (a slow machine, a burst), the backlog is examined in one batch (at most ``max_batch``
-steps), so the detector catches up instead of drifting; falling more than ``lag_warn`` steps
-behind is said once.
+steps), so the detector catches up instead of drifting; falling more than ``lag_warn`` steps and
+``lag_warn_s`` seconds behind is said once. Both, because a lag is late events: 30 queued steps
+of a loop that runs 100 a second are examined a third of a second late, which is no news (a small
+model's first pass, while the detector warms up, queues that many).
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 import warnings
 from typing import TYPE_CHECKING, Any, Callable, Sequence
 
@@ -156,26 +159,30 @@ class BackgroundDetector:
     batches (the writer thread returns at once); the detection thread writes its events through
     ``submit(table, batch)`` (``Monitor.log_table``). It examines steps two at a time (a step waits
     up to ``pair_wait_s`` for the next; 0 examines each alone), and a backlog in one pass and one
-    events write (at most ``max_batch`` steps); more than ``lag_warn`` steps queued is warned about
-    once. Only beyond ``max_queue`` queued steps are steps skipped for detection (warned once); the
-    statistics themselves are always written. ``flush()`` and ``close()`` examine everything queued
-    at once. Attribute access falls through to the detector (``.events``, ``.frame()``).
-    ``detector`` may also be any per-step listener callable.
+    events write (at most ``max_batch`` steps). A backlog of more than ``lag_warn`` steps whose oldest
+    step has waited more than ``lag_warn_s`` seconds (since it was queued, or since the detector
+    became ready if it was queued before) is warned about once. Only beyond ``max_queue`` queued
+    steps are steps skipped for detection (warned once); the statistics themselves are always
+    written. ``flush()`` and ``close()`` examine everything queued at once. Attribute access falls
+    through to the detector (``.events``, ``.frame()``). ``detector`` may also be any per-step
+    listener callable.
     """
 
     def __init__(self, detector: OnlineDetector, submit: Callable[[str, pa.RecordBatch], Any], max_queue: int = 1024,
-                 max_batch: int = 64, lag_warn: int = 8, pair_wait_s: float = 1.0):
+                 max_batch: int = 64, lag_warn: int = 8, pair_wait_s: float = 1.0, lag_warn_s: float = 5.0):
         self.detector = detector
         self.pair_wait_s = float(pair_wait_s)
         self._submit = submit
         self.lag_warn = int(lag_warn)
+        self.lag_warn_s = float(lag_warn_s)
         self.max_lag = 0  # the largest backlog seen, in steps
+        self.max_wait_s = 0.0  # the longest a step waited for its examination to start
+        self._ready_at = 0.0  # when the detector could start (monotonic time; a child process imports first)
         self.max_batch = max(1, int(max_batch))
         self._q: queue.Queue = queue.Queue(maxsize=max_queue)
         self.skipped = 0
         self._lag_warned = False
         self._failed = False
-        self._grace = 0  # steps queued before the detector was ready: no lag of its own
         self._thread = threading.Thread(target=self._run, name="fp8scope-detect", daemon=True)
         self._thread.start()
 
@@ -187,7 +194,7 @@ class BackgroundDetector:
 
     def __call__(self, step, rank, tensors, scalars):
         try:
-            self._q.put_nowait((step, rank, tensors, scalars))
+            self._q.put_nowait((time.monotonic(), (step, rank, tensors, scalars)))
         except queue.Full:
             self.skipped += 1
             if self.skipped == 1:
@@ -199,25 +206,28 @@ class BackgroundDetector:
     def _collect(self) -> list:
         """The next batch: the first item queued and, if it is a step, the next one (waited for up to
         ``pair_wait_s``), then whatever else is queued already (a backlog, up to ``max_batch``); a
-        flush or the close sentinel ends it."""
-        items = [self._q.get()]
-        if self.pair_wait_s > 0 and _is_step(items[-1]) and not self._urgent(items[-1]):
+        flush or the close sentinel ends it. Each queued entry is ``(time queued, item)``; the items
+        are returned."""
+        entries = [self._q.get()]
+        if self.pair_wait_s > 0 and _is_step(entries[-1][1]) and not self._urgent(entries[-1][1]):
             try:
-                items.append(self._q.get(timeout=self.pair_wait_s))
+                entries.append(self._q.get(timeout=self.pair_wait_s))
             except queue.Empty:  # the run paused (an eval, a checkpoint): this step goes alone
                 pass
-        while len(items) < self.max_batch and _is_step(items[-1]):
+        while len(entries) < self.max_batch and _is_step(entries[-1][1]):
             try:
-                items.append(self._q.get_nowait())
+                entries.append(self._q.get_nowait())
             except queue.Empty:
                 break
-        lag = sum(1 for it in items if it is not None and it is not _FLUSH) + self._q.qsize()
-        grace, self._grace = self._grace, 0
-        self.max_lag = max(self.max_lag, lag)
-        if lag - grace > self.lag_warn and not self._lag_warned:
+        items = [it for _, it in entries]
+        queued = [t for t, it in entries if it is not None and it is not _FLUSH]
+        lag = len(queued) + self._q.qsize()
+        waited = time.monotonic() - max(queued[0], self._ready_at) if queued else 0.0
+        self.max_lag, self.max_wait_s = max(self.max_lag, lag), max(self.max_wait_s, waited)
+        if lag > self.lag_warn and waited > self.lag_warn_s and not self._lag_warned:
             self._lag_warned = True
-            warnings.warn(f"fp8scope: online detection fell {lag} steps behind the run; it examines the backlog in "
-                          "batches to catch up (events may arrive late)", RuntimeWarning, stacklevel=2)
+            warnings.warn(f"fp8scope: online detection fell {lag} steps ({waited:.1f} s) behind the run; it examines "
+                          "the backlog in batches to catch up (events may arrive late)", RuntimeWarning, stacklevel=2)
         return items
 
     def _urgent(self, item: Step) -> bool:
@@ -251,7 +261,7 @@ class BackgroundDetector:
         wait_ready = getattr(self.detector, "wait_ready", None)
         if wait_ready is not None:  # a child process starting (fp8scope.detect.child)
             wait_ready()
-            self._grace = self._q.qsize()
+        self._ready_at = time.monotonic()
         while True:
             items = self._collect()
             try:
@@ -282,7 +292,7 @@ class BackgroundDetector:
         self._q.join()
 
     def _put_marker(self, marker) -> None:
-        self._q.put(marker)
+        self._q.put((time.monotonic(), marker))
 
     def close(self, timeout: float = 60.0) -> None:
         self._put_marker(None)
