@@ -553,6 +553,89 @@ def test_batched_updates_give_each_state_its_own_sequence_of_scales():
         assert same(together[i].amax_history.tolist(), state.amax_history.tolist())
 
 
+def _resumable(seed: int = 0, history: int = 4, recipe=None) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return convert_to_fp8(nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8)),
+                          recipe or DelayedScaling(amax_history_len=history))
+
+
+def _sgd_steps(model: nn.Module, opt, xs) -> list[torch.Tensor]:
+    outs = []
+    for x in xs:
+        y = model(x)
+        y.pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+        outs.append(y.detach())
+    return outs
+
+
+def test_a_checkpoint_keeps_the_scaling_state_and_a_resumed_run_goes_on_bit_for_bit(tmp_path):
+    """TE's modules keep their scales and amax histories in a checkpoint (``get_extra_state``,
+    ``pytorch/module/base.py``), so a resumed TE run quantizes its next step with the scales it had.
+    An Fp8Linear's ``state_dict`` holds its three states the same way (``<layer>._extra_state``, a
+    float32 tensor that ``torch.load(weights_only=True)`` reads): five steps, a checkpoint on disk, a
+    model built with other weights that loads it, and five more steps give the uninterrupted run's
+    outputs bit for bit, gradient history included (its row 0 waits for the next update). Without
+    the state, the resumed run starts from scale 1 and differs."""
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) * (1 + i) for i in range(10)]
+    straight = _resumable()
+    reference = _sgd_steps(straight, torch.optim.SGD(straight.parameters(), 0.1), xs)
+
+    first = _resumable()
+    opt = torch.optim.SGD(first.parameters(), 0.1)
+    _sgd_steps(first, opt, xs[:5])
+    torch.save({"model": first.state_dict(), "opt": opt.state_dict()}, tmp_path / "ckpt.pt")
+    saved = torch.load(tmp_path / "ckpt.pt", weights_only=True)
+    assert saved["model"]["0._extra_state"].shape == (3, 2 + 4)
+    assert saved["model"]["0._extra_state"][2, 2] > 0  # the gradient's amax, recorded since its last update
+
+    def resumed(model_state: dict) -> list[torch.Tensor]:
+        model = _resumable(seed=5)
+        opt = torch.optim.SGD(model.parameters(), 0.1)
+        model.load_state_dict(model_state)
+        opt.load_state_dict(saved["opt"])
+        return _sgd_steps(model, opt, xs[5:]), model
+
+    outs, model = resumed(saved["model"])
+    assert all(torch.equal(a, b) for a, b in zip(outs, reference[5:]))
+    for layer, other in ((model[0], straight[0]), (model[2], straight[2])):
+        for role in ("activation", "weight", "gradient"):
+            ours, theirs = layer.scaling_state(role), other.scaling_state(role)
+            assert torch.equal(ours.amax_history, theirs.amax_history) and torch.equal(ours.scale, theirs.scale)
+    without, _ = resumed({k: v for k, v in saved["model"].items() if not k.endswith("_extra_state")})
+    assert not all(torch.equal(a, b) for a, b in zip(without, reference[5:]))
+
+
+def test_a_plain_checkpoint_loads_strictly_and_a_saved_history_fits_another_length():
+    """Pretrained weights (the replaced ``nn.Linear``'s checkpoint) load under ``strict=True`` and
+    leave the state as it is; a history saved at another ``amax_history_len`` keeps its pending row
+    and its latest rows; a tensor of the wrong shape is one clear error; recipes that keep no state
+    between steps save an empty one, as TE's."""
+    plain = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    model = _resumable()
+    model.load_state_dict(plain.state_dict(), strict=True)
+    assert torch.equal(model[0].weight, plain[0].weight) and float(model[0].activation_state.scale) == 1.0
+
+    xs = [torch.randn(4, 16, generator=torch.Generator().manual_seed(i)) for i in range(6)]
+    _sgd_steps(model, torch.optim.SGD(model.parameters(), 0.1), xs)
+    state = model.state_dict()["0._extra_state"]  # rows 1..3 hold three updates' amaxes, row 0 the pending one
+    for length, kept in ((2, state[:, -1:]), (6, torch.cat([torch.zeros(3, 2), state[:, 3:]], 1))):
+        other = _resumable(history=length)
+        other.load_state_dict(model.state_dict())
+        for i, role in enumerate(("activation", "weight", "gradient")):
+            s = other[0].scaling_state(role)
+            assert torch.equal(s.amax_history, torch.cat([state[i, 2:3], kept[i]])), (length, role)
+            assert torch.equal(s.scale, state[i, 0]) and torch.equal(s.scale_inv, state[i, 0].reciprocal())
+            assert torch.equal(s.expected_amax, state[i, 1])
+
+    with pytest.raises(ValueError, match=r"\[3, 2 \+ amax_history_len\] tensor, got shape \[2, 6\]"):
+        _resumable().load_state_dict({**model.state_dict(), "0._extra_state": state[:2]})
+    current = _resumable(recipe=CurrentScaling())
+    assert current.state_dict()["0._extra_state"].numel() == 0
+    current.load_state_dict(model.state_dict())  # a delayed-scaling state means nothing to current scaling
+
+
 def test_a_training_step_updates_every_emulated_state_in_one_batch():
     """Four Fp8Linear layers hold twelve delayed-scaling states; an eager training step applies all
     their updates as one batch (one ``constant_pad_nd``: the history roll of ``delayed_update``),

@@ -331,5 +331,42 @@ class Fp8Linear(nn.Linear):
         return _Fp8LinearFn.apply(input, self.weight, self.bias, x_deq, w_deq, s_g.scale, s_g.scale_inv,
                                   s_g.expected_amax, self, out_dtype)
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def get_extra_state(self) -> torch.Tensor:
+        """The scaling state a checkpoint keeps, as TE's modules keep theirs (``get_extra_state`` in
+        ``pytorch/module/base.py``: the scales and amax histories of the forward and backward
+        tensors, v2.0 to 2.18 alike), so that a resumed run quantizes its first steps with the
+        scales it had rather than with scale 1: one float32 tensor, a row per role (activation,
+        weight, gradient) of :meth:`ScalingState.state_tensor`. Empty where the recipe keeps no state between steps
+        (current and block scaling), as TE's is."""
+        states = self._states()
+        if not states or not states[0].delayed:
+            return torch.empty(0)
+        return torch.stack([s.state_tensor() for s in states])
+
+    def set_extra_state(self, state) -> None:
+        """Restore :meth:`get_extra_state`'s tensor (see :meth:`ScalingState.load_state_tensor`). An
+        empty one, or one saved under a recipe that keeps no state, leaves the state as it is."""
+        states = self._states()
+        if not isinstance(state, torch.Tensor) or state.numel() == 0 or not states or not states[0].delayed:
+            return
+        if state.dim() != 2 or state.shape[0] != len(states) or state.shape[1] < 3:
+            raise ValueError(f"an Fp8Linear's scaling state is a [{len(states)}, 2 + amax_history_len] tensor, "
+                             f"got shape {list(state.shape)}")
+        for s, row in zip(states, state):
+            s.load_state_tensor(row)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs) -> None:
+        """A checkpoint of the ``nn.Linear`` this layer replaced (pretrained weights) has no scaling
+        state: it loads under ``strict=True`` too, and the state stays as it is (as TE's when a
+        checkpoint holds none)."""
+        key = prefix + "_extra_state"
+        had = key in state_dict
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        if not had and key in missing_keys:
+            missing_keys.remove(key)
+
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.recipe!r}"

@@ -411,6 +411,31 @@ class ScalingState:
                     pending = self.update_group.pending[key] = weakref.WeakValueDictionary()
                 pending[id(self)] = self
 
+    # ---- checkpoints ---------------------------------------------------------------------
+    def state_tensor(self) -> torch.Tensor:
+        """What a checkpoint keeps of a delayed-scaling state, as TE's ``get_extra_state`` keeps a
+        tensor's ``scale`` and ``amax_history`` (``pytorch/module/base.py``): one float32 row
+        ``[scale, expected_amax, history...]`` whose history row 0 is the amax recorded since the
+        last update (TE's row 0), on the state's device (no copy to the host, no sync). ``_last`` is
+        that amax, or 0 when none waits, eagerly and compiled alike."""
+        return torch.cat([self._scale.reshape(1), self._expected.reshape(1), self._last.reshape(1), self._history[1:]])
+
+    def load_state_tensor(self, row: torch.Tensor) -> None:
+        """Restore a :meth:`state_tensor` row, as TE's ``set_extra_state`` restores its scale and
+        history: the next quantization uses the saved scale, and the saved row 0 waits for the next
+        update as a recorded amax. A history of another length (``amax_history_len`` changed since)
+        keeps its row 0 and as many of its latest rows as fit (TE's rolled order puts the latest
+        last). Reads row 0 on the host once (a load is not a training step)."""
+        row = row.detach().to(device=self._device, dtype=torch.float32)
+        saved, n = row[2:], self._history.shape[-1]
+        rest = saved[1:][max(0, saved.numel() - n):]
+        self.reset()
+        self._history = torch.cat([torch.zeros(n - rest.numel(), dtype=torch.float32, device=self._device), rest])
+        self._scale, self._expected = row[0].clone(), row[1].clone()
+        self._scale_inv = self._scale.reciprocal()
+        if float(saved[0]) != 0:
+            self.record(saved[0].clone())
+
     def latest(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """``(logged amax, scale, scale_inv, expected_amax)`` of the latest :meth:`begin`, 0-d tensors
         (a tap reporting what the layer just used)."""
