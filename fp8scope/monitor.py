@@ -87,7 +87,9 @@ class Monitor:
             turns it off.
         steps: ``(first, stop)`` global steps to capture; others log only scalars.
         step: global step number of the first step this monitor ends (for restarts from a
-            checkpoint); default 0.
+            checkpoint); default 0. Over a run folder that logged earlier steps, the what-if
+            tensors continue from the delayed-scaling state the log says they had at ``step``
+            (``fp8scope.resume``), as a resumed TE module continues from its checkpoint's.
         recipe: the FP8 recipe plain (non-FP8) layers are measured against (what-if);
             default ``DelayedScaling()`` with Transformer Engine's defaults.
         rank, world_size: override what ``torch.distributed`` / ``RANK`` say.
@@ -284,6 +286,8 @@ class Monitor:
                 f"{self._step} and will replace any step it logs again. Pass Monitor(step=N) to continue "
                 "from the checkpoint's global step.",
             )
+        if existing and explicit_step and self._step > 0:
+            self._resume_whatif(existing)
         # "recipe": what the model trains with (emulated layers); the what-if recipe that plain
         # layers are measured against is kept apart so nobody mistakes one for the other.
         recipe = self.model_recipe.to_dict() if self.model_recipe is not None else None
@@ -315,6 +319,22 @@ class Monitor:
             reduce=self.reduce, check=self.cross_rank_check, world_size=self.world_size, warn=self._warn,
             suspicious=self._suspicious_rule(),
         )
+
+    def _resume_whatif(self, streams: list) -> None:
+        """A run continued from step N: its what-if tensors start from the delayed-scaling state the
+        run's log says they had, as a resumed TE module starts from the state its checkpoint kept
+        (``fp8scope.resume``), not from scale 1."""
+        from fp8scope.emulate import DelayedScaling
+
+        if not isinstance(self.recipe, DelayedScaling):
+            return  # current scaling keeps nothing between steps
+        try:
+            from fp8scope.resume import whatif_states
+
+            self.collector.resumed = whatif_states(streams, self._step, self.recipe)
+        except Exception as exc:  # fail open: the tensors start afresh, as before
+            self._warn("resume", f"what-if tensors start from scale 1: their state at step {self._step} could not "
+                       f"be read from the run ({type(exc).__name__}: {exc})")
 
     def _suspicious_rule(self):
         """detect's rule for cheap steps worth full stats next, with this monitor's thresholds."""

@@ -37,8 +37,6 @@ _NO_LAYERS: frozenset = frozenset()
 class StepCollector:
     """Per-step buffer of on-device stats vectors. One instance per Monitor."""
 
-    row_log_capacity = 1024  # rows the what-if row log starts with (it grows when a step needs more)
-
     def __init__(self, roles: tuple[str, ...], every: int, steps: tuple[int, int] | None, capture_no_grad: bool):
         self.roles = frozenset(roles)
         self.every = max(1, int(every))
@@ -53,6 +51,7 @@ class StepCollector:
         self.caps: list[tuple[Any, int, int]] = []
         self._recomputed: list[tuple[Any, int, int]] = []  # forwards re-run inside backward
         self._device_banks: dict[tuple, DeviceDelayedBank] = {}  # (id(recipe), device) -> what-if states
+        self.resumed: dict = {}  # (layer, role) -> where a resumed run's what-if tensor starts (fp8scope.resume)
         self.step = 0
         self.full = True
         self.active = True

@@ -114,13 +114,19 @@ class DeviceDelayedBank:
         return len(self.updates)
 
     @torch.inference_mode(False)
-    def add(self, fmt: Fp8Format, like: tuple["DeviceDelayedBank", int] | None = None) -> int:
-        """A new tensor's slot, in the initial state, or in the state of slot ``like = (bank, slot)``
-        of another bank (its tensor moved to this device). Captures already made this step stay
-        valid: they refer to slots by number."""
+    def add(self, fmt: Fp8Format, like: tuple["DeviceDelayedBank", int] | None = None,
+            state: tuple[torch.Tensor, ...] | None = None) -> int:
+        """A new tensor's slot, in the initial state, in the state of slot ``like = (bank, slot)`` of
+        another bank (its tensor moved to this device), or in ``state``: ``(history, scale,
+        scale_inv, expected_amax, kept)`` (a resumed run's, :mod:`fp8scope.resume`). Captures
+        already made this step stay valid: they refer to slots by number."""
         sm = scaled_max(fmt, self.recipe.margin)
         f32 = dict(dtype=torch.float32, device=self.device)
-        if like is None:
+        if state is not None:
+            row = tuple(t.reshape(1, -1) if i == 0 else t.reshape(1) for i, t in enumerate(state))
+            row = tuple(t.to(self.device, non_blocking=True) for t in row)
+            updates = 0
+        elif like is None:
             row = (torch.zeros((1, self.length), **f32), torch.ones(1, **f32), torch.ones(1, **f32),
                    torch.full((1,), sm, **f32), torch.zeros(1, dtype=torch.bool, device=self.device))
             updates = 0

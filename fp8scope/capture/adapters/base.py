@@ -63,6 +63,9 @@ class Sink(Protocol):
     roles: frozenset  # the tensor roles captured
     capture_no_grad: bool  # forwards under no_grad are captured too
     traced_layers: set  # layers that ran traced where their adapter reads eager forwards only
+    # (layer, role) -> the delayed-scaling state a resumed run's what-if tensor starts from
+    # (fp8scope.resume); a slot takes its entry when it is made
+    resumed: dict
 
 
 Handle = Callable[[], None]  # undoes one attachment

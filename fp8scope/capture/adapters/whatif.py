@@ -153,7 +153,12 @@ class _WhatIfTap:
         if slot is None or slot[0].device != device:  # first capture, or the model moved
             bank = self.sink.device_bank(self.recipe, device)
             kid = self.sink.key_id(self.layer, role, "whatif", self.fmts[role], tuple(shape))
-            slot = self.slots[role] = (bank, bank.add(self.fmts[role], like=slot[:2] if slot else None), kid)
+            # a resumed run's tensor starts where the run left it (fp8scope.resume), if its format is
+            # the one logged
+            resumed = None if slot else self.sink.resumed.pop((self.layer, role), None)
+            state = resumed[1:] if resumed is not None and resumed[0] == self.fmts[role].name else None
+            slot = self.slots[role] = (bank, bank.add(self.fmts[role], like=slot[:2] if slot else None, state=state),
+                                       kid)
         return slot
 
     def capture(self, role: str, x: torch.Tensor, training: bool | None = None) -> None:
