@@ -13,6 +13,7 @@ import json
 import math
 import warnings
 
+import pandas as pd
 import pytest
 import torch
 
@@ -141,6 +142,45 @@ def test_hf_scalars_do_not_wait_for_logging_steps(tmp_path):
         window = [ours["loss"][s] for s in range(int(h["step"]) - 3, int(h["step"]))]
         assert sum(window) / 3 == pytest.approx(h["loss"], rel=1e-5)
         assert ours["grad_norm"][int(h["step"]) - 1] == pytest.approx(h["grad_norm"], rel=1e-5)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["whatif", "fp8"])
+def test_hf_trainer_resumed_from_a_checkpoint_logs_what_the_uninterrupted_run_logs(tmp_path, fp8):
+    """``trainer.train(resume_from_checkpoint=...)``: the Trainer restores the weights, optimizer,
+    scheduler, RNG and data position, the emulated layers their scaling state (their
+    ``_extra_state`` rides in the Trainer's safetensors), and the callback's monitor continues at
+    the checkpoint's step, rebuilding the what-if tensors' states from the run's log. A run stopped
+    after step 5 and resumed from its step-4 checkpoint logs every row as the run that went through
+    does, bit for bit."""
+    from fp8scope.integrations.hf import Fp8ScopeCallback
+
+    class Stop(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            control.should_training_stop = state.global_step >= 6
+
+    def trainer(run: str, out: str, stop: bool = False) -> transformers.Trainer:
+        args = transformers.TrainingArguments(
+            output_dir=str(tmp_path / out), per_device_train_batch_size=4, max_steps=8, logging_steps=1,
+            learning_rate=1e-3, warmup_steps=2, lr_scheduler_type="cosine", max_grad_norm=0.5, report_to=[],
+            save_strategy="steps", save_steps=4, use_cpu=True, disable_tqdm=True,
+        )
+        callbacks = [Fp8ScopeCallback(str(tmp_path / run), every=3)] + ([Stop()] if stop else [])
+        return transformers.Trainer(model=build("llama", fp8), args=args, train_dataset=dataset(4 * 8),
+                                    callbacks=callbacks)
+
+    trainer("straight", "a").train()
+    trainer("resumed", "b", stop=True).train()
+    trainer("resumed", "c").train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-4"))
+
+    def rows(run: str):
+        t = fp8scope.load_run(tmp_path / run).table("tensors")
+        return t, t.to_pandas().drop(columns=["segment"]).sort_values(["step", "layer", "tensor"]).reset_index(drop=True)
+
+    (t, resumed), (_, straight) = rows("resumed"), rows("straight")
+    assert sorted(set(zip(t["segment"].to_pylist(), t["step"].to_pylist()))) == [
+        *[(0, s) for s in range(4)], *[(1, s) for s in range(4, 8)]]  # steps 4-5 logged again, by segment 1
+    assert (straight[straight.step == 4]["scale"] != 1).all()
+    pd.testing.assert_frame_equal(resumed, straight)
 
 
 # ---- Lightning ---------------------------------------------------------------------------
