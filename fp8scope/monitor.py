@@ -331,7 +331,7 @@ class Monitor:
         try:
             from fp8scope.resume import whatif_states
 
-            self.collector.resumed = whatif_states(streams, self._step, self.recipe)
+            self.collector.resumed = whatif_states(streams, self.rank, self._step, self.recipe)
         except Exception as exc:  # fail open: the tensors start afresh, as before
             self._warn("resume", f"what-if tensors start from scale 1: their state at step {self._step} could not "
                        f"be read from the run ({type(exc).__name__}: {exc})")

@@ -43,24 +43,26 @@ from fp8scope.store.reader import read_stream
 # tensors on the CPU but for the history; DeviceDelayedBank.add(state=...) takes the last five
 State = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
-_COLUMNS = ("step", "layer", "tensor", "source", "fp8_format", "amax", "scale", "expected_amax")
+_COLUMNS = ("step", "rank", "layer", "tensor", "source", "fp8_format", "amax", "scale", "expected_amax")
 
 
-def whatif_states(streams: Iterable[StreamFile], start: int, recipe: DelayedScaling) -> dict[tuple[str, str], State]:
-    """The delayed-scaling state of each what-if tensor of one rank at step ``start``, from that
-    rank's ``tensors`` streams (``streams``: the rank's stream files, any table)."""
+def whatif_states(streams: Iterable[StreamFile], rank: int, start: int,
+                  recipe: DelayedScaling) -> dict[tuple[str, str], State]:
+    """The delayed-scaling state of each what-if tensor of ``rank`` at step ``start``, from that
+    rank's ``tensors`` streams (``streams``: its stream files, any table; rows of another rank in
+    them, rank 0's aggregate of all ranks under ``reduce="aggregate"``, are not its own)."""
     length = int(recipe.amax_history_len)
     lo = start - 2 * length
     parts = []
     for s in streams:
-        if s.table != "tensors":
+        if s.table != "tensors" or s.rank != rank:
             continue
         t = read_stream(s.path)
         if t.num_rows == 0 or not set(_COLUMNS) <= set(t.column_names):
             continue
         t = t.select(list(_COLUMNS))
         keep = pc.and_(pc.and_(pc.greater_equal(t["step"], lo), pc.less(t["step"], start)),
-                       pc.equal(t["source"], "whatif"))
+                       pc.and_(pc.equal(t["source"], "whatif"), pc.equal(t["rank"], rank)))
         t = t.filter(keep)
         if t.num_rows:
             parts.append(t.append_column("segment", pa.array(np.full(t.num_rows, s.segment, np.int64))))

@@ -97,3 +97,69 @@ def test_a_run_killed_after_its_checkpoint_and_resumed_logs_what_the_uninterrupt
     at_resume = straight[straight["step"] == 12]
     assert (at_resume["scale"] != 1).all()  # a fresh state's scale 1 would differ from the run's
     pd.testing.assert_frame_equal(resumed, straight)
+
+
+def test_the_state_is_the_banks_own_at_the_step_from_this_ranks_rows_the_later_segment_winning(tmp_path):
+    """``fp8scope.resume.whatif_states`` on streams the store's writer wrote: a tensor's amaxes, with
+    a 0 (rolls nothing in) and a NaN (rolls in as 0), logged with the scales a
+    ``DeviceDelayedBank`` gave them; a first life that went on past its checkpoint (steps 6-8, other
+    amaxes) and a second that logged steps 6-9 again in a later segment; and rank 0's aggregate
+    rows (rank -1) in its stream. At step 10 the state is the bank's own after it took the merged
+    sequence: history, scales, expected amax, kept."""
+    import numpy as np
+    import torch
+
+    from fp8scope.emulate import DelayedScaling
+    from fp8scope.emulate.device_bank import DeviceDelayedBank
+    from fp8scope.formats import get_format
+    from fp8scope.resume import whatif_states
+    from fp8scope.schema import FIELD_INDEX, N_FIELDS
+    from fp8scope.step_payload import TensorKey
+    from fp8scope.step_records import tensor_batch
+    from fp8scope.store.layout import list_streams
+    from fp8scope.store.writer import RunWriter
+
+    recipe = DelayedScaling(amax_history_len=4)
+    keys = [TensorKey("l", "activation", "whatif", "e4m3", 448.0, (4, 4), "delayed"),
+            TensorKey("l", "gradient", "whatif", "e5m2", 57344.0, (4, 4), "delayed")]
+    first = [[3.0, 1e-3], [0.0, 2e-3], [5.0, float("nan")], [2.0, 1e-3], [7.0, 4e-4], [1.0, 0.0]]
+    again = [[4.0, 3e-3], [0.5, 1e-3], [6.0, 2e-4], [2.5, 5e-4]]  # steps 6-9 of the second life
+    bank = DeviceDelayedBank(recipe, "cpu")
+    slots = [bank.add(get_format(k.fmt)) for k in keys]
+
+    def write(writer, step, amaxes, rank=0, feed=True) -> None:
+        """One step's rows; ``feed``: the bank takes the step (its scales are the rows')."""
+        m = np.full((len(keys), N_FIELDS), np.nan)
+        for i, (slot, a) in enumerate(zip(slots, amaxes)):
+            scale, scale_inv, expected = bank.scales(slot) if feed else (torch.tensor(9.0),) * 3
+            m[i, FIELD_INDEX["amax"]], m[i, FIELD_INDEX["numel"]] = a, 16
+            m[i, FIELD_INDEX["scale"]], m[i, FIELD_INDEX["scale_inv"]] = float(scale), float(scale_inv)
+            m[i, FIELD_INDEX["expected_amax"]] = float(expected)
+            if feed:
+                bank.record_amax(slot, torch.tensor(a))
+        writer.write("tensors", tensor_batch(step, rank, m, [0, 1], keys, False))
+        if feed:
+            bank.resolve()
+
+    with RunWriter(tmp_path, 0) as first_life:
+        for step, amaxes in enumerate(first):
+            write(first_life, step, amaxes)
+            write(first_life, step, [1e6, 1e6], rank=-1, feed=False)  # the ranks' aggregate
+        for step in range(6, 9):  # past the checkpoint: replaced by the second life's rows
+            write(first_life, step, [100.0, 100.0], feed=False)
+    with RunWriter(tmp_path, 0) as second_life:
+        assert second_life.segment == 1
+        for step, amaxes in enumerate(again, start=6):
+            write(second_life, step, amaxes)
+            write(second_life, step, [1e6, 1e6], rank=-1, feed=False)
+    states = whatif_states(list_streams(tmp_path), 0, 10, recipe)
+    assert sorted(states) == [("l", "activation"), ("l", "gradient")]
+    for key, slot in zip(keys, slots):
+        fmt, history, scale, scale_inv, expected, kept = states[(key.layer, key.role)]
+        assert fmt == key.fmt
+        assert torch.equal(history, bank.history[slot]), (key.role, history, bank.history[slot])
+        for ours, theirs in ((scale, bank.scale), (scale_inv, bank.scale_inv), (expected, bank.expected),
+                             (kept, bank.kept)):
+            assert torch.equal(ours, theirs[slot]), key.role
+    assert states[("l", "gradient")][1][1:].tolist() != [0.0] * 3  # the history holds rolled amaxes
+    assert whatif_states(list_streams(tmp_path), 1, 10, recipe) == {}  # another rank's: none here
