@@ -37,7 +37,7 @@ ROLES = ("activation", "weight", "gradient")
 HIST = 16
 
 
-def keys_for(n_tensors: int) -> list[TensorKey]:
+def keys_for(n_tensors: int, source: str = "emulated") -> list[TensorKey]:
     keys = []
     i = 0
     while len(keys) < n_tensors:
@@ -45,7 +45,7 @@ def keys_for(n_tensors: int) -> list[TensorKey]:
         for role in ROLES:
             if len(keys) < n_tensors:
                 fmt = "e5m2" if role == "gradient" else "e4m3"
-                keys.append(TensorKey(layer, role, "emulated", fmt, 57344.0 if fmt == "e5m2" else 448.0, (1024, 1024),
+                keys.append(TensorKey(layer, role, source, fmt, 57344.0 if fmt == "e5m2" else 448.0, (1024, 1024),
                                       "delayed"))
         i += 1
     return keys
@@ -57,11 +57,13 @@ def main(argv=None) -> int:
     p.add_argument("--tensors", type=int, default=500)
     p.add_argument("--every", type=int, default=10, help="full stats every N steps")
     p.add_argument("--out", default="/tmp/fp8scope-big")
+    p.add_argument("--source", default="emulated", choices=("emulated", "whatif"),
+                   help="the rows' source: whatif for a run whose tensors a resumed monitor rebuilds (resume_cost.py)")
     args = p.parse_args(argv)
     out = Path(args.out)
     if out.exists():
         shutil.rmtree(out)
-    keys = keys_for(args.tensors)
+    keys = keys_for(args.tensors, args.source)
     n = len(keys)
     rng = np.random.default_rng(0)
     write_manifest(out, new_manifest(recipe={"kind": "delayed", "margin": 0, "amax_history_len": HIST,
