@@ -38,6 +38,28 @@ def test_a_schedule_is_not_an_lr_event_and_a_jump_is():
     assert [(e["step"], e["severity"]) for e in feed("lr", step_drop)] == [(100, "info")]
 
 
+def test_a_schedules_warm_restart_is_told_and_a_rise_past_every_earlier_lr_is_a_warning():
+    """Cosine with hard restarts (``transformers``' ``cosine_with_restarts``, torch's
+    ``CosineAnnealingWarmRestarts``) decays towards 0 and jumps back to its peak: a 3,283x rise per
+    restart, which warned three times in a healthy 400-step run. A rise back to no more than an lr
+    the run already trained at is now info; one past every earlier lr is still a warning, after
+    restarts too."""
+    peak, warm, cycle = 3e-3, 40, 90
+
+    def restarts(s: int) -> float:
+        if s < warm:
+            return peak * (s + 1) / warm
+        t = ((s - warm) % cycle) / cycle
+        return peak * 0.5 * (1 + math.cos(math.pi * t))
+
+    lr = [0.0] + [restarts(s) for s in range(400)]
+    ev = feed("lr", lr)
+    assert [(e["step"], e["severity"]) for e in ev] == [(1 + warm + k * cycle, "info") for k in (1, 2, 3)]
+    assert all("earlier peak" in e["message"] and e["value"] > 1000 for e in ev)
+    jumped = lr[:300] + [v * 30 for v in lr[300:]]  # x30 mid-cycle: past the peak
+    assert [(e["step"], e["severity"]) for e in feed("lr", jumped) if e["severity"] == "warning"] == [(300, "warning")]
+
+
 def test_a_whole_series_at_once_gives_what_value_by_value_gives():
     """Offline detection feeds each series whole (``update_series``: the spike windows' statistics in
     one matrix); online feeds it value by value. Same events, same state after, also when a series

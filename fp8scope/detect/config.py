@@ -116,7 +116,8 @@ class DetectConfig:
     grad_noise_floor: float = 0.05
     # lr_change: one step's lr ratio is >= lr_jump_factor and >= lr_pace_factor x (in log) the largest
     # step-to-step change of the previous scalar_window steps (warm-up and decay move smoothly);
-    # judged after lr_min_history changes. Rises are warnings, drops info.
+    # judged after lr_min_history changes. Rises past every earlier lr are warnings; drops, and rises back to
+    # no more than the earlier peak (a schedule's warm restart), info.
     lr_jump_factor: float = 2.0
     lr_pace_factor: float = 4.0
     lr_min_history: int = 5

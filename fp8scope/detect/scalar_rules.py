@@ -37,7 +37,7 @@ SCALAR_ORDER = 1 << 30
 
 
 class _Series:
-    __slots__ = ("values", "in_spike", "bad", "ratios", "last")
+    __slots__ = ("values", "in_spike", "bad", "ratios", "last", "peak")
 
     def __init__(self, window: int):
         self.values: deque = deque(maxlen=window)  # finite values, log space for spikes
@@ -45,6 +45,7 @@ class _Series:
         self.in_spike = False
         self.bad = False
         self.last: float | None = None
+        self.peak = 0.0  # the largest lr of the series so far (the lr rule)
 
 
 def spike_stats(windows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -191,6 +192,9 @@ class ScalarState:
     def _lr(self, s: _Series, v: float, base: dict) -> list[dict]:
         cfg = self.cfg
         prev, s.last = s.last, v
+        peak = s.peak
+        if math.isfinite(v) and v > peak:
+            s.peak = v
         if not (math.isfinite(v) and v > 0 and prev is not None and math.isfinite(prev) and prev > 0):
             return []
         r = math.log(v / prev)
@@ -202,10 +206,15 @@ class ScalarState:
         if jump < math.log(factor) or jump < float(cfg.lr_pace_factor) * pace:
             return []
         up = r > 0
+        # a rise back to no more than an lr the run already trained at is a schedule's restart (cosine
+        # with warm restarts: transformers' cosine_with_restarts, torch's CosineAnnealingWarmRestarts),
+        # told like a drop; one past every earlier lr is the jump a wrong lr or schedule makes
+        restart = up and v <= peak * (1 + 1e-6)
         msg = (f"learning rate {'rose' if up else 'fell'} {_fmt(math.exp(jump))}x in one step ({_fmt(prev)} -> "
                f"{_fmt(v)}); the schedule's largest step over the previous {len(s.ratios) - 1} was "
-               f"{_fmt(math.exp(pace))}x")
-        return [event(base, "lr_change", "warning" if up else "info", math.exp(r), factor, msg)]
+               f"{_fmt(math.exp(pace))}x" + (f"; back to no more than its earlier peak ({_fmt(peak)}): a "
+                                             "schedule's restart, or a scheduler reset" if restart else ""))
+        return [event(base, "lr_change", "warning" if up and not restart else "info", math.exp(r), factor, msg)]
 
 
 def _log_if_judged(value) -> float | None:
