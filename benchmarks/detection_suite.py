@@ -79,6 +79,7 @@ class Case:
     # the what-if layers' simulated casts may warn (delayed scaling on MoE experts): a clean case is then judged
     # by the report's verdict, "clean", and no other warning
     whatif_ok: bool = False
+    lr_cycles: int = 1  # cosine cycles after the warm-up, each restarting at the peak lr (warm restarts)
 
 
 def cases(steps: int) -> list[Case]:
@@ -144,6 +145,9 @@ def cases(steps: int) -> list[Case]:
         Case("gpt-clean-shadow", "gpt", shadow_every=25, forks=True),
         Case("gpt-clean-current-seed1", "gpt", fp8="current", seed=1),
         Case("llama-clean", "llama"),
+        # cosine with warm restarts (transformers' cosine_with_restarts): the lr jumps 10x back to its peak
+        # at each restart, which lr_change warned about before a rise to an earlier peak was told as info
+        Case("llama-clean-restarts", "llama", lr_cycles=3),
         # clean runs that raised warnings before the thresholds were set on them: a Qwen2's gradient
         # clipped 8.7x for one step (seed 0), a Phi's grad norm 3.6x at the end of its warm-up (seed 2)
         Case("qwen2-clean", "qwen2"),
@@ -256,7 +260,7 @@ def train(case: Case, run_dir: Path, steps: int, every: int = 10, whatif_recipes
 
     gpt = case.arch == "gpt"
     setup = build(steps=steps, inject=list(case.inject) if gpt else [], fp8=case.fp8, amax_history_len=case.history,
-                  seed=case.seed, every=every)
+                  seed=case.seed, every=every, lr_cycles=case.lr_cycles)
     if not gpt:
         setup.args.inject = list(case.inject)
         setup = _hf_setup(setup, case.arch)

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         for step in range(args.steps):
             injector.step = step
-            lr = lr_schedule(step, args.lr, args.steps, warmup) * injector.lr_scale()
+            lr = lr_schedule(step, args.lr, args.steps, warmup, cycles=args.lr_cycles) * injector.lr_scale()
             for group in optimizer.param_groups:
                 group["lr"] = lr
 

@@ -54,6 +54,8 @@ def build_parser(prog: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--n-layers", type=int, default=4)
     p.add_argument("--n-heads", type=int, default=4)
     p.add_argument("--lr", type=float, default=3e-3, help="peak AdamW learning rate")
+    p.add_argument("--lr-cycles", type=int, default=1,
+                   help="cosine cycles after the warm-up, each restarting at the peak lr (warm restarts)")
     p.add_argument("--warmup", type=int, default=None, help="warmup steps (default: 10%% of --steps, max 50)")
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="max total grad norm")
@@ -150,7 +152,7 @@ class Setup:
     def lr_at(self, step: int) -> float:
         """Scheduled lr at ``step`` times any active ``lr:`` injection."""
         a = self.args
-        return lr_schedule(step, a.lr, a.steps, warmup_steps(a)) * self.injector.lr_scale(step)
+        return lr_schedule(step, a.lr, a.steps, warmup_steps(a), cycles=a.lr_cycles) * self.injector.lr_scale(step)
 
     def meta(self) -> dict[str, Any]:
         """Run metadata for the monitor: config, recipe, and what was planted (for the report)."""
@@ -184,11 +186,15 @@ def warmup_steps(args: argparse.Namespace) -> int:
     return args.warmup if args.warmup is not None else min(50, max(1, args.steps // 10))
 
 
-def lr_schedule(step: int, peak: float, total: int, warmup: int, floor: float = 0.1) -> float:
-    """Linear warmup to ``peak``, then cosine decay to ``floor * peak`` at ``total``."""
+def lr_schedule(step: int, peak: float, total: int, warmup: int, floor: float = 0.1, cycles: int = 1) -> float:
+    """Linear warmup to ``peak``, then cosine decay to ``floor * peak`` at ``total``; with ``cycles`` > 1
+    the decay runs that many times, each restarting at ``peak`` (``transformers``' cosine with hard
+    restarts, to a floor)."""
     if step < warmup:
         return peak * (step + 1) / warmup
     progress = min(1.0, (step - warmup) / max(1, total - warmup))
+    if cycles > 1 and progress < 1.0:
+        progress = (cycles * progress) % 1.0
     return peak * (floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress)))
 
 
