@@ -189,6 +189,7 @@ class Monitor:
         self._writer: BackgroundWriter | None = None
         self.detector: Any = None  # fp8scope.detect.OnlineDetector when detect is on
         self._store_failed: str | None = None
+        self._resumed_from: list = []  # the rank's earlier stream files, when this monitor continues a run
         self._detect = detect
         if not enabled:
             self.collector.enabled = False
@@ -287,6 +288,7 @@ class Monitor:
                 "from the checkpoint's global step.",
             )
         if existing and explicit_step and self._step > 0:
+            self._resumed_from = existing
             self._resume_whatif(existing)
         # "recipe": what the model trains with (emulated layers); the what-if recipe that plain
         # layers are measured against is kept apart so nobody mistakes one for the other.
@@ -422,9 +424,9 @@ class Monitor:
             if self._writer is not None and self._writer.failed is None:
                 # wait only for the previous step: this one's copy and append overlap the next step
                 self._writer.wait(self._writer.submit(payload) - 1, timeout=60)
-                if self._writer.suspicious_step is not None:  # clipping or NaN seen: look closer
-                    self._writer.suspicious_step = None
-                    self.collector.look_closer(self.full_on_anomaly, self._writer.suspicious_layers)
+                flagged, layers = self._writer.take_suspicious(before=self._step)
+                if flagged:  # clipping or NaN seen on an earlier step: look closer
+                    self.collector.look_closer(self.full_on_anomaly, layers)
         except Exception as exc:
             self._warn("step", f"step logging failed ({type(exc).__name__}: {exc}); training continues")
         self._step += 1
@@ -455,8 +457,14 @@ class Monitor:
                     self._warn("detect-process", f"online detection runs in a thread ({type(exc).__name__}: {exc})")
             if det is None:
                 det = OnlineDetector(config, on_event=on_event)
+            prime = None
+            if self._resumed_from:  # a resumed run: the rules continue from its last logged steps
+                from fp8scope.resume import logged_steps
+
+                streams, rank, start = self._resumed_from, self.rank, self._step
+                prime = lambda: logged_steps(streams, rank, start)  # noqa: E731 (read in the detection thread)
             # own thread: the writer thread (which step() waits for on CPU) only queues the step
-            self.detector = BackgroundDetector(det, self._submit_events)
+            self.detector = BackgroundDetector(det, self._submit_events, prime=prime)
             self.add_step_listener(self.detector)
         except Exception as exc:  # fail open: no detection, logging goes on
             self._warn("detect", f"online detection disabled ({type(exc).__name__}: {exc})")

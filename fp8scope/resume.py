@@ -22,6 +22,12 @@ step. A step of several micro-batches logs one row (their largest amax, the last
 history holds that amax once where the monitor's held each micro-batch's. Only the ``2 *
 amax_history_len`` steps before N are read: a tensor that rolled in fewer amaxes there (an expert
 that got no token on most steps) starts with the older rows empty.
+
+Online detection continues the same way: :func:`logged_steps` hands it the rank's last logged
+steps before N, which it examines without reporting (their events were reported by the run that
+logged them), so its windows and edge flags are where an uninterrupted run's would be. Started
+empty, it warned ``scale_mismatch`` on a resumed what-if run's first step, about a scale its
+window of one row could not explain, which offline detection over the whole log did not.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from fp8scope.emulate.recipes import DelayedScaling
 from fp8scope.emulate.scaling import delayed_update, scaled_max
 from fp8scope.formats import get_format
 from fp8scope.store.layout import StreamFile
+from fp8scope.store.merge import SEGMENT, dedup_latest_segment
 from fp8scope.store.reader import read_stream
 
 # (layer, role) -> (format name, history [len], scale, scale_inv, expected amax, kept): 0-d float32
@@ -44,6 +51,49 @@ from fp8scope.store.reader import read_stream
 State = tuple[str, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]
 
 _COLUMNS = ("step", "rank", "layer", "tensor", "source", "fp8_format", "amax", "scale", "expected_amax")
+ONLINE_STEPS = 200
+"""Logged steps before N that online detection examines again: twice its widest window (100 rows)."""
+
+
+def _rows(streams: Iterable[StreamFile], table: str, rank: int, lo: int, hi: int,
+          columns: Iterable[str] | None = None) -> pa.Table | None:
+    """``rank``'s rows of ``table`` logged for steps ``lo <= step < hi``, the later segment's where two
+    logged a step (the store's rule: ``dedup_latest_segment``), in the order written; None if none.
+    Rows of another rank in the rank's streams (rank 0's aggregate of all ranks, rank -1, under
+    ``reduce="aggregate"``) are not its own."""
+    parts = []
+    for s in streams:
+        if s.table != table or s.rank != rank:
+            continue
+        t = read_stream(s.path)
+        if t.num_rows == 0 or (columns is not None and not set(columns) <= set(t.column_names)):
+            continue
+        if columns is not None:
+            t = t.select(list(columns))
+        t = t.filter(pc.and_(pc.and_(pc.greater_equal(t["step"], lo), pc.less(t["step"], hi)),
+                             pc.equal(t["rank"], rank)))
+        if t.num_rows:
+            parts.append(t.append_column(SEGMENT, pa.array(np.full(t.num_rows, s.segment, np.int32))))
+    if not parts:
+        return None
+    return dedup_latest_segment(pa.concat_tables(parts, promote_options="default"))
+
+
+def logged_steps(streams: Iterable[StreamFile], rank: int, start: int,
+                 count: int = ONLINE_STEPS) -> list[tuple[int, int, pa.RecordBatch | None, pa.RecordBatch | None]]:
+    """``rank``'s last ``count`` logged steps before ``start`` as online detection takes them:
+    ``(step, rank, tensors, scalars)`` in step order, each table's rows of that step as one batch."""
+    tables = {name: _rows(streams, name, rank, start - count, start) for name in ("tensors", "scalars")}
+    by_step: dict[int, dict[str, pa.RecordBatch]] = {}
+    for name, t in tables.items():
+        if t is None:
+            continue
+        t = t.drop_columns([SEGMENT]).sort_by([("step", "ascending")])  # a stable sort: the order written
+        steps = t["step"].to_numpy()
+        edges = np.flatnonzero(np.diff(steps)) + 1
+        for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(steps)]):
+            by_step.setdefault(int(steps[lo]), {})[name] = t.slice(int(lo), int(hi - lo)).combine_chunks().to_batches()[0]
+    return [(step, rank, got.get("tensors"), got.get("scalars")) for step, got in sorted(by_step.items())]
 
 
 def whatif_states(streams: Iterable[StreamFile], rank: int, start: int,
@@ -52,25 +102,12 @@ def whatif_states(streams: Iterable[StreamFile], rank: int, start: int,
     rank's ``tensors`` streams (``streams``: its stream files, any table; rows of another rank in
     them, rank 0's aggregate of all ranks under ``reduce="aggregate"``, are not its own)."""
     length = int(recipe.amax_history_len)
-    lo = start - 2 * length
-    parts = []
-    for s in streams:
-        if s.table != "tensors" or s.rank != rank:
-            continue
-        t = read_stream(s.path)
-        if t.num_rows == 0 or not set(_COLUMNS) <= set(t.column_names):
-            continue
-        t = t.select(list(_COLUMNS))
-        keep = pc.and_(pc.and_(pc.greater_equal(t["step"], lo), pc.less(t["step"], start)),
-                       pc.and_(pc.equal(t["source"], "whatif"), pc.equal(t["rank"], rank)))
-        t = t.filter(keep)
-        if t.num_rows:
-            parts.append(t.append_column("segment", pa.array(np.full(t.num_rows, s.segment, np.int64))))
-    if not parts:
+    t = _rows(streams, "tensors", rank, start - 2 * length, start, _COLUMNS)
+    if t is not None:
+        t = t.filter(pc.equal(t["source"], "whatif"))
+    if t is None or t.num_rows == 0:
         return {}
-    df = pa.concat_tables(parts).to_pandas()
-    df = df[df["segment"] == df.groupby("step")["segment"].transform("max")]  # the later segment wins
-    df = df.sort_values(["layer", "tensor", "step"], kind="stable")
+    df = t.to_pandas().sort_values(["layer", "tensor", "step"], kind="stable")
     keys, fmts, hist, last, scale, expected = [], [], [], [], [], []
     for (layer, role), g in df.groupby(["layer", "tensor"], sort=False):
         amax = g["amax"].to_numpy(np.float64)

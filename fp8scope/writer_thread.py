@@ -59,10 +59,10 @@ class BackgroundWriter:
         self._submitted = 0
         self._done = 0
         self.failed: str | None = None
-        self.suspicious_step: int | None = None  # last cheap step the ``suspicious`` predicate flagged
-        # the layers of its flagged rows, None after a non-finite amax (every layer deserves the closer look);
-        # set before suspicious_step, which the training thread reads first
-        self.suspicious_layers: frozenset | None = None
+        # cheap steps the ``suspicious`` predicate flagged -> the layers of their flagged rows (None after
+        # a non-finite amax: every layer deserves the closer look); taken by the training thread
+        # (take_suspicious)
+        self._suspicious_steps: dict[int, frozenset | None] = {}
         self.suspicious = suspicious
         self._last_check = time.monotonic()
         self.dropped = 0
@@ -79,6 +79,18 @@ class BackgroundWriter:
     def sync(self, timeout: float | None = 60) -> bool:
         """Wait until everything handed over so far is done. True unless logging stopped or it timed out."""
         return self.wait(self._enqueue(_SYNC, "a flush"), timeout=timeout)
+
+    def take_suspicious(self, before: int) -> tuple[bool, frozenset | None]:
+        """The flagged steps before ``before`` (all written: the caller waited for them), taken:
+        ``(any, their layers merged)``, the layers None where a step wants every layer. A step's own
+        verdict is taken at the next step's end, whether or not this thread was done with it sooner,
+        so a run's closer looks fall on the same steps whatever the timing (a resumed run's included)."""
+        flagged = [s for s in list(self._suspicious_steps) if s < before]
+        layers: frozenset | None = frozenset()
+        for s in flagged:
+            got = self._suspicious_steps.pop(s)
+            layers = None if got is None or layers is None else layers | got
+        return bool(flagged), layers
 
     def submit_table(self, table: str, batch: pa.RecordBatch) -> None:
         """Queue extra rows for another table (shadow results, events): written in order with the steps."""
@@ -191,9 +203,8 @@ class BackgroundWriter:
                     look = self.suspicious(*cols)
                     if look is not None:
                         rows, every_layer = look
-                        self.suspicious_layers = None if every_layer else frozenset(
+                        self._suspicious_steps[payload.step] = None if every_layer else frozenset(
                             tensors.column("layer").filter(pa.array(rows)).to_pylist())
-                        self.suspicious_step = payload.step
         if tensors is not None:
             self._writer.write("tensors", tensors)
         if payload.n_recipe:

@@ -29,7 +29,7 @@ TRAINER = textwrap.dedent(
     import fp8scope
     from fp8scope.emulate import DelayedScaling, convert_to_fp8
     from tests.conftest import MLP
-    run, ckpt, start, stop, save_at, model, kill = sys.argv[1:]
+    run, ckpt, start, stop, save_at, model, kill, detect = sys.argv[1:]
     start, stop, save_at = int(start), int(stop), int(save_at)
     torch.manual_seed(0)
     m = MLP(d=32, h=64, out=32)
@@ -41,11 +41,14 @@ TRAINER = textwrap.dedent(
         saved = torch.load(ckpt, weights_only=True)
         m.load_state_dict(saved["model"])
         opt.load_state_dict(saved["opt"])
-    mon = fp8scope.Monitor(m, run, every=4, recipe=recipe, detect=False, step=start)
+    mon = fp8scope.Monitor(m, run, every=4, recipe=recipe, detect=detect == "detect", step=start)
     for step in range(start, stop):
         x = torch.randn(16, 32, generator=torch.Generator().manual_seed(step)) * (1 + step / 10)
+        x[:, 0] *= 1e-6  # a feature far below the rest: a dynamic range one scale does not cover
         if step == 5:
             x = x * 0  # an amax of 0 rolls nothing into the history
+        if step == 45:
+            x = x * 100  # a spike past the resume step of the 60-step runs
         loss = m(x).pow(2).mean()
         loss.backward()
         opt.step()
@@ -61,9 +64,10 @@ TRAINER = textwrap.dedent(
 ).format(root=ROOT)
 
 
-def _train(tmp_path, run: str, start: int, stop: int, model: str, kill: bool = False) -> None:
+def _train(tmp_path, run: str, start: int, stop: int, model: str, kill: bool = False, save_at: int = 12,
+           detect: bool = False) -> None:
     args = [sys.executable, "-c", TRAINER, str(tmp_path / run), str(tmp_path / f"{run}.pt"), str(start), str(stop),
-            "12", model, "kill" if kill else "close"]
+            str(save_at), model, "kill" if kill else "close", "detect" if detect else "-"]
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
@@ -97,6 +101,25 @@ def test_a_run_killed_after_its_checkpoint_and_resumed_logs_what_the_uninterrupt
     at_resume = straight[straight["step"] == 12]
     assert (at_resume["scale"] != 1).all()  # a fresh state's scale 1 would differ from the run's
     pd.testing.assert_frame_equal(resumed, straight)
+
+
+def test_online_detection_of_a_resumed_run_reports_what_the_uninterrupted_run_reported(tmp_path):
+    """Online detection (its rules in their child process) continues from the run's last logged
+    steps (``fp8scope.resume.logged_steps``, examined without reporting): the events the resumed life
+    stored are the uninterrupted run's from the resume step on. Started with empty windows, it
+    judged the resumed life's first rows against nothing before them."""
+    _train(tmp_path, "straight", 0, 60, "whatif", save_at=30, detect=True)
+    _train(tmp_path, "resumed", 0, 37, "whatif", kill=True, save_at=30, detect=True)
+    _train(tmp_path, "resumed", 30, 60, "whatif", save_at=30, detect=True)
+
+    def events(run: str, segment: int | None) -> pd.DataFrame:
+        t = load_run(tmp_path / run).table("events").to_pandas()
+        t = t[t["step"] >= 30] if segment is None else t[t["segment"] == segment]
+        return t.drop(columns=["segment"]).sort_values(["step", "rule", "layer", "tensor"]).reset_index(drop=True)
+
+    straight = events("straight", None)
+    assert 45 in set(straight["step"]), straight  # the spike past the resume step is reported, once
+    pd.testing.assert_frame_equal(events("resumed", 1), straight)
 
 
 def test_the_state_is_the_banks_own_at_the_step_from_this_ranks_rows_the_later_segment_winning(tmp_path):

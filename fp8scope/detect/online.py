@@ -83,6 +83,13 @@ class OnlineDetector:
         """Examine consecutive logged steps in one pass; ``{"events": batch}`` or None."""
         return self.emit(self.examine(steps))
 
+    def prime(self, steps: Sequence[Step]) -> None:
+        """Examine steps a run logged before this detector started (a resumed run's last ones,
+        ``fp8scope.resume.logged_steps``) without reporting their events, which the run that logged
+        them reported: the windows and edge flags then stand where an uninterrupted run's would."""
+        if steps:
+            self.examine(steps)
+
     def examine(self, steps: Sequence[Step]) -> list[dict]:
         """The rules' pass over consecutive logged steps: their events, unsorted (the windows and
         edge flags carried to the next pass are this object's state)."""
@@ -159,7 +166,8 @@ class BackgroundDetector:
     batches (the writer thread returns at once); the detection thread writes its events through
     ``submit(table, batch)`` (``Monitor.log_table``). It examines steps two at a time (a step waits
     up to ``pair_wait_s`` for the next; 0 examines each alone), and a backlog in one pass and one
-    events write (at most ``max_batch`` steps). A backlog of more than ``lag_warn`` steps whose oldest
+    events write (at most ``max_batch`` steps). ``prime``: a resumed run's earlier steps (a callable,
+    read in this thread), examined first without reporting (:meth:`OnlineDetector.prime`). A backlog of more than ``lag_warn`` steps whose oldest
     step has waited more than ``lag_warn_s`` seconds (since it was queued, or since the detector
     became ready if it was queued before) is warned about once. Only beyond ``max_queue`` queued
     steps are steps skipped for detection (warned once); the statistics themselves are always
@@ -169,8 +177,10 @@ class BackgroundDetector:
     """
 
     def __init__(self, detector: OnlineDetector, submit: Callable[[str, pa.RecordBatch], Any], max_queue: int = 1024,
-                 max_batch: int = 64, lag_warn: int = 8, pair_wait_s: float = 1.0, lag_warn_s: float = 5.0):
+                 max_batch: int = 64, lag_warn: int = 8, pair_wait_s: float = 1.0, lag_warn_s: float = 5.0,
+                 prime: Callable[[], Sequence[Step]] | None = None):
         self.detector = detector
+        self._prime = prime  # the run's earlier steps, read and examined in this thread before any new one
         self.pair_wait_s = float(pair_wait_s)
         self._submit = submit
         self.lag_warn = int(lag_warn)
@@ -261,6 +271,13 @@ class BackgroundDetector:
         wait_ready = getattr(self.detector, "wait_ready", None)
         if wait_ready is not None:  # a child process starting (fp8scope.detect.child)
             wait_ready()
+        if self._prime is not None and getattr(self.detector, "prime", None) is not None:
+            try:
+                self.detector.prime(self._prime())
+            except Exception as exc:  # fail open: detection starts with empty windows
+                warnings.warn(f"fp8scope: online detection starts without the run's earlier steps "
+                              f"({type(exc).__name__}: {exc})", RuntimeWarning, stacklevel=2)
+            self._prime = None
         self._ready_at = time.monotonic()
         while True:
             items = self._collect()
