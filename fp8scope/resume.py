@@ -92,7 +92,8 @@ def logged_steps(streams: Iterable[StreamFile], rank: int, start: int,
         steps = t["step"].to_numpy()
         edges = np.flatnonzero(np.diff(steps)) + 1
         for lo, hi in zip(np.r_[0, edges], np.r_[edges, len(steps)]):
-            by_step.setdefault(int(steps[lo]), {})[name] = t.slice(int(lo), int(hi - lo)).combine_chunks().to_batches()[0]
+            batch = t.slice(int(lo), int(hi - lo)).combine_chunks().to_batches()[0]
+            by_step.setdefault(int(steps[lo]), {})[name] = batch
     return [(step, rank, got.get("tensors"), got.get("scalars")) for step, got in sorted(by_step.items())]
 
 

@@ -174,7 +174,8 @@ def test_hf_trainer_resumed_from_a_checkpoint_logs_what_the_uninterrupted_run_lo
 
     def rows(run: str):
         t = fp8scope.load_run(tmp_path / run).table("tensors")
-        return t, t.to_pandas().drop(columns=["segment"]).sort_values(["step", "layer", "tensor"]).reset_index(drop=True)
+        rows = t.to_pandas().drop(columns=["segment"]).sort_values(["step", "layer", "tensor"])
+        return t, rows.reset_index(drop=True)
 
     (t, resumed), (_, straight) = rows("resumed"), rows("straight")
     assert sorted(set(zip(t["segment"].to_pylist(), t["step"].to_pylist()))) == [

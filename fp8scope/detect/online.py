@@ -166,14 +166,15 @@ class BackgroundDetector:
     batches (the writer thread returns at once); the detection thread writes its events through
     ``submit(table, batch)`` (``Monitor.log_table``). It examines steps two at a time (a step waits
     up to ``pair_wait_s`` for the next; 0 examines each alone), and a backlog in one pass and one
-    events write (at most ``max_batch`` steps). ``prime``: a resumed run's earlier steps (a callable,
-    read in this thread), examined first without reporting (:meth:`OnlineDetector.prime`). A backlog of more than ``lag_warn`` steps whose oldest
-    step has waited more than ``lag_warn_s`` seconds (since it was queued, or since the detector
-    became ready if it was queued before) is warned about once. Only beyond ``max_queue`` queued
-    steps are steps skipped for detection (warned once); the statistics themselves are always
-    written. ``flush()`` and ``close()`` examine everything queued at once. Attribute access falls
-    through to the detector (``.events``, ``.frame()``). ``detector`` may also be any per-step
-    listener callable.
+    events write (at most ``max_batch`` steps). ``prime``: a resumed run's earlier steps (a
+    callable, read in this thread), examined first without reporting
+    (:meth:`OnlineDetector.prime`). A backlog of more than ``lag_warn`` steps whose oldest step has
+    waited more than ``lag_warn_s`` seconds (since it was queued, or since the detector became
+    ready if it was queued before) is warned about once. Only beyond ``max_queue`` queued steps are
+    steps skipped for detection (warned once); the statistics themselves are always written.
+    ``flush()`` and ``close()`` examine everything queued at once. Attribute access falls through
+    to the detector (``.events``, ``.frame()``). ``detector`` may also be any per-step listener
+    callable.
     """
 
     def __init__(self, detector: OnlineDetector, submit: Callable[[str, pa.RecordBatch], Any], max_queue: int = 1024,
