@@ -237,3 +237,54 @@ def test_lightning(tmp_path, arch, fp8, micro, capsys):
     assert max(ours["grad_norm"].values()) > 0.5  # clipped steps: the norm logged is the one before clipping
     assert all(math.isfinite(v) for v in ours["loss"].values())
     check_report(tmp_path / "run", fp8, capsys)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["whatif", "fp8"])
+def test_lightning_resumed_from_a_checkpoint_logs_what_the_uninterrupted_run_logs(tmp_path, fp8):
+    """``trainer.fit(ckpt_path=...)``: Lightning restores the weights (the emulated layers' scaling
+    state with them), optimizer, scheduler and loop position, the callback's monitor continues at
+    ``trainer.global_step``, and the what-if tensors continue from the run's log. Two epochs of 4
+    steps; a run stopped in its second epoch and resumed from its first epoch's checkpoint logs every
+    row as the run that went through does, bit for bit."""
+    L = pytest.importorskip("lightning.pytorch")
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from fp8scope.integrations.lightning import Fp8ScopeCallback
+
+    class LitLM(L.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.model = build("llama", fp8)
+
+        def training_step(self, batch, _):
+            if self.global_step == getattr(self, "stop_at", None):
+                self.trainer.should_stop = True
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=2e-3)
+            warm = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 3))
+            return {"optimizer": opt, "lr_scheduler": {"scheduler": warm, "interval": "step"}}
+
+    data = torch.stack([d["input_ids"] for d in dataset(16)])
+
+    def fit(run: str, stop_at: int | None = None, ckpt: str | None = None) -> None:
+        module = LitLM()
+        module.stop_at = stop_at
+        saves = ModelCheckpoint(dirpath=tmp_path / f"{run}-ckpt", every_n_epochs=1, save_top_k=-1)
+        monitor = Fp8ScopeCallback(str(tmp_path / run), every=3)
+        trainer = L.Trainer(max_epochs=2, gradient_clip_val=0.5, callbacks=[monitor, saves], logger=False,
+                            enable_progress_bar=False, enable_model_summary=False, accelerator="cpu", devices=1)
+        trainer.fit(module, torch.utils.data.DataLoader(data, batch_size=4), ckpt_path=ckpt)
+
+    def rows(run: str) -> pd.DataFrame:
+        t = fp8scope.load_run(tmp_path / run).table("tensors").to_pandas().drop(columns=["segment"])
+        return t.sort_values(["step", "layer", "tensor"]).reset_index(drop=True)
+
+    fit("straight")
+    fit("resumed", stop_at=6)
+    (ckpt,) = (tmp_path / "resumed-ckpt").glob("epoch=0-*.ckpt")
+    fit("resumed", ckpt=str(ckpt))
+    straight = rows("straight")
+    assert sorted(straight.step.unique()) == list(range(8)) and (straight[straight.step == 4]["scale"] != 1).all()
+    pd.testing.assert_frame_equal(rows("resumed"), straight)
