@@ -629,8 +629,11 @@ def test_a_plain_checkpoint_loads_strictly_and_a_saved_history_fits_another_leng
             assert torch.equal(s.scale, state[i, 0]) and torch.equal(s.scale_inv, state[i, 0].reciprocal())
             assert torch.equal(s.expected_amax, state[i, 1])
 
-    with pytest.raises(ValueError, match=r"\[3, 2 \+ amax_history_len\] tensor, got shape \[2, 6\]"):
+    with pytest.raises(ValueError, match=r"\[3, 2 \+ amax_history_len\] tensor, got float32 of shape \[2, 6\]$"):
         _resumable().load_state_dict({**model.state_dict(), "0._extra_state": state[:2]})
+    te = torch.frombuffer(bytearray(b"pickled"), dtype=torch.uint8)  # a TE checkpoint's extra state
+    with pytest.raises(ValueError, match=r"got uint8 of shape \[7\] \(Transformer Engine's pickled"):
+        _resumable().load_state_dict({**model.state_dict(), "0._extra_state": te})
     current = _resumable(recipe=CurrentScaling())
     assert current.state_dict()["0._extra_state"].numel() == 0
     current.load_state_dict(model.state_dict())  # a delayed-scaling state means nothing to current scaling

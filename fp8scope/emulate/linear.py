@@ -337,8 +337,8 @@ class Fp8Linear(nn.Linear):
         ``pytorch/module/base.py``: the scales and amax histories of the forward and backward
         tensors, v2.0 to 2.18 alike), so that a resumed run quantizes its first steps with the
         scales it had rather than with scale 1: one float32 tensor, a row per role (activation,
-        weight, gradient) of :meth:`ScalingState.state_tensor`. Empty where the recipe keeps no state between steps
-        (current and block scaling), as TE's is."""
+        weight, gradient) of :meth:`ScalingState.state_tensor`. Empty where the recipe keeps no
+        state between steps (current and block scaling), as TE's is."""
         states = self._states()
         if not states or not states[0].delayed:
             return torch.empty(0)
@@ -350,9 +350,10 @@ class Fp8Linear(nn.Linear):
         states = self._states()
         if not isinstance(state, torch.Tensor) or state.numel() == 0 or not states or not states[0].delayed:
             return
-        if state.dim() != 2 or state.shape[0] != len(states) or state.shape[1] < 3:
-            raise ValueError(f"an Fp8Linear's scaling state is a [{len(states)}, 2 + amax_history_len] tensor, "
-                             f"got shape {list(state.shape)}")
+        if state.dim() != 2 or state.shape[0] != len(states) or state.shape[1] < 3 or not state.is_floating_point():
+            te = " (Transformer Engine's pickled extra state is not read)" if state.dtype == torch.uint8 else ""
+            raise ValueError(f"an Fp8Linear's scaling state is a float [{len(states)}, 2 + amax_history_len] tensor, "
+                             f"got {str(state.dtype).removeprefix('torch.')} of shape {list(state.shape)}{te}")
         for s, row in zip(states, state):
             s.load_state_tensor(row)
 
