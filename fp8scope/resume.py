@@ -131,7 +131,7 @@ def whatif_states(streams: Iterable[StreamFile], rank: int, start: int,
     f32 = dict(dtype=torch.float32)
     try:
         maxes = [scaled_max(get_format(f), recipe.margin) for f in fmts]
-    except (KeyError, ValueError):  # a format this fp8scope does not know: start afresh
+    except ValueError:  # a format this fp8scope does not know (get_format): start afresh
         return {}
     new = delayed_update(torch.tensor(np.array(hist), **f32), torch.tensor(last, **f32),
                          torch.tensor(maxes, **f32), torch.tensor(scale, **f32), torch.tensor(expected, **f32),
