@@ -9,6 +9,12 @@ where blaming that layer's FP8 would be false too. What is left:
 - modules holding a weight matrix of a kind nothing recognises (``linear_like``);
 - MoE routers (``linear_like.is_router``): recorded, but neither warned about nor named in the
   report, since every FP8 recipe keeps them in high precision;
+- monitored layers whose forward never runs (:meth:`Coverage.leave_idle`): the code around them
+  uses their weight directly, as ``transformers``' Mamba does with ``dt_proj`` (``self.dt_proj.weight
+  @ x``; with the ``mamba_ssm`` kernels also ``x_proj`` and ``out_proj``). Hooks see nothing of that
+  GEMM, and an emulated FP8 layer bypassed this way computes in high precision. They are found
+  after the first steps (the monitor warns then and rewrites the coverage), and monitored again if
+  they run later (a layer used only by some batches);
 - MoE experts stored as 3-D weights (``adapters.experts``) that run under ``torch.compile`` with
   GEMMs read in eager forwards only (the loop; ``grouped_mm`` and ``batched_mm`` are read compiled). In
   a small Mixtral they hold 8 in 10 of the GEMM weights. They are found at their first traced
@@ -43,6 +49,7 @@ class Coverage:
         self.experts: list[tuple[str, nn.Module, int]] = []
         self.matrices: list[tuple[str, nn.Module, int]] = []
         self.routers: list[tuple[str, nn.Module, int]] = []  # recorded, not warned about: always high precision
+        self.idle: list[tuple[str, nn.Module, int]] = []  # monitored layers whose forward never ran
 
     def layer(self, name: str, module: nn.Module) -> None:
         self.order.append(name)
@@ -72,13 +79,33 @@ class Coverage:
         self.left.update(sizes)
         self.experts.append((name, module, sum(sizes.values())))
 
+    def leave_idle(self, name: str, module: nn.Module) -> None:
+        """A monitored layer whose forward has not run: the code around it uses its weight directly."""
+        sizes = {k: v for k, v in _gemm_params(module.parameters()).items() if k in self.monitored}
+        for k in sizes:
+            del self.monitored[k]
+        self.left.update(sizes)
+        self.idle.append((name, module, sum(sizes.values())))
+
+    def ran(self, name: str) -> None:
+        """A layer left idle ran after all (a layer only some batches use): it is monitored."""
+        for i, (n, m, _) in enumerate(self.idle):
+            if n == name:
+                del self.idle[i]
+                sizes = {k: v for k, v in _gemm_params(m.parameters()).items() if k in self.left}
+                for k in sizes:
+                    del self.left[k]
+                self.monitored.update(sizes)
+                return
+
     def names(self) -> list[str]:
         return [n for n, _, _ in self.experts + self.matrices + self.routers]
 
     def to_dict(self) -> dict:
         """run.json's ``meta.coverage``."""
         left = [{"module": n, "class": type(m).__name__, "kind": kind, "params": p}
-                for kind, group in (("experts", self.experts), ("matrix", self.matrices), ("router", self.routers))
+                for kind, group in (("experts", self.experts), ("matrix", self.matrices), ("idle", self.idle),
+                                    ("router", self.routers))
                 for n, m, p in group]
         return {"params": {"monitored": sum(self.monitored.values()), "unmonitored": sum(self.left.values())},
                 "unmonitored": left, "order": self.order}
@@ -102,6 +129,16 @@ class Coverage:
                 f"{describe_skipped((n, m) for n, m, _ in group)} (compiled, experts are captured where they run "
                 "transformers' grouped_mm (the default experts_implementation) or batched_mm; the loop is captured in "
                 "eager forwards only. A fault that starts in them shows first where it reaches a monitored layer)")
+
+    def idle_warning(self, names: list[str], steps: int) -> str:
+        """The warning for monitored layers (``names``, left by :meth:`leave_idle`) whose forward did
+        not run in the first ``steps`` steps."""
+        group = [e for e in self.idle if e[0] in names]
+        return (f"{len(group)} monitored layer(s) holding {self._share(group)} of the model's GEMM weights did not run "
+                f"their forward in {steps} steps: {describe_skipped((n, m) for n, m, _ in group)}. Unused, or the "
+                "code around them uses their weight directly (transformers' Mamba: self.dt_proj.weight @ x): then "
+                "fp8scope does not see that GEMM, and an emulated FP8 layer bypassed this way computes in high "
+                "precision. They count as not monitored until they run")
 
     def _share(self, group) -> str:
         total = sum(self.monitored.values()) + sum(self.left.values())  # routers' included

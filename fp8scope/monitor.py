@@ -35,6 +35,9 @@ from fp8scope.schema import DEFAULT_ROLES, ROLES
 from fp8scope.writer_thread import BackgroundWriter
 
 _UNSET: Any = object()
+# steps that captured something after which a monitored layer that captured nothing is said to be idle: a
+# training step runs every layer it uses (gradient accumulation's micro-batches are one step)
+IDLE_AFTER = 2
 
 
 def _name_filter(spec: str | Iterable[str] | None):
@@ -185,6 +188,12 @@ class Monitor:
         self._experts: dict[str, Any] = {}  # layer -> experts module, until it is found running traced with
         # GEMMs its adapter reads in eager forwards only (_left_traced)
         self._traced_said = 0  # how many of collector.traced_layers were said (_left_traced)
+        # layers that captured nothing yet, and those said to be idle (_track_layers)
+        self._layer_source: dict[str, str] = {}  # layer -> its adapter's name (meta.sources)
+        self._unseen: dict[str, Any] = {}
+        self._idle: dict[str, Any] = {}
+        self._keys_seen = 0  # collector.keys read so far
+        self._steps_captured = 0  # steps that captured something, until the idle layers are said
         self._manifest_lock = threading.Lock()  # run.json: the writer thread and the training thread update it
         self._writer: BackgroundWriter | None = None
         self.detector: Any = None  # fp8scope.detect.OnlineDetector when detect is on
@@ -227,6 +236,9 @@ class Monitor:
             self._detach.append(adapter.attach(name, module, self.collector, self.recipe))
             if adapter is ExpertsSource:
                 self._experts[name] = module
+            else:  # experts say themselves what they could not read
+                self._unseen[name] = module
+            self._layer_source[name] = adapter.name
             self.layers.append(name)
             cover.layer(name, module)
             self.sources[adapter.name] = self.sources.get(adapter.name, 0) + 1
@@ -381,11 +393,53 @@ class Monitor:
             self._cover.leave_traced(name, self._experts.pop(name))
         self.coverage = self._cover.to_dict()
         self._warn(f"traced:{new[0]}", self._cover.traced_warning(new))
+        self._write_coverage()
+
+    def _track_layers(self, captured: bool) -> None:
+        """Training thread, at a step's end while a layer has captured nothing, or a tensor was seen for
+        the first time: a monitored layer that captured nothing in the first ``IDLE_AFTER`` steps that
+        captured anything is idle (unused, or the code around it uses its weight directly), said once and
+        counted as not monitored; one that runs later (a layer only some batches use) counts again."""
+        keys = self.collector.keys
+        back = []
+        for key in keys[self._keys_seen:]:
+            layer = self._owner(key.layer)
+            self._unseen.pop(layer, None)
+            if layer in self._idle:
+                self._idle.pop(layer)
+                self._cover.ran(layer)
+                back.append(layer)
+        self._keys_seen = len(keys)
+        if keys and captured and self._unseen:
+            self._steps_captured += 1
+        new = sorted(self._unseen) if self._steps_captured >= IDLE_AFTER else []
+        for name in new:
+            self._idle[name] = self._unseen.pop(name)
+            self._cover.leave_idle(name, self._idle[name])
+        for name, sign in [(n, -1) for n in new] + [(n, 1) for n in back]:
+            src = self._layer_source[name]
+            self.sources[src] = self.sources.get(src, 0) + sign
+        if not (new or back):
+            return
+        self.sources = {k: v for k, v in self.sources.items() if v}
+        self.coverage = self._cover.to_dict()
+        if new:
+            self._warn("idle", self._cover.idle_warning(new, IDLE_AFTER))
+        self._write_coverage()
+
+    def _owner(self, layer: str) -> str:
+        """The monitored layer a tensor's layer name belongs to (a TE LayerNormMLP's ``<layer>.fc1``)."""
+        name = layer
+        while name and name not in self._layer_source:
+            name = name.rpartition(".")[0]
+        return name or layer
+
+    def _write_coverage(self) -> None:
         if self.rank == 0 and self._writer is not None and self._store_failed is None:
             from fp8scope.store.manifest import update_manifest
 
             with self._manifest_lock:
-                update_manifest(self.run_dir, meta={"coverage": self.coverage})
+                update_manifest(self.run_dir, meta={"coverage": self.coverage, "sources": self.sources})
 
     # ---- failure handling ------------------------------------------------------------
     def _warn(self, key: str, message: str) -> None:
@@ -418,9 +472,12 @@ class Monitor:
             if step is not None:
                 self._step = int(step)
             self.collector.step = self._step
+            captured = self.collector.active
             payload = self.collector.end_step(scalars)
             if len(self.collector.traced_layers) != self._traced_said:  # experts ran compiled, uncaptured
                 self._left_traced()
+            if len(self.collector.keys) != self._keys_seen or (self._unseen and captured):
+                self._track_layers(captured)
             if self._writer is not None and self._writer.failed is None:
                 # wait only for the previous step: this one's copy and append overlap the next step
                 self._writer.wait(self._writer.submit(payload) - 1, timeout=60)

@@ -229,3 +229,86 @@ def test_experts_that_run_compiled_as_a_loop_are_said_and_left(tmp_path):
         "not monitored: 2 MoE expert modules (model.layers.0.mlp.experts, model.layers.1.mlp.experts, 84")
     layers = set(fp8scope.load_run(tmp_path / "r").tensors()["layer"])
     assert "model.layers.0.self_attn.q_proj" in layers and not any(".experts." in n for n in layers)
+
+
+def test_layers_whose_weight_the_model_uses_directly_are_said_and_left(tmp_path, capsys):
+    """``transformers``' Mamba holds ``dt_proj`` as an ``nn.Linear`` but computes
+    ``self.dt_proj.weight @ time_step`` (modeling_mamba.py, ``MambaMixer.forward``; with the ``mamba_ssm``
+    kernels ``x_proj`` and ``out_proj`` go the same way): the layer's forward never runs, so its hooks
+    capture nothing and its emulated FP8 conversion never computes. Before, the run said nothing of it,
+    and the report counted 16 layers of a 4-layer Mamba as running FP8 where 12 did. After two steps that
+    captured something, the monitor says which layers captured nothing, once, and run.json leaves them."""
+    from fp8scope.store.manifest import coverage_text, read_manifest
+
+    torch.manual_seed(0)
+    cfg = transformers.MambaConfig(vocab_size=32, hidden_size=16, num_hidden_layers=2, state_size=4)
+    model = transformers.MambaForCausalLM(cfg)
+    convert_to_fp8(model, skip=["lm_head"])
+    opt = torch.optim.AdamW(model.parameters(), 1e-3)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = fp8scope.Monitor(model, tmp_path, every=1)
+        for step in range(4):
+            ids = torch.randint(0, 32, (2, 8))
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            mon.step(loss=loss)
+            if step == 0:  # one step is no evidence yet
+                assert coverage_text(read_manifest(tmp_path)) is None
+        mon.close()
+    said = [str(w.message) for w in caught if "did not run" in str(w.message)]
+    assert len(said) == 1, said
+    assert said[0].startswith("fp8scope: 2 monitored layer(s) holding 2 % of the model's GEMM weights did not run "
+                              "their forward in 2 steps: backbone.layers.0.mixer.dt_proj (Fp8Linear), "
+                              "backbone.layers.1.mixer.dt_proj (Fp8Linear)"), said
+    meta = read_manifest(tmp_path)["meta"]
+    assert [(u["module"], u["kind"]) for u in meta["coverage"]["unmonitored"]] == [
+        ("backbone.layers.0.mixer.dt_proj", "idle"), ("backbone.layers.1.mixer.dt_proj", "idle")]
+    assert meta["sources"] == {"emulated": 6, "whatif": 1}  # in_proj, x_proj and out_proj of 2 layers; the head
+    assert not any("dt_proj" in n for n in fp8scope.load_run(tmp_path).tensors()["layer"])
+    capsys.readouterr()
+    assert cli_main(["info", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "mixed: 6 layers ran FP8 (6 emulated)" in out
+    assert ("not monitored: 2 layers whose forward never ran (backbone.layers.0.mixer.dt_proj, "
+            "backbone.layers.1.mixer.dt_proj, 2 % of the GEMM weights)") in out
+
+
+class Gated(nn.Module):
+    """A layer only some batches use (a vision tower on image batches, a task head)."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(16, 16)
+        self.aux = nn.Linear(16, 16)
+        self.use_aux = False
+
+    def forward(self, x):
+        h = self.a(x)
+        return self.aux(h) if self.use_aux else h
+
+
+def test_a_layer_left_idle_counts_again_once_it_runs(tmp_path):
+    from fp8scope.store.manifest import coverage_text, read_manifest
+
+    torch.manual_seed(0)
+    model = Gated()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mon = fp8scope.Monitor(model, tmp_path, every=1)
+        texts = []
+        for step in range(5):
+            model.use_aux = step == 3
+            model(torch.randn(4, 16)).pow(2).mean().backward()
+            mon.step()
+            texts.append(coverage_text(read_manifest(tmp_path)))
+        mon.close()
+    assert texts[:3] == [None, "not monitored: 1 layer whose forward never ran (aux, 50 % of the GEMM weights)",
+                         "not monitored: 1 layer whose forward never ran (aux, 50 % of the GEMM weights)"], texts
+    assert texts[3:] == [None, None]
+    assert read_manifest(tmp_path)["meta"]["sources"] == {"whatif": 2}
+    assert len([w for w in caught if "did not run" in str(w.message)]) == 1
+    rows = fp8scope.load_run(tmp_path).tensors()
+    assert sorted(set(rows.loc[rows["layer"] == "aux", "step"])) == [3]

@@ -230,7 +230,8 @@ def coverage_text(manifest: dict) -> str | None:
     total = int(p.get("monitored") or 0) + int(p.get("unmonitored") or 0)
     parts = []
     for kind, one, many in (("experts", "MoE expert module", "MoE expert modules"),
-                            ("matrix", "other weight matrix", "other weight matrices")):
+                            ("matrix", "other weight matrix", "other weight matrices"),
+                            ("idle", "layer whose forward never ran", "layers whose forward never ran")):
         group = [u for u in left if u.get("kind") == kind]
         if group:
             share = f", {share_text(sum(int(u.get('params') or 0) for u in group), total)} of the GEMM weights" if total else ""
