@@ -1,4 +1,4 @@
-"""Detection suite: planted failures and clean runs on seven architectures, scored against what each
+"""Detection suite: planted failures and clean runs on eleven architectures, scored against what each
 plant expects (layer, role, step, cause).
 
     .venv/bin/python benchmarks/detection_suite.py [--steps 400] [--jobs 2] [--only NAME,...] [--out results.json]
@@ -9,10 +9,11 @@ Cases train two at a time by default (``--jobs``, one torch thread each: these s
 bound by Python overhead, so two processes get more done on two cores than one with two threads);
 a ``loaded`` case runs alone, after the others.
 
-Architectures: the demo's tiny GPT (fp8scope.demo, d128, 4 blocks) and six ``transformers``
+Architectures: the demo's tiny GPT (fp8scope.demo, d128, 4 blocks) and ten ``transformers``
 architectures built from small configs (random weights, no download, width 128, 4 layers; see
-``_hf_config``): Llama (SwiGLU 256, 4 heads, 2 KV heads), Qwen2, Phi, GPT-2, GPT-NeoX and OPT, all
-in emulated FP8 (delayed scaling, TE's recipe with history 16 unless a case says otherwise; the
+``_hf_config``): the decoders Llama (SwiGLU 256, 4 heads, 2 KV heads), Qwen2, Phi, GPT-2, GPT-NeoX,
+OPT, Mixtral and Qwen3-MoE (next-token loss), and the encoders DeBERTa-v2 and BERT (masked LM: 15 %
+of the positions masked, :class:`MaskedBatches`), all in emulated FP8 (delayed scaling, TE's recipe with history 16 unless a case says otherwise; the
 output head in BF16), on the demo corpus, AdamW, linear warm-up then cosine decay, grad
 clipping at 1, full stats every 10 steps (cheap rows on the others), online detection on.
 
@@ -55,6 +56,7 @@ sys.path.insert(0, str(ROOT))
 
 GPT_DOWN = "blocks.{}.mlp.down"
 LLAMA = "lm.model.layers.{}"
+DEBERTA = "lm.deberta.encoder.layer.{}"
 
 
 @dataclass
@@ -117,6 +119,11 @@ def cases(steps: int) -> list[Case]:
              "lm.gpt_neox.layers.1.attention.dense", "activation", late - 9, "fp8"),
         Case("opt-scale-reset-cheap", "opt", ["reset:lm.model.decoder.layers.2.fc2:235"],
              "lm.model.decoder.layers.2.fc2", "activation", 235, "fp8"),
+        # encoders, trained as masked LMs
+        Case("deberta-outlier-late", "deberta", [f"outlier:{DEBERTA.format(2)}.output.dense:{late + 5}:1000"],
+             f"{DEBERTA.format(2)}.output.dense", "activation", late + 5, "fp8"),
+        Case("bert-nan-cheap", "bert", [f"nan:lm.bert.encoder.layer.1.attention.output.dense:{late - 11}"],
+             "lm.bert.encoder.layer.1.attention.output.dense", "activation", late - 11, "fp8"),
         # under the recipes torchao (per-tensor current scaling) and Blackwell (MXFP8) users train with
         Case("llama-growing-outlier-current", "llama", [f"grow:{LLAMA.format(1)}.mlp.down_proj:120:256:100"],
              f"{LLAMA.format(1)}.mlp.down_proj", "activation", 120, "fp8", until=230, fp8="current"),
@@ -155,6 +162,8 @@ def cases(steps: int) -> list[Case]:
         Case("gpt2-clean", "gpt2"),
         Case("neox-clean", "neox"),
         Case("opt-clean", "opt"),
+        Case("deberta-clean", "deberta"),
+        Case("bert-clean", "bert"),
         # mixtures of experts: each expert's GEMMs are layers of their own (what-if: transformers keeps
         # the experts in high precision), fed a varying share of the tokens every step
         # under delayed scaling an expert's scale lags its tokens, which change every step: what-if
@@ -171,10 +180,10 @@ def cases(steps: int) -> list[Case]:
 
 def _hf_config(arch: str, vocab: int, seq: int, d: int):
     """A small config of ``transformers`` architecture ``arch`` (4 layers, width ``d``; the model gets
-    random weights). Eight architectures the project did not write: their norms, activations
-    (SwiGLU, GELU, ReLU), attention (grouped KV, a fused QKV projection, parallel attention and MLP,
-    partial rotary), layer kinds (GPT-2's ``Conv1D``, MoE experts as 3-D weights) differ, and so do
-    their tensors' ranges."""
+    random weights). Ten architectures the project did not write: their norms (pre- and post-LN),
+    activations (SwiGLU, GELU, ReLU), attention (grouped KV, a fused QKV projection, parallel attention
+    and MLP, partial rotary, DeBERTa's disentangled relative positions, bidirectional), layer kinds
+    (GPT-2's ``Conv1D``, MoE experts as 3-D weights) differ, and so do their tensors' ranges."""
     import transformers
 
     if arch == "llama":
@@ -207,10 +216,39 @@ def _hf_config(arch: str, vocab: int, seq: int, d: int):
                                            num_key_value_heads=2, head_dim=d // 4, num_experts=128,
                                            num_experts_per_tok=8, norm_topk_prob=True, decoder_sparse_step=1,
                                            max_position_embeddings=seq)
+    if arch == "deberta":  # an encoder (masked LM): disentangled relative-position attention, its own q/k projections
+        return transformers.DebertaV2Config(vocab_size=vocab + 1, hidden_size=d, num_hidden_layers=4,
+                                            num_attention_heads=4, intermediate_size=4 * d, max_position_embeddings=seq,
+                                            relative_attention=True, position_buckets=32, pos_att_type=["p2c", "c2p"])
+    if arch == "bert":  # an encoder (masked LM), post-LayerNorm, GELU
+        return transformers.BertConfig(vocab_size=vocab + 1, hidden_size=d, num_hidden_layers=4, num_attention_heads=4,
+                                       intermediate_size=4 * d, max_position_embeddings=seq)
     if arch == "opt":  # ReLU: its MLP's down projection reads mostly exact zeros
         return transformers.OPTConfig(vocab_size=vocab, hidden_size=d, num_hidden_layers=4, ffn_dim=4 * d,
                                       num_attention_heads=4, max_position_embeddings=seq, word_embed_proj_dim=d)
     raise ValueError(f"unknown architecture {arch!r}")
+
+
+MASKED = ("deberta", "bert")  # encoders, trained as masked LMs on the same corpus
+
+
+class MaskedBatches:
+    """The demo's batches as a masked LM's (BERT's objective, its collator's job): 15 % of the positions
+    become the mask token (one past the corpus vocabulary) in the input, and only those are targets (the
+    others are -100, which cross-entropy ignores)."""
+
+    def __init__(self, batches, mask_id: int, seed: int, share: float = 0.15):
+        import torch
+
+        self.batches, self.mask_id, self.share = batches, mask_id, share
+        self.gen = torch.Generator().manual_seed(seed + 1)
+
+    def next(self):
+        import torch
+
+        x, _ = self.batches.next()
+        masked = (torch.rand(x.shape, generator=self.gen) < self.share).to(x.device)
+        return x.masked_fill(masked, self.mask_id), x.masked_fill(~masked, -100)
 
 
 def _hf_setup(setup, arch: str, d: int = 128, experts: str | None = None):
@@ -230,13 +268,15 @@ def _hf_setup(setup, arch: str, d: int = 128, experts: str | None = None):
             super().__init__()
             cfg = _hf_config(arch, vocab, seq, d)
             torch.manual_seed(setup.args.seed)
-            self.lm = transformers.AutoModelForCausalLM.from_config(
-                cfg, **({"experts_implementation": experts} if experts else {}))
+            auto = transformers.AutoModelForMaskedLM if arch in MASKED else transformers.AutoModelForCausalLM
+            self.lm = auto.from_config(cfg, **({"experts_implementation": experts} if experts else {}))
 
         def forward(self, x):
             return self.lm(input_ids=x).logits
 
     model = LM(setup.cfg.vocab, setup.cfg.seq_len).to(setup.device)
+    if arch in MASKED:
+        setup.batches = MaskedBatches(setup.batches, mask_id=setup.cfg.vocab, seed=setup.args.seed)
     if setup.recipe is not None:
         head = next(n for n, m in model.named_modules() if m is model.lm.get_output_embeddings())
         convert_to_fp8(model, recipe=setup.recipe, skip=[head])

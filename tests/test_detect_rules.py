@@ -553,3 +553,86 @@ def test_an_experts_climb_within_its_kinds_spread_is_info_and_an_outlier_is_a_wa
         ("amax_trend", "moe.experts.0.down_proj"), ("amax_trend", "dense.2.down"), ("amax_spike", "dense.0.down")}, first
     msg = ev[(ev["rule"] == "amax_spike") & (ev["layer"] == "moe.experts.2.down_proj")]["message"].iloc[0]
     assert "not above the spread of the 127 layers of its kind (z -6)" in msg, msg  # one expert idle
+
+
+def test_a_gradients_climbing_scale_is_told_and_an_activations_is_a_warning(tmp_path):
+    """A clean DeBERTa (MLM, emulated FP8, delayed scaling, history 16) warned ``scale_collapse`` twice and
+    got the verdict "first anomaly at step 162": its top layer's query and key projection gradients, near
+    1e-8 while attention stayed uniform, rose 74x and 66x over 50 steps (at most 2.3x a step) as attention
+    woke up, and fell back. A gradient's scale follows the loss, and its clips and flushes are judged by
+    their own rules: the climb is info. The same climb of an activation's scale is still a warning. The
+    scales are TE's delayed update of this amax series (the max of the last 16 amaxes, one step late),
+    the rows written through the real write path."""
+    from fp8scope.detect import detect
+    from fp8scope.schema import FIELD_INDEX, N_FIELDS
+    from fp8scope.step_payload import TensorKey
+    from fp8scope.step_records import tensor_batch
+    from fp8scope.store.manifest import new_manifest, write_manifest
+    from fp8scope.store.writer import RunWriter
+
+    keys = [TensorKey("encoder.layer.3.attention.self.query_proj", "gradient", "emulated", "e5m2", 57344.0, (64, 128)),
+            TensorKey("encoder.layer.3.attention.self.value_proj", "activation", "emulated", "e4m3", 448.0, (64, 128))]
+    rng = np.random.default_rng(0)
+    steps = 240
+    # quiet and noisy near 1e-8 (x/÷ 1.3), then x1.5 a step for 13 steps from step 150 (~190x), then back
+    log_amax = np.log(1e-8) + rng.normal(0, 0.25, steps)
+    log_amax[150:163] += np.log(1.5) * np.arange(1, 14)
+    log_amax[163:200] += np.log(1.5) * 13 * np.linspace(1, 0, 37)
+    amax = np.exp(log_amax)
+    with RunWriter(tmp_path, 0) as w:
+        for step in range(steps):
+            m = np.full((2, N_FIELDS), np.nan)
+            for i, key in enumerate(keys):
+                hist = amax[max(0, step - 16):step]
+                a = amax[step] * (1.0 if i == 0 else 1e7)  # the activation: the same series near 0.1
+                exp_amax = (hist.max() * (1.0 if i == 0 else 1e7)) if step else key.fp8_max
+                m[i, FIELD_INDEX["amax"]] = a
+                m[i, FIELD_INDEX["expected_amax"]] = exp_amax
+                m[i, FIELD_INDEX["scale"]] = key.fp8_max / exp_amax
+                m[i, FIELD_INDEX["scale_inv"]] = exp_amax / key.fp8_max
+                m[i, FIELD_INDEX["numel"]] = 8192
+            w.write("tensors", tensor_batch(step, 0, m, [0, 1], keys, False))
+    write_manifest(tmp_path, new_manifest(recipe={"kind": "delayed"}, world_size=1))
+    ev = detect(tmp_path)
+    collapse = ev[ev["rule"] == "scale_collapse"]
+    got = {(r.tensor, r.severity) for r in collapse.itertuples()}
+    assert got == {("gradient", "info"), ("activation", "warning")}, collapse
+    assert ev.loc[ev["tensor"] == "gradient", "severity"].eq("info").all(), ev[ev["tensor"] == "gradient"]
+    first = collapse.sort_values("step").iloc[0]
+    assert 155 <= int(first["step"]) <= 165 and first["value"] >= 64
+    assert "collapsing toward zero" in collapse[collapse["tensor"] == "activation"].iloc[0]["message"]
+    assert "follows the loss" in collapse[collapse["tensor"] == "gradient"].iloc[0]["message"]
+
+
+def test_a_gradient_surge_that_fp8_clipped_is_not_blamed_on_fp8_without_a_fork():
+    """A clean BART (lr 3e-3, emulated FP8) clipped 7 layers' gradients at step 75 (their amaxes jumped
+    10x-700x in one step, past what their delayed scales held) and its loss spiked at step 77. The
+    report said "FP8 is the likely cause"; BF16 forks from the same state spiked the same way
+    ("not-fp8"), and the model did the same in high precision at step 62. A clip of many layers'
+    gradients at once, with no forward tensor flagged before, is a surge from the backward: FP8's
+    part is unknown until a fork says. One layer's gradient clipped, or a forward tensor flagged
+    first, is still FP8's symptom."""
+    from fp8scope.detect.report import blame
+
+    def ev(step, rule, layer="", tensor="gradient"):
+        return {"step": step, "rank": 0, "rule": rule, "severity": "warning", "layer": layer,
+                "tensor": tensor if layer else "loss", "value": 1.0, "threshold": 1.0, "message": rule}
+
+    dec = "model.decoder.layers.{}.{}"
+    surge = [ev(75, "saturation", dec.format(1, "self_attn.out_proj")), ev(75, "saturation", dec.format(1, "self_attn.k_proj")),
+             ev(75, "amax_spike", dec.format(1, "self_attn.q_proj")), ev(75, "saturation", dec.format(0, "fc2")),
+             ev(76, "saturation", dec.format(0, "fc1")), ev(77, "loss_spike")]
+
+    def level(events):
+        df = pd.DataFrame(events)
+        return blame({"steps": 300, "measured": {"kind": "fp8"}, "attribution": attribution(df)}, df)
+
+    b = level(surge)
+    assert b["level"] == "unknown" and "gradients surged at step 75: 4 layers" in b["why"], b
+    assert "BF16 fork" in b["why"]
+    assert level(surge[:1] + surge[-1:])["level"] == "likely"  # one layer's gradient: its cast
+    assert level(surge[:2] + surge[-1:])["level"] == "likely"  # two: below SURGE_LAYERS
+    early_fwd = [ev(74, "amax_spike", dec.format(1, "fc1"), "activation")] + surge
+    assert level(early_fwd)["level"] == "likely"  # the forward moved first: the surge may be FP8's doing
+    fwd_first = [ev(75, "saturation", dec.format(1, "fc1"), "activation")] + surge
+    assert level(fwd_first)["level"] == "likely"

@@ -162,6 +162,13 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
                                            "started there"}
     if att.get("side") == "fp8":
         e = att["event"]
+        surge = _gradient_surge(serious, e)
+        if surge:
+            return {"level": "unknown", "why": f"the gradients surged at step {e['step']}: {len(surge)} layers' gradients "
+                                               f"clipped or spiked at once ({_some(surge)}) with no forward tensor "
+                                               "flagged before them. A surge comes from the backward (the loss, the "
+                                               "model's dynamics) and FP8 clipped it; a BF16 fork from before it "
+                                               "(fp8scope.Shadow) tells whether the clipping made it worse"}
         return {"level": "likely", "why": f"an FP8 symptom came first: {e['rule']} in {e['layer']} {e['tensor']} "
                                           f"at step {e['step']}".rstrip()}
     # no FP8 symptom on a layer that ran FP8 (attribution found none): any left are simulated
@@ -170,6 +177,29 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
         return {"level": "unlikely", "why": "FP8's only symptoms are simulated, on layers that ran in high precision "
                                             f"(what-if): {_some(simulated['layer'])}"}
     return {"level": "unknown", "why": "warnings without an FP8 symptom or an optimizer-side event to order them"}
+
+
+SURGE_LAYERS = 3  # layers whose gradients clip or spike at one step: a surge from the backward, not one cast
+
+
+def _gradient_surge(serious: pd.DataFrame, first: dict) -> list[str]:
+    """The layers whose gradients clipped (``saturation``) or jumped (``amax_spike``) at the step of
+    ``first``, the first FP8 symptom, when it is a gradient's clip, at least ``SURGE_LAYERS`` layers
+    share it, and no forward tensor of that rank was flagged up to that step; else []. Such a step
+    is a surge: the gradients of many layers grew by 10x-1000x at once, which their delayed scales
+    could not follow. It comes from the backward, not from one layer's cast. A clean BART (lr 3e-3) did
+    that at step 75 in emulated FP8, and at step 62 in high precision. Its loss spiked two steps
+    later, and BF16 forks from the same state spiked the same way ("not-fp8"), so "FP8 is the likely
+    cause" was wrong."""
+    if first.get("rule") != "saturation" or base_role(str(first.get("tensor") or "")) != "gradient":
+        return []
+    mine = serious[(serious["rank"] == first["rank"]) & (serious["layer"] != "") & serious["layer"].notna()]
+    roles = mine["tensor"].astype(str).map(base_role)
+    if ((roles != "gradient") & (mine["step"] <= first["step"])).any():
+        return []
+    at = mine[(mine["step"] == first["step"]) & (roles == "gradient") & mine["rule"].isin(("saturation", "amax_spike"))]
+    layers = sorted(set(at["layer"]))
+    return layers if len(layers) >= SURGE_LAYERS else []
 
 
 BLAME_TITLES = {"clean": "No problems flagged", "likely": "FP8 is the likely cause",

@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fp8scope.detect.config import DetectConfig
+from fp8scope.schema import base_role
 
 SEVERITIES = ("info", "warning", "critical")
 SEVERITY_RANK = {s: i for i, s in enumerate(SEVERITIES)}
@@ -269,17 +270,24 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
         ),
         RowRule(
             # one per-tensor scale collapsing toward zero; a block recipe's row logs its largest block scale,
-            # which rises with the tensor's amax (amax_spike and amax_trend see that growth): not judged
+            # which rises with the tensor's amax (amax_spike and amax_trend see that growth): not judged.
+            # A gradient's is info: its scale follows the loss landscape, which moves it by orders of
+            # magnitude in healthy training (a clean DeBERTa's attention gradients, near 1e-8, rose 200x in
+            # 12 steps and fell back), and what FP8 pays for a gradient's growth is a clip or a flush, which
+            # saturation, saturation_rate and underflow judge
             "scale_collapse",
             evaluable=lambda c: _nn(c["scale_inv_f"]) & ~c["block"],
             cond=lambda c: ((c["n_si"] > cw) & (c["si_old"] > 0) & (c["scale_inv_f"] >= cf * c["si_old"])
                             & (c["scale_inv_f"] >= c["si_max"]) & (c["max_jump"] <= cj)),
             value=lambda c: _div(c["scale_inv_f"], c["si_old"]),
             threshold=lambda c: cf,
-            severity=lambda c: _early_window(cfg, c, "warning", cw),
+            severity=lambda c: np.where(c["is_grad"], "info", _early_window(cfg, c, "warning", cw)),
             message=lambda r: (
                 f"{_where(r)}: scale_inv rose {_fmt(r['value'])}x over the last {int(cfg.collapse_window)} logged "
-                f"steps, at most {_fmt(r['max_jump'])}x in one step (scale {_fmt(r['scale'])}): the scale is collapsing toward zero"
+                f"steps, at most {_fmt(r['max_jump'])}x in one step (scale {_fmt(r['scale'])}): "
+                + ("the gradient grew step after step; a gradient's scale follows the loss, so this is told, not "
+                   "alarmed (a clip or a flush it causes is judged by saturation and underflow)"
+                   if base_role(r["tensor"]) == "gradient" else "the scale is collapsing toward zero")
             ),
         ),
         RowRule(
