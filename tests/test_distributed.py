@@ -1,7 +1,8 @@
-"""Multi-rank runs on CPU: torch.multiprocessing (spawn) + gloo, real DistributedDataParallel.
+"""Multi-rank runs on CPU: torch.multiprocessing (spawn) + gloo, real DistributedDataParallel and FSDP2.
 
-Each test spawns 2 or 4 ranks that train a small emulated-FP8 MLP under DDP with a Monitor on
-every rank, all writing into one run folder, then reads the folder back in the parent.
+Each test spawns 2 or 4 ranks that train a small emulated-FP8 MLP under DDP (or a ``transformers``
+Llama sharded with FSDP2's ``fully_shard``) with a Monitor on every rank, all writing into one run
+folder, then reads the folder back in the parent.
 """
 
 from __future__ import annotations
@@ -149,3 +150,82 @@ def test_per_rank_only_run_is_checked_offline(two_ranks):
     # activations differ across data-parallel ranks, but reduce_amax (TE's default, and the
     # emulator's) all-reduces their amaxes: every rank uses the same activation scales
     assert cross_rank_scale_mismatch(run, roles=["activation"]).empty
+
+
+def _fsdp_llama(emulated: bool):
+    import transformers
+
+    from fp8scope.emulate import convert_to_fp8
+
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=16)
+    model = transformers.LlamaForCausalLM(cfg)
+    if emulated:
+        convert_to_fp8(model, skip=["lm_head"])
+    return model
+
+
+def _fsdp_train(model, run_dir: str, seed: int) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    gen = torch.Generator().manual_seed(seed)
+    mon = fp8scope.Monitor(model, run_dir, every=2)
+    for _ in range(STEPS):
+        ids = torch.randint(0, 64, (2, 16), generator=gen)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        mon.step(loss=loss.detach())
+    mon.close()
+
+
+def _fsdp_runs(rank: int, root: str) -> None:
+    """FSDP2 as torchtitan shards a model: each decoder layer, then the root; every rank its own data
+    ("own") or every rank the same batches ("same", which the single-process run also trains on)."""
+    from torch.distributed.fsdp import fully_shard
+
+    for emulated in (False, True):
+        for data in ("same", "own"):
+            model = _fsdp_llama(emulated)
+            for layer in model.model.layers:
+                fully_shard(layer)
+            fully_shard(model)
+            _fsdp_train(model, os.path.join(root, f"{data}-{emulated}"), 7 if data == "same" else 100 + rank)
+
+
+@pytest.fixture(scope="module")
+def fsdp_root(tmp_path_factory):
+    """One 2-rank job for both parametrizations (process start-up dominates)."""
+    return spawn_gloo(tmp_path_factory.mktemp("fsdp2"), 2, _fsdp_runs)
+
+
+@pytest.mark.parametrize("emulated", [False, True], ids=["whatif", "emulated"])
+def test_fsdp2_sharded_layers_log_what_one_process_logs(fsdp_root, tmp_path_factory, emulated):
+    """Real FSDP2 (``fully_shard``) over 2 gloo ranks of a ``transformers`` Llama: each layer's weight is
+    sharded between steps and gathered in its forward (torch's pre-forward hook), its gradient reduce-
+    scattered. With the same batches on both ranks, rank 0 logs what one unsharded process logs, bit for
+    bit (the weights' amaxes are the gathered weights', the gradients the local ones); with each rank its
+    own data, the weights' rows still agree across ranks (replicas), the activations' do not, and an
+    emulated model's scales agree (its amaxes are reduced across the ranks, as TE's are)."""
+    root = fsdp_root
+    single = tmp_path_factory.mktemp("single") / "run"
+    _fsdp_train(_fsdp_llama(emulated), str(single), 7)
+    key = ["step", "layer", "tensor"]
+    one = fp8scope.load_run(single).tensors().sort_values(key).reset_index(drop=True)
+    same = fp8scope.load_run(root / f"same-{emulated}").tensors()
+    assert set(same["rank"]) == {0, 1}
+    r0 = same[same["rank"] == 0].sort_values(key).reset_index(drop=True)
+    assert len(one) == len(r0) == STEPS * 15 * 3  # 2 layers x 7 projections and the head, x 3 roles, each step
+    for col in ("amax", "scale", "scale_inv", "expected_amax"):
+        np.testing.assert_array_equal(r0[col].to_numpy(), one[col].to_numpy(), err_msg=col)
+    own = fp8scope.load_run(root / f"own-{emulated}")
+    df = own.tensors()
+    piv = df.pivot_table(index=key, columns="rank", values="amax")
+    weights = piv.xs("weight", level="tensor")
+    assert (weights[0] == weights[1]).all()
+    assert (piv.xs("activation", level="tensor")[0] != piv.xs("activation", level="tensor")[1]).any()
+    if emulated:
+        fp8 = df[df["source"] == "emulated"].pivot_table(index=key, columns="rank", values="scale")
+        assert (fp8[0] == fp8[1]).all()
+    assert cross_rank_scale_mismatch(own).empty
