@@ -50,10 +50,14 @@ class Coverage:
         self.matrices: list[tuple[str, nn.Module, int]] = []
         self.routers: list[tuple[str, nn.Module, int]] = []  # recorded, not warned about: always high precision
         self.idle: list[tuple[str, nn.Module, int]] = []  # monitored layers whose forward never ran
+        self._holders: dict[int, set[str]] = {}  # parameter id -> the monitored layers holding it
 
     def layer(self, name: str, module: nn.Module) -> None:
         self.order.append(name)
-        self.monitored.update(_gemm_params(module.parameters()))
+        sizes = _gemm_params(module.parameters())
+        self.monitored.update(sizes)
+        for k in sizes:  # a tied weight has several holders; it is left only when all of them are idle
+            self._holders.setdefault(k, set()).add(name)
 
     def consider(self, name: str, module: nn.Module, inside: bool) -> None:
         """A module no adapter claims; ``inside``: it is part of a monitored layer or of a module
@@ -81,11 +85,14 @@ class Coverage:
 
     def leave_idle(self, name: str, module: nn.Module) -> None:
         """A monitored layer whose forward has not run: the code around it uses its weight directly."""
-        sizes = {k: v for k, v in _gemm_params(module.parameters()).items() if k in self.monitored}
+        self.idle.append((name, module, 0))
+        idle = {n for n, _, _ in self.idle}
+        sizes = {k: v for k, v in _gemm_params(module.parameters()).items()
+                 if k in self.monitored and self._holders.get(k, set()) <= idle}
         for k in sizes:
             del self.monitored[k]
         self.left.update(sizes)
-        self.idle.append((name, module, sum(sizes.values())))
+        self.idle[-1] = (name, module, sum(sizes.values()))
 
     def ran(self, name: str) -> None:
         """A layer left idle ran after all (a layer only some batches use): it is monitored."""

@@ -636,3 +636,8 @@ def test_a_gradient_surge_that_fp8_clipped_is_not_blamed_on_fp8_without_a_fork()
     assert level(early_fwd)["level"] == "likely"  # the forward moved first: the surge may be FP8's doing
     fwd_first = [ev(75, "saturation", dec.format(1, "fc1"), "activation")] + surge
     assert level(fwd_first)["level"] == "likely"
+    # a what-if head's simulated cast is no forward flag (it trained in high precision), as in attribution()
+    head = pd.DataFrame([ev(75, "saturation", "lm_head", "activation")] + surge)
+    rep = {"steps": 300, "measured": {"kind": "mixed"}, "whatif_layers": ["lm_head"],
+           "attribution": attribution(head, whatif=["lm_head"])}
+    assert blame(rep, head)["level"] == "unknown"

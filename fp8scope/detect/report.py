@@ -162,7 +162,7 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
                                            "started there"}
     if att.get("side") == "fp8":
         e = att["event"]
-        surge = _gradient_surge(serious, e)
+        surge = _gradient_surge(serious, e, rep.get("whatif_layers") or ())
         if surge:
             return {"level": "unknown", "why": f"the gradients surged at step {e['step']}: {len(surge)} layers' gradients "
                                                f"clipped or spiked at once ({_some(surge)}) with no forward tensor "
@@ -182,10 +182,11 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
 SURGE_LAYERS = 3  # layers whose gradients clip or spike at one step: a surge from the backward, not one cast
 
 
-def _gradient_surge(serious: pd.DataFrame, first: dict) -> list[str]:
+def _gradient_surge(serious: pd.DataFrame, first: dict, whatif=()) -> list[str]:
     """The layers whose gradients clipped (``saturation``) or jumped (``amax_spike``) at the step of
     ``first``, the first FP8 symptom, when it is a gradient's clip, at least ``SURGE_LAYERS`` layers
-    share it, and no forward tensor of that rank was flagged up to that step; else []. Such a step
+    share it, and no forward tensor of that rank was flagged up to that step (a what-if layer's
+    simulated cast is no flag: ``whatif``, as in :func:`attribution`); else []. Such a step
     is a surge: the gradients of many layers grew by 10x-1000x at once, which their delayed scales
     could not follow. It comes from the backward, not from one layer's cast. A clean BART (lr 3e-3) did
     that at step 75 in emulated FP8, and at step 62 in high precision. Its loss spiked two steps
@@ -193,7 +194,8 @@ def _gradient_surge(serious: pd.DataFrame, first: dict) -> list[str]:
     cause" was wrong."""
     if first.get("rule") != "saturation" or base_role(str(first.get("tensor") or "")) != "gradient":
         return []
-    mine = serious[(serious["rank"] == first["rank"]) & (serious["layer"] != "") & serious["layer"].notna()]
+    mine = serious[(serious["rank"] == first["rank"]) & (serious["layer"] != "") & serious["layer"].notna()
+                   & ~(serious["layer"].isin(list(whatif)) & serious["rule"].isin(SIMULATED_CAST))]
     roles = mine["tensor"].astype(str).map(base_role)
     if ((roles != "gradient") & (mine["step"] <= first["step"])).any():
         return []
