@@ -636,6 +636,16 @@ def test_a_gradient_surge_that_fp8_clipped_is_not_blamed_on_fp8_without_a_fork()
     assert level(early_fwd)["level"] == "likely"  # the forward moved first: the surge may be FP8's doing
     fwd_first = [ev(75, "saturation", dec.format(1, "fc1"), "activation")] + surge
     assert level(fwd_first)["level"] == "likely"
+    # the advice follows the verdict: not "keep the layer in BF16", but where the surge came from and a fork
+    from fp8scope.detect.report import _rule_advice
+
+    df = pd.DataFrame(surge)
+    adv = _rule_advice({"attribution": attribution(df), "run": "r"}, df, DetectConfig())
+    assert any(a.startswith("The gradients surged at step 75 in ") and "BF16 fork" in a for a in adv), adv
+    assert not any("Outlier saturates" in a for a in adv), adv
+    one = pd.DataFrame(surge[:1] + surge[-1:])
+    assert any("Outlier saturates" in a for a in _rule_advice({"attribution": attribution(one), "run": "r"}, one,
+                                                              DetectConfig()))
     # a what-if head's simulated cast is no forward flag (it trained in high precision), as in attribution()
     head = pd.DataFrame([ev(75, "saturation", "lm_head", "activation")] + surge)
     rep = {"steps": 300, "measured": {"kind": "mixed"}, "whatif_layers": ["lm_head"],

@@ -551,7 +551,17 @@ def _rule_advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[st
             adv.append(f"NaN origin: {o['layer']} {o['tensor']} at step {o['step']}. Inspect that layer's input at that "
                        f"step; keep {o['layer']} in BF16 for one run to tell FP8 from the model (if it still NaNs, FP8 "
                        "is not to blame).")
-    if rules & {"amax_spike", "saturation"}:
+    att = rep.get("attribution") or {}
+    first = att.get("event") if att.get("side") == "fp8" else None
+    surge = _gradient_surge(serious, first, rep.get("whatif_layers") or ()) if first else []
+    if surge:  # not an outlier to keep in BF16: the gradients of many layers jumped at once (blame says so)
+        more = f" and {len(surge) - 3} more" if len(surge) > 3 else ""
+        adv.append(f"The gradients surged at step {first['step']} in {', '.join(surge[:3])}{more}: their delayed "
+                   "scales could not follow a 10x-1000x jump in one step, so FP8 clipped them. The surge comes from the "
+                   "backward: look at that step's loss, batch and lr. A BF16 fork from before it (fp8scope.Shadow, "
+                   "forks on events) tells whether the clipping made it worse; current scaling follows such a jump at "
+                   "once.")
+    elif rules & {"amax_spike", "saturation"}:
         ls = layers_of("amax_spike", "saturation")
         tip = ((f"raise margin (now {margin}) by 1-2 binades" if delayed else "raise its margin by 1-2 binades")
                if kind_of(ls) == "delayed" else "check the data feeding it")
