@@ -85,14 +85,13 @@ class Coverage:
 
     def leave_idle(self, name: str, module: nn.Module) -> None:
         """A monitored layer whose forward has not run: the code around it uses its weight directly."""
-        self.idle.append((name, module, 0))
-        idle = {n for n, _, _ in self.idle}
+        idle = {n for n, _, _ in self.idle} | {name}
         sizes = {k: v for k, v in _gemm_params(module.parameters()).items()
                  if k in self.monitored and self._holders.get(k, set()) <= idle}
         for k in sizes:
             del self.monitored[k]
         self.left.update(sizes)
-        self.idle[-1] = (name, module, sum(sizes.values()))
+        self.idle.append((name, module, sum(sizes.values())))
 
     def ran(self, name: str) -> None:
         """A layer left idle ran after all (a layer only some batches use): it is monitored."""

@@ -23,6 +23,7 @@ import os
 import re
 import threading
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -191,7 +192,7 @@ class Monitor:
         # layers that captured nothing yet, and those said to be idle (_track_layers)
         self._layer_source: dict[str, str] = {}  # layer -> its adapter's name (meta.sources)
         self._unseen: dict[str, Any] = {}
-        self._idle: dict[str, Any] = {}
+        self._idle: set[str] = set()
         self._keys_seen = 0  # collector.keys read so far
         self._steps_captured = 0  # steps that captured something, until the idle layers are said
         self._manifest_lock = threading.Lock()  # run.json: the writer thread and the training thread update it
@@ -406,7 +407,7 @@ class Monitor:
             layer = self._owner(key.layer)
             self._unseen.pop(layer, None)
             if layer in self._idle:
-                self._idle.pop(layer)
+                self._idle.discard(layer)
                 self._cover.ran(layer)
                 back.append(layer)
         self._keys_seen = len(keys)
@@ -414,14 +415,12 @@ class Monitor:
             self._steps_captured += 1
         new = sorted(self._unseen) if self._steps_captured >= IDLE_AFTER else []
         for name in new:
-            self._idle[name] = self._unseen.pop(name)
-            self._cover.leave_idle(name, self._idle[name])
-        for name, sign in [(n, -1) for n in new] + [(n, 1) for n in back]:
-            src = self._layer_source[name]
-            self.sources[src] = self.sources.get(src, 0) + sign
+            self._idle.add(name)
+            self._cover.leave_idle(name, self._unseen.pop(name))
         if not (new or back):
             return
-        self.sources = {k: v for k, v in self.sources.items() if v}
+        # meta.sources: the layers each adapter monitors, less the idle ones
+        self.sources = dict(Counter(src for name, src in self._layer_source.items() if name not in self._idle))
         self.coverage = self._cover.to_dict()
         if new:
             self._warn("idle", self._cover.idle_warning(new, IDLE_AFTER))

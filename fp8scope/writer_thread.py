@@ -85,6 +85,8 @@ class BackgroundWriter:
         ``(any, their layers merged)``, the layers None where a step wants every layer. A step's own
         verdict is taken at the next step's end, whether or not this thread was done with it sooner,
         so a run's closer looks fall on the same steps whatever the timing (a resumed run's included)."""
+        if not self._suspicious_steps:  # the common step: nothing flagged, nothing built
+            return False, frozenset()
         flagged = [s for s in list(self._suspicious_steps) if s < before]
         layers: frozenset | None = frozenset()
         for s in flagged:

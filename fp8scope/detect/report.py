@@ -162,7 +162,7 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
                                            "started there"}
     if att.get("side") == "fp8":
         e = att["event"]
-        surge = _gradient_surge(serious, e, rep.get("whatif_layers") or ())
+        surge = att.get("surge")
         if surge:
             return {"level": "unknown", "why": f"the gradients surged at step {e['step']}: {len(surge)} layers' gradients "
                                                f"clipped or spiked at once ({_some(surge)}) with no forward tensor "
@@ -477,7 +477,8 @@ def attribution(serious: pd.DataFrame, whatif: list[str] | tuple = ()) -> dict:
     step's grad norm and applied lr come after all its tensors. ``whatif``: layers that ran in high
     precision in a run whose others ran FP8; their simulated symptoms are no FP8 damage. ``side``:
     "optimizer", "fp8" or None; ``event``: the first event of that side; ``fp8_event``: the first FP8
-    one, if any."""
+    one, if any; ``surge`` (side "fp8"): the layers of a gradient surge that event is part of
+    (:func:`_gradient_surge`), which the verdict and the advice read."""
     if serious.empty:
         return {"side": None, "event": None, "fp8_event": None}
     ordered = serious.assign(_phase=_phases(serious)).sort_values(["step", "_phase", "rank"], kind="stable")
@@ -489,7 +490,8 @@ def attribution(serious: pd.DataFrame, whatif: list[str] | tuple = ()) -> dict:
                                   < (fp8["step"].iloc[0], fp8["_phase"].iloc[0])):
         return {"side": "optimizer", "event": first_opt, "fp8_event": first_fp8}
     if first_fp8 is not None:
-        return {"side": "fp8", "event": first_fp8, "fp8_event": first_fp8}
+        return {"side": "fp8", "event": first_fp8, "fp8_event": first_fp8,
+                "surge": _gradient_surge(serious, first_fp8, whatif)}
     return {"side": None, "event": None, "fp8_event": None}
 
 
@@ -552,11 +554,10 @@ def _rule_advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[st
                        f"step; keep {o['layer']} in BF16 for one run to tell FP8 from the model (if it still NaNs, FP8 "
                        "is not to blame).")
     att = rep.get("attribution") or {}
-    first = att.get("event") if att.get("side") == "fp8" else None
-    surge = _gradient_surge(serious, first, rep.get("whatif_layers") or ()) if first else []
+    surge = att.get("surge")
     if surge:  # not an outlier to keep in BF16: the gradients of many layers jumped at once (blame says so)
         more = f" and {len(surge) - 3} more" if len(surge) > 3 else ""
-        adv.append(f"The gradients surged at step {first['step']} in {', '.join(surge[:3])}{more}: their delayed "
+        adv.append(f"The gradients surged at step {att['event']['step']} in {', '.join(surge[:3])}{more}: their delayed "
                    "scales could not follow a 10x-1000x jump in one step, so FP8 clipped them. The surge comes from the "
                    "backward: look at that step's loss, batch and lr. A BF16 fork from before it (fp8scope.Shadow, "
                    "forks on events) tells whether the clipping made it worse; current scaling follows such a jump at "
