@@ -60,6 +60,7 @@ def step_batch(step: int, keys, rng, full: bool, spike_layer: int | None) -> pa.
     def counts(p):
         c = rng.binomial(1 << 20, p, n).astype(np.int64)
         return pa.array(c) if full else pa.nulls(n, pa.int64())
+    uf = rng.binomial(1 << 20, 2e-3, n).astype(np.int64)
     over = (rng.binomial(1 << 20, 1e-6, n) + (amax > fp8_max * scale_inv) * 5000).astype(np.int64)
     cols = {
         "step": pa.array(np.full(n, step, np.int64)),
@@ -82,7 +83,9 @@ def step_batch(step: int, keys, rng, full: bool, spike_layer: int | None) -> pa.
         "zeros": counts(1e-3),
         "nonfinite": pa.array(np.zeros(n, np.int64)) if full else pa.nulls(n, pa.int64()),
         "overflow": pa.array(over) if full else pa.nulls(n, pa.int64()),
-        "underflow": counts(2e-3),
+        "underflow": pa.array(uf) if full else pa.nulls(n, pa.int64()),
+        # a bulk pressed under flushes evenly below the threshold: 1/16 of it from 4+ binades under
+        "underflow_deep": pa.array(rng.binomial(uf, 1 / 16).astype(np.int64)) if full else pa.nulls(n, pa.int64()),
         "saturated": counts(1e-5),
         "qerr_mse": pa.array(amax * 1e-4) if full else pa.nulls(n, pa.float64()),
         "sqnr_db": pa.array(rng.normal(30, 1, n)) if full else pa.nulls(n, pa.float64()),

@@ -10,7 +10,8 @@ Definitions that matter:
 
 * percentages of *elements* for overflow and saturation (``numel``), but underflow is a share of
   the *non-zero finite* values: zeros cannot underflow, and a tensor that is 90 % exact zeros
-  (ReLU, padding) is not "90 % fine";
+  (ReLU, padding) is not "90 % fine"; its *shallow* part leaves out the values flushed from deep
+  under the threshold (``underflow_deep``), a tail of near-zeros rather than a bulk pressed under;
 * headroom in binades, ``log2(fp8_max * scale_inv / amax)``: < 0 means the amax overflowed the
   range the scale in use can represent, large means the scale wastes range (a stale scale);
 * non-finite, NaN or Inf amaxes and empty tensors give NULL / NaN, never 0: a missing value must
@@ -56,6 +57,19 @@ def nonzero_finite(get: Get) -> np.ndarray:
 
 def underflow_fraction(get: Get) -> np.ndarray:
     return _safe_div(get("underflow"), nonzero_finite(get))
+
+
+def shallow_underflow_fraction(get: Get) -> np.ndarray:
+    """The share of the non-zero finite values that flush from within ``DEEP_UNDERFLOW_BINADES`` of
+    the threshold (``underflow - underflow_deep``): the values a scale pressed under. A run logged
+    before ``underflow_deep`` existed (null) counts all of its underflow as shallow."""
+    return _safe_div(get("underflow") - np.nan_to_num(get("underflow_deep"), nan=0.0), nonzero_finite(get))
+
+
+def deep_underflow_share(get: Get) -> np.ndarray:
+    """The share of the flushed values that flushed from 4+ binades under the threshold (NaN where
+    nothing flushed, or in a run logged before ``underflow_deep`` existed)."""
+    return _safe_div(get("underflow_deep"), get("underflow"))
 
 
 def overflow_fraction(get: Get) -> np.ndarray:

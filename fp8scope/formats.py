@@ -18,6 +18,9 @@ if TYPE_CHECKING:
     import torch
 
 
+DEEP_UNDERFLOW_BINADES = 4  # a flushed value this many binades under the threshold counts as deep
+
+
 @dataclass(frozen=True)
 class Fp8Format:
     """Numeric facts of one FP8 element format."""
@@ -45,6 +48,15 @@ class Fp8Format:
     def underflow_threshold(self) -> float:
         """|x| at or below this rounds to zero on the cast (round-to-nearest-even)."""
         return self.min_subnormal / 2
+
+    @property
+    def deep_underflow_threshold(self) -> float:
+        """|x| at or below this flushes from ``DEEP_UNDERFLOW_BINADES`` binades or more under the
+        flush threshold: what a smooth distribution pressed against the bottom of the range rarely
+        holds (its flushed values sit evenly in magnitude below the threshold, 1/16 of them this
+        deep), and what a tail of near-zero values spread over many binades (a head that outputs
+        ~0, a softmax's far tail) is made of. Detection tells the two apart by it."""
+        return self.underflow_threshold / 2.0 ** DEEP_UNDERFLOW_BINADES
 
     @property
     def binades(self) -> float:

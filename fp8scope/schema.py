@@ -45,6 +45,9 @@ STAT_FIELDS: tuple[tuple[str, str], ...] = (
     ("nonfinite", "sum"),
     ("overflow", "sum"),  # |x * scale| > fp8_max, counted before the cast
     ("underflow", "sum"),  # non-zero before the cast, zero after
+    # of those, the ones 4 binades or more under the flush threshold (formats.deep_underflow_threshold):
+    # a tail of near-zero values, not a bulk the scale pressed under (detect's underflow rule)
+    ("underflow_deep", "sum"),
     ("saturated", "sum"),  # quantized to +-fp8_max (clipped or rounded onto the top code)
     ("sq_err", "sum"),  # sum (dequant(quant(x)) - x)^2 over finite elements
     ("sq_signal", "sum"),  # sum x^2 over finite elements, for SQNR
@@ -55,7 +58,8 @@ STAT_FIELDS: tuple[tuple[str, str], ...] = (
 FIELD_INDEX = {name: i for i, (name, _) in enumerate(STAT_FIELDS)}
 N_FIELDS = len(STAT_FIELDS)
 # Fields that only full stats fill; cheap stats leave them NaN (null in the store).
-FULL_ONLY = ("min_nonzero", "zeros", "nonfinite", "overflow", "underflow", "saturated", "sq_err", "sq_signal")
+FULL_ONLY = ("min_nonzero", "zeros", "nonfinite", "overflow", "underflow", "underflow_deep", "saturated", "sq_err",
+             "sq_signal")
 
 TENSOR_SCHEMA = pa.schema(
     [
@@ -83,6 +87,8 @@ TENSOR_SCHEMA = pa.schema(
         ("nonfinite", pa.int64()),
         ("overflow", pa.int64()),
         ("underflow", pa.int64()),
+        # null in a run logged before it existed: readers then judge all of the underflow as shallow
+        ("underflow_deep", pa.int64()),
         ("saturated", pa.int64()),
         ("qerr_mse", pa.float64()),
         ("sqnr_db", pa.float64()),

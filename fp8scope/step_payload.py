@@ -33,14 +33,19 @@ N_RECIPE = len(RECIPE_FIELDS)
 # reduction, and each writes its half of this row in place; putting the values in STAT_FIELDS'
 # order on the device took one more kernel launch per tensor, where reordering on the host is free.
 # ``recorded_amax`` (TE's amax, NaN ignored: what a what-if scaling state records) is not logged;
-# the two unused slots (copies of the expected amax) give both halves eight columns, so that the
-# compiled pass's two reductions over the rows read per-row matrices of one shape.
+# the three unused slots (copies of the expected amax) give both halves nine columns, so that the
+# compiled pass's two reductions over the rows read per-row matrices of one shape. The two flush
+# counts hold the zeros too (``|x * scale|`` at or below a threshold: one comparison a pass, where
+# "non-zero and below" takes two); :func:`wide_stats` takes the zeros out on the host.
 WIDE_FIELDS = ("amax", "min_nonzero", "recorded_amax", "scale", "scale_inv", "expected_amax", "unused6", "unused7",
-               "numel", "zeros", "nonfinite", "overflow", "underflow", "saturated", "sq_err", "sq_signal")
+               "unused8", "numel", "zeros", "nonfinite", "overflow", "underflow_or_zero", "saturated",
+               "underflow_deep_or_zero", "sq_err", "sq_signal")
 N_WIDE = len(WIDE_FIELDS)
-N_WIDE_MAX = 8  # the first eight are reduced by a maximum
+N_WIDE_MAX = 9  # the first nine are reduced by a maximum
 WIDE_INDEX = {name: i for i, name in enumerate(WIDE_FIELDS)}
-_WIDE_TO_STAT = [WIDE_INDEX[name] for name, _ in STAT_FIELDS]
+_ZERO_HOLDERS = {"underflow": "underflow_or_zero", "underflow_deep": "underflow_deep_or_zero"}
+_WIDE_TO_STAT = [WIDE_INDEX[_ZERO_HOLDERS.get(name, name)] for name, _ in STAT_FIELDS]
+_FLUSH_STAT = [FIELD_INDEX[name] for name in _ZERO_HOLDERS]
 
 # What a narrow (cheap) row holds on the device, in this order.
 CHEAP_FIELDS = ("amax", "scale", "scale_inv", "expected_amax")
@@ -126,8 +131,10 @@ def cheap_rows(payload: StepPayload) -> tuple[np.ndarray, np.ndarray]:
 
 def wide_stats(rows: np.ndarray) -> np.ndarray:
     """Wide rows (``WIDE_FIELDS``, one per row) as ``STAT_FIELDS`` rows; works on any array with a
-    last axis of ``N_WIDE`` (numpy or torch)."""
-    return rows[..., _WIDE_TO_STAT]
+    last axis of ``N_WIDE`` (numpy or torch): reordered, and the zeros taken out of the flush counts."""
+    out = rows[..., _WIDE_TO_STAT]
+    out[..., _FLUSH_STAT] -= rows[..., WIDE_INDEX["zeros"], None]
+    return out
 
 
 def nonfinite_flags(amax: np.ndarray) -> np.ndarray:

@@ -16,7 +16,7 @@ import pyarrow as pa
 from fp8scope.schema import FIELD_INDEX, RECIPE_FIELDS, RECIPE_SCHEMA, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
 from fp8scope.step_payload import CHEAP_FIELDS, TensorKey, nonfinite_flags, widen_cheap_rows
 
-_COUNT_FIELDS = ("numel", "zeros", "nonfinite", "overflow", "underflow", "saturated")
+_COUNT_FIELDS = ("numel", "zeros", "nonfinite", "overflow", "underflow", "underflow_deep", "saturated")
 
 
 def merge_rows(matrix: np.ndarray, key_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -134,7 +134,8 @@ def tensor_batch(
 
 
 # cheap-step columns that only depend on the row list: built once per row list (see cheap_tensor_batch)
-_CHEAP_NULLS = ("min_nonzero", "zeros", "overflow", "underflow", "saturated", "qerr_mse", "sqnr_db")
+_CHEAP_NULLS = ("min_nonzero", "zeros", "overflow", "underflow", "underflow_deep", "saturated", "qerr_mse",
+                "sqnr_db")
 
 
 def cheap_tensor_batch(

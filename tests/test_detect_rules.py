@@ -604,6 +604,80 @@ def test_a_gradients_climbing_scale_is_told_and_an_activations_is_a_warning(tmp_
     assert "follows the loss" in collapse[collapse["tensor"] == "gradient"].iloc[0]["message"]
 
 
+def _underflow_run(tmp_path, drop_deep=False):
+    """Two activations' rows, measured by the real stats pass (``capture.stats.full_stats``) under
+    TE's delayed scale (the max of the amaxes before) and written through the real write path: T5's
+    attention output, whose rows are normal but where one head of a few tokens outputs ~0 (values
+    spread over 15 binades under 1e-5, T5 v1.1 trained in emulated FP8: 2.1-2.9 % of its non-zeros
+    flushed, 66-89 % of them from 4+ binades under the threshold); and a Gaussian bulk under an
+    outlier 2800 times its size, which presses 2.1-2.4 % of it under the threshold, 1/16 of that from
+    4+ binades under it (the suite's outliers: 7-10 %). ``drop_deep``:
+    the stream rewritten without the ``underflow_deep`` column, as an older fp8scope logged it."""
+    import pyarrow as pa
+    import torch
+
+    from fp8scope.capture.stats import full_stats
+    from fp8scope.formats import get_format
+    from fp8scope.step_payload import TensorKey
+    from fp8scope.step_records import tensor_batch
+    from fp8scope.store.manifest import new_manifest, write_manifest
+    from fp8scope.store.writer import RunWriter
+
+    fmt = get_format("e4m3")
+    keys = [TensorKey("decoder.block.0.layer.0.SelfAttention.o", "activation", "emulated", "e4m3", 448.0, (512, 128)),
+            TensorKey("encoder.block.1.layer.1.DenseReluDense.wo", "activation", "emulated", "e4m3", 448.0, (512, 128))]
+    gen = torch.Generator().manual_seed(0)
+    history = [[], []]
+    with RunWriter(tmp_path, 0) as w:
+        for step in range(6):
+            head = torch.randn(512, 128, generator=gen)
+            rows = torch.randperm(512, generator=gen)[:48]
+            tiny = 10 ** (-5 - 15 * torch.rand(48, 32, generator=gen))  # one head's 32 columns, 48 tokens
+            head[rows, 32:64] = tiny * torch.randn(48, 32, generator=gen).sign()
+            bulk = torch.randn(512, 128, generator=gen)
+            bulk[7, 7] = 2800.0 * float(bulk.abs().max())
+            m = []
+            for i, x in enumerate((head, bulk)):
+                expected = max(history[i]) if history[i] else float(x.abs().max())
+                history[i].append(float(x.abs().max()))
+                m.append(full_stats(x, 448.0 / expected, expected / 448.0, expected, fmt).numpy())
+            w.write("tensors", tensor_batch(step, 0, np.stack(m), [0, 1], keys, True))
+    write_manifest(tmp_path, new_manifest(recipe={"kind": "delayed"}, world_size=1))
+    if drop_deep:
+        (path,) = [p for p in tmp_path.rglob("*tensors*") if p.is_file()]
+        table = pa.ipc.open_stream(path.read_bytes()).read_all()
+        old = table.drop_columns(["underflow_deep"])
+        with pa.ipc.new_stream(str(path), old.schema) as out:
+            out.write_table(old)
+    return keys
+
+
+def test_a_tail_of_near_zero_values_that_flushes_is_told_and_a_bulk_pressed_under_is_a_warning(tmp_path):
+    """A clean T5 v1.1 (emulated FP8, delayed scaling) warned ``underflow`` 6 times, and its verdict was
+    "FP8 is the likely cause": 2.15 % of its decoder's attention output projection's inputs flushed.
+    Those are heads whose output is ~0 (T5 does not scale its attention scores), rows of normal norm:
+    they add nothing, no scale keeps them, and they flush from far under the threshold. The bulk an
+    outlier presses under flushes from just below it, and still warns. A run logged before
+    ``underflow_deep`` existed judges all of its underflow as before."""
+    from fp8scope.detect import detect
+
+    keys = _underflow_run(tmp_path)
+    ev = detect(tmp_path)
+    uf = ev[ev["rule"] == "underflow"]
+    head, bulk = uf[uf["layer"] == keys[0].layer], uf[uf["layer"] == keys[1].layer]
+    assert len(head) == 1 and head["severity"].eq("info").all(), head  # info: once per tensor
+    assert 0.02 <= head["value"].iloc[0] <= 0.04, head["value"]
+    assert "a tail of near-zero values" in head["message"].iloc[0], head["message"].iloc[0]
+    assert len(bulk) >= 1 and bulk["severity"].eq("warning").all(), bulk
+    assert 0.02 <= bulk["value"].min() <= 0.025 and "near-zero" not in bulk["message"].iloc[0]
+    assert ev[ev["severity"] != "info"]["layer"].eq(keys[1].layer).all(), ev
+
+    old = _underflow_run(tmp_path / "old", drop_deep=True)
+    ev = detect(tmp_path / "old")
+    uf = ev[ev["rule"] == "underflow"]
+    assert uf.groupby("layer")["severity"].agg(set).to_dict() == {old[0].layer: {"warning"}, old[1].layer: {"warning"}}
+
+
 def test_a_gradient_surge_that_fp8_clipped_is_not_blamed_on_fp8_without_a_fork():
     """A clean BART (lr 3e-3, emulated FP8) clipped 7 layers' gradients at step 75 (their amaxes jumped
     10x-700x in one step, past what their delayed scales held) and its loss spiked at step 77. The

@@ -123,15 +123,17 @@ def test_round_trip(run_dir: Path):
 
 
 def test_a_run_resumed_by_a_newer_fp8scope_reads_and_detects_across_its_segments(run_dir: Path):
-    """Segment 0 written before the tensors table had its ``recipe`` column (an older fp8scope), segment 1
-    with it: the run reads as one table, the old rows' recipe null, and detection runs over both."""
+    """Segment 0 written before the tensors table had its ``recipe`` and ``underflow_deep`` columns (an
+    older fp8scope), segment 1 with them: the run reads as one table, the old rows' values null, and
+    detection runs over both."""
     from fp8scope.detect import detect
 
-    old = TENSOR_SCHEMA.remove(TENSOR_SCHEMA.get_field_index("recipe"))
+    added = ["recipe", "underflow_deep"]
+    old = pa.schema([f for f in TENSOR_SCHEMA if f.name not in added], metadata=TENSOR_SCHEMA.metadata)
     stream_path(run_dir, "tensors", 0, 0).parent.mkdir(parents=True)
     with pa.ipc.new_stream(str(stream_path(run_dir, "tensors", 0, 0)), old) as w:
         for s in range(3):
-            w.write_batch(tensor_batch(s).drop_columns(["recipe"]))
+            w.write_batch(tensor_batch(s).drop_columns(added))
     with RunWriter(run_dir, rank=0) as w:
         assert w.segment == 1
         for s in range(3, 6):
@@ -139,6 +141,7 @@ def test_a_run_resumed_by_a_newer_fp8scope_reads_and_detects_across_its_segments
     df = load_run(run_dir).tensors()
     assert df["step"].tolist() == sorted(df["step"].tolist()) and len(df) == 6 * len(LAYERS) * len(ROLES)
     assert df.loc[df["step"] < 3, "recipe"].isna().all() and (df.loc[df["step"] >= 3, "recipe"] == "delayed").all()
+    assert df.loc[df["step"] < 3, "underflow_deep"].isna().all()
     assert detect(run_dir) is not None
 
 

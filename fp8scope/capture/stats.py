@@ -22,6 +22,10 @@ What each field means:
   analytically from the same scaled magnitudes: with round-to-nearest-even a magnitude at or below
   half the smallest subnormal becomes 0 (underflow: non-zero before, zero after), and a magnitude
   above the midpoint below ``fp8_max`` rounds onto the top code (``saturation_floor``).
+  ``underflow_deep`` counts the flushed values 4 binades or more under that threshold
+  (``formats.deep_underflow_threshold``): a tail of near-zeros, where a bulk pressed under flushes
+  from just below it. Each pass counts "at or below a threshold", zeros included, in one comparison;
+  ``step_payload.wide_stats`` takes the zeros out.
 - ``sq_err`` and ``sq_signal``: sums of squares of the quantization error and of ``x`` over the
   finite elements, accumulated in float64 (the real cast, decoded back; or the caller's ``deq``);
   the CPU's eager pass over a finite tensor sums each row's float32 squares in float32 first
@@ -87,13 +91,14 @@ def saturation_floor(fmt: Fp8Format) -> float:
 
 
 def _variant(key):
-    """The constants of one variant: (format, fp8_max, saturation floor, underflow threshold, cast
-    dtype, per_row, has_deq, recipes, role, whole_given)."""
+    """The constants of one variant: (format, fp8_max, saturation floor, (underflow threshold, deep
+    underflow threshold), cast dtype, per_row, has_deq, recipes, role, whole_given)."""
     _device, _dtype, fmt_name, per_row, has_deq, *more = key
     recipes, role, whole_given = more if more else ((), None, False)
     fmt = get_format(fmt_name)
     dtype8 = None if has_deq else fmt.dtype  # E2M1 rows come with their decoded values (no torch dtype)
-    return fmt, fmt.max, saturation_floor(fmt), fmt.underflow_threshold, dtype8, per_row, has_deq, recipes, role, whole_given
+    under = (fmt.underflow_threshold, fmt.deep_underflow_threshold)
+    return fmt, fmt.max, saturation_floor(fmt), under, dtype8, per_row, has_deq, recipes, role, whole_given
 
 
 def _decoded(a, scale, scale_inv, deq, fmax, dtype8, has_deq):
@@ -110,11 +115,11 @@ _F32_MAX = torch.finfo(torch.float32).max
 _SQUARES_FLOOR = 2.0 ** -120  # a sum of squares at or above n times this lost < 2**-30 of itself to underflow
 
 
-def _counting(a: torch.Tensor, masks: int = 2, sums: int = 6):
+def _counting(a: torch.Tensor, masks: int = 2, sums: int = 7):
     """The eager pass's scratch for a float32 matrix ``a``: one block whose first ``masks * a.numel()``
     floats hold 0/1 masks (the general form's two, later its float64 copy for the squared sums),
-    and ``parts``, one row per sum (numel, zeros, finite, overflow, underflow, saturated, then the
-    finite form's squared sums) of one sum per row of ``a``; with ``row_sums(values, i)``, which
+    and ``parts``, one row per sum (numel, zeros, finite, overflow, underflow or zero, saturated,
+    deep underflow or zero, then the finite form's squared sums) of one sum per row of ``a``; with ``row_sums(values, i)``, which
     sums a matrix's rows into ``parts[i]``."""
     rows, cols = a.shape
     n = a.numel()
@@ -150,7 +155,7 @@ def _wide_row(logged, min_nonzero, recorded, scale, scale_inv, expected, parts, 
         logged.view(one), min_nonzero.view(one), recorded.view(one),  # recorded: for a what-if state
         (scale.amin() if per_row else scale).reshape(one),
         (scale_inv.amax() if per_row else scale_inv).reshape(one),
-        *[expected.reshape(one)] * 3,  # expected, then two unused copies
+        *[expected.reshape(one)] * 4,  # expected, then three unused copies
         counts, sq_err.view(one), sq_signal.view(one),
     ])
 
@@ -201,7 +206,7 @@ def _make_full(key):
 def _make_general(key):
     """The eager pass for any tensor on any device (``a``: the float32 matrix; ``m``, if given, its
     magnitudes, which it overwrites): at most 38 ops."""
-    fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
+    fmt, fmax, sat, (under, deep), dtype8, per_row, has_deq, *_ = _variant(key)
 
     def general(a, scale, scale_inv, expected, deq, m=None):
         rows, cols = a.shape
@@ -213,13 +218,16 @@ def _make_general(key):
         parts[0].fill_(cols)
         row_sums(torch.eq(m, 0, out=o1), 1)
         row_sums(torch.lt(m, _INF, out=o1), 2)  # the finite elements (NaN compares false): non-finite below
-        nonzero = torch.gt(m, 0, out=o1)  # NaN compares false; kept for the smallest non-zero below
         y = m * scale  # the scaled magnitudes the cast sees
         row_sums(torch.gt(y, fmax, out=o2), 3)
-        row_sums(torch.sub(nonzero, torch.gt(y, under, out=o2), out=o2), 4)  # non-zero before the cast, zero after
+        # zero after the cast, the zeros included (NaN compares false; step_payload.wide_stats takes
+        # the zeros out), then the saturated, then those flushed from deep under the threshold
+        row_sums(torch.le(y, under, out=o2), 4)
         row_sums(torch.gt(y, sat, out=o2), 5)
+        row_sums(torch.le(y, deep, out=o2), 6)
         recorded = recorded_amax(m, scratch=True)  # TE's amax (NaN ignored); in m NaN is 0 from here
-        min_nonzero = m.div_(nonzero).nan_to_num_(nan=_INF, posinf=_INF).amin()  # 0 / 0 is NaN: inf if none is non-zero
+        zero = torch.eq(m, 0, out=o2.view(-1).view(torch.bool)[:n].view(rows, cols))  # in the free mask's bytes
+        min_nonzero = m.masked_fill_(zero, _INF).amin()  # inf if none is non-zero
         # quantization error: the real cast, decoded (or the caller's dequantized copy), in y's place;
         # non-finite elements count as no error and no signal
         q = deq.to(torch.float32) if has_deq else quantize_dequantize(a, scale, scale_inv, fmt, out=y)[1]
@@ -262,7 +270,7 @@ def _make_finite_row(key):
     - the values it reads on the host (the extremes with the scales, then the sums and scalars in
       one read) make the row in one op, where the general form's row is a cat of eleven device
       values (some fifty ops on a CPU)."""
-    fmt, fmax, sat, under, dtype8, per_row, has_deq, *_ = _variant(key)
+    fmt, fmax, sat, (under, deep), dtype8, per_row, has_deq, *_ = _variant(key)
 
     def finite_row(a, scale, scale_inv, expected, deq):
         rows, cols = a.shape
@@ -278,7 +286,7 @@ def _make_finite_row(key):
             s_hi = s_lo
         if not math.isfinite(peak):
             return None, m  # untouched: the general form's magnitudes
-        block, parts, row_sums = _counting(a, masks=1, sums=8)  # parts' rows that no pass fills are left unread
+        block, parts, row_sums = _counting(a, masks=1, sums=9)  # parts' rows that no pass fills are left unread
         mask = block[:n].view(rows, cols)
         counted = []  # the rows of parts a pass filled (the others' counts are 0)
         if least == 0:  # zeros: count them, and lift them to float32's largest for the smallest non-zero
@@ -294,23 +302,24 @@ def _make_finite_row(key):
             if not top <= limit:  # (a NaN scale is counted)
                 row_sums(torch.gt(y, limit, out=mask), i)
                 counted.append(i)
-        if not low > under:  # the elements above the threshold; the rest, less the zeros, underflow
-            row_sums(torch.gt(y, under, out=mask), 4)
-            counted.append(4)
+        for i, limit in ((4, under), (6, deep)):  # the elements above a flush threshold: the rest flush
+            if not low > limit:
+                row_sums(torch.gt(y, limit, out=mask), i)
+                counted.append(i)
         # the quantization error, in y's place: the real cast decoded, or the caller's decoded copy
         err = torch.sub(deq, a, out=y) if has_deq else quantize_dequantize(a, scale, scale_inv, fmt, out=y)[1].sub_(a)
-        row_sums(err.mul_(err), 6)
-        row_sums(torch.mul(a, a, out=mask), 7)
+        row_sums(err.mul_(err), 7)
+        row_sums(torch.mul(a, a, out=mask), 8)
         inv = scale_inv.amax() if per_row else scale_inv
         one = (1,)
         *sums, sq_err, sq_signal, inv, expect = torch.cat([  # every value the row needs, in one read
             parts.sum(-1, dtype=torch.float64), inv.reshape(one), expected.reshape(one)]).tolist()
         if not all(s == 0 and peak == 0 or n * _SQUARES_FLOOR <= s < _INF for s in (sq_err, sq_signal)):
             return None, None  # a non-finite decoded value or scale, a square past float32, or underflow
-        counts = [float(n), *(sums[i] if i in counted else 0.0 for i in range(1, 6))]  # [2], non-finite: none
-        if 4 in counted:
-            counts[4] = n - sums[4] - counts[1]
-        return torch.tensor([peak, least, peak, s_lo, inv, expect, expect, expect, *counts, sq_err, sq_signal],
+        counts = [float(n), *(sums[i] if i in counted else 0.0 for i in range(1, 7))]  # [2], non-finite: none
+        for i in (4, 6):  # flushed or zero (WIDE_FIELDS): none flushes where no pass counted
+            counts[i] = n - sums[i] if i in counted else counts[1]
+        return torch.tensor([peak, least, peak, s_lo, inv, expect, expect, expect, expect, *counts, sq_err, sq_signal],
                             dtype=torch.float64), None  # step_payload.WIDE_FIELDS
 
     return finite_row
@@ -334,7 +343,7 @@ def _make_full_fused(key):
     than the eager form on large tensors (docs/benchmarks.md). Split reductions stay off
     (:func:`_compile_options`): the rows are the split. Eagerly this form would hold every
     per-element column in memory: it is only ever compiled."""
-    _fmt, fmax, sat, under, dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
+    _fmt, fmax, sat, (under, deep), dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
     f64 = torch.float64
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
@@ -350,15 +359,15 @@ def _make_full_fused(key):
 
         # each row: every value a reduction of its own, all in the first kernel (the scales too, as
         # the extreme of a row of copies, so that they need no kernel of their own)
-        maxed = torch.stack([  # amax .. unused7, WIDE_FIELDS' order; the minima negated
+        maxed = torch.stack([  # amax .. unused8, WIDE_FIELDS' order; the minima negated
             m.amax(1), torch.where(m > 0, m, _INF).amin(1).neg(), recorded_amax(m, dim=1).squeeze(1),
-            each(scale).amin(1).neg(), each(scale_inv).amax(1), *[each(expected).amax(1)] * 3,
+            each(scale).amin(1).neg(), each(scale_inv).amax(1), *[each(expected).amax(1)] * 4,
         ], -1)
         summed = torch.stack([  # numel .. sq_signal
             m.shape[1] - (m < -1.0).sum(1),  # the row's size, counted (never true) to join the kernel
             (m == 0).sum(1), m.shape[1] - (m < _INF).sum(1), (y > fmax).sum(1),
-            (m > 0).sum(1) - (y > under).sum(1),  # non-zero before the cast, zero after
-            (y > sat).sum(1), (err * err).sum(1), (clean * clean).sum(1),
+            (y <= under).sum(1),  # zero after the cast, the zeros included (NaN compares false)
+            (y > sat).sum(1), (y <= deep).sum(1), (err * err).sum(1), (clean * clean).sum(1),
         ], -1)
         # then the rows
         maxes, sums = maxed.amax(0), summed.sum(0)
@@ -494,7 +503,7 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, rec
         row = torch.zeros(N_WIDE, dtype=torch.float64, device=dev)  # WIDE_FIELDS
         row[1] = _INF
         row[3], row[4] = s.amin(), si.amax()
-        row[5:8] = e.amax()
+        row[5:9] = e.amax()
         matrix = torch.zeros(len(recipes), len(RECIPE_FIELDS), dtype=torch.float64, device=dev) if recipes else None
         return row, row[2], matrix
     rows_s, rows_si = _rows_of(s, x), _rows_of(si, x)

@@ -56,6 +56,11 @@ class DetectConfig:
     underflow_warn: float = 0.02  # activations / weights (E4M3): 2% of non-zeros
     underflow_grad_warn: float = 0.5  # gradients (E5M2): 50% (small gradients flush often)
     underflow_critical: float = 0.9
+    # more than this share of the flushed values flushed from 4+ binades under the threshold
+    # (underflow_deep), and what flushed from just below it under the threshold: a tail of near-zero
+    # values (T5's heads that output ~0: 66-89 % deep), told as info. A bulk the scale pressed under
+    # flushes evenly below the threshold (a smooth density: 1/16 of it deep; 7-10 % in the suite's outliers)
+    underflow_deep_share: float = 0.5
 
     # dynamic_range: log2(amax / min_nonzero) - format binades (E4M3 17.8, E5M2 31.8) above this
     # is "info" (most tiny values are harmless); it becomes a warning when underflow is also high

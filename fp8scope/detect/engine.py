@@ -98,7 +98,7 @@ def emit_row_events(c: dict, fired: dict, rules: list[RowRule], km, nan_rows: li
                 if seen[k]:
                     continue
                 seen[k] = True
-            r["value"], r["threshold"] = none_if_nan(v), none_if_nan(t)
+            r["value"], r["threshold"], r["severity"] = none_if_nan(v), none_if_nan(t), s  # what the message reads
             msg = rule.message(r)
             simulated = rule.name in SIMULATED_CAST and bool(km.simulated[k])
             if simulated:
@@ -329,6 +329,9 @@ def _numeric_columns(t: pa.Table) -> tuple[dict, dict]:
     cols, nulls = {}, {}
     for name in TENSOR_COLUMNS:
         if name in ("layer", "tensor", "fp8_format", "source", "recipe"):
+            continue
+        if name not in t.column_names:  # a run logged before the column existed (underflow_deep)
+            cols[name] = np.full(t.num_rows, np.nan)
             continue
         col = t.column(name)
         if name in ("step", "rank"):

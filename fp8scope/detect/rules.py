@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from fp8scope.detect.config import DetectConfig
+from fp8scope.formats import DEEP_UNDERFLOW_BINADES
 from fp8scope.schema import base_role
 
 SEVERITIES = ("info", "warning", "critical")
@@ -123,6 +124,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
     spike, tol, sc = float(cfg.spike_factor), float(cfg.sat_tol), float(cfg.sat_critical_ratio)
     sf, rt, st = float(cfg.sat_warn_fraction), float(cfg.sat_rate_threshold), float(cfg.stale_ratio)
     ufw, ufg, ufc = float(cfg.underflow_warn), float(cfg.underflow_grad_warn), float(cfg.underflow_critical)
+    uds = float(cfg.underflow_deep_share)
     dre, cw, cf, cj = float(cfg.dynamic_range_excess), int(cfg.collapse_window), float(cfg.collapse_factor), float(cfg.collapse_max_jump)
     oz, ob, ow, om = float(cfg.outlier_z), float(cfg.outlier_min_binades), float(cfg.outlier_warn_binades), int(cfg.outlier_min_layers)
     mm, smv = float(cfg.mismatch_factor), float(cfg.share_min_values)
@@ -239,10 +241,22 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
                             & (c["uf_count"] >= smv)),
             value=lambda c: c["uf_frac"],
             threshold=uf_thr,
-            severity=lambda c: np.where(c["uf_frac"] >= ufc, "critical", "warning"),
+            # the alarm is for values the scale pressed under, which flush evenly from just below the
+            # threshold; a flush made mostly of values 4+ binades deeper (heads whose output is ~0: T5's
+            # attention, 2-3 % of its output projection's inputs, 66-89 % of them deep), whose shallow
+            # part stays under the threshold, is a tail of near-zeros that adds nothing and that no
+            # scale keeps: told, not alarmed. All of it counts at the critical share; a run logged
+            # without underflow_deep judges all of it as before
+            severity=lambda c: np.select(
+                [c["uf_frac"] >= ufc, (c["uf_deep_share"] > uds) & (c["uf_shallow"] < uf_thr(c))],
+                ["critical", "info"], "warning"),
             message=lambda r: (
                 f"{_where(r)} ({r['fp8_format']}): {_pct(r['value'])} of non-zero values flush to zero in the cast "
                 f"({_count(r['uf_count'])} values; threshold {_pct(r['threshold'])})"
+                + (f"; {_pct(r['value'] - r['uf_shallow'])} flush from {DEEP_UNDERFLOW_BINADES}+ binades under the "
+                   f"threshold and {_pct(r['uf_shallow'])} from just below it: mostly a tail of near-zero values (a "
+                   f"head or channel whose output is ~0), not values the scale pressed under"
+                   if r["severity"] == "info" else "")
             ),
         ),
         RowRule(
