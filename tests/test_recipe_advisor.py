@@ -407,6 +407,36 @@ def test_a_massive_activation_gets_a_block_recipe_that_removes_its_underflow(tmp
     assert "transformer.h.0.mlp.c_fc activation: use 1x128 block FP8 or MXFP8" in text
 
 
+def test_a_tail_of_near_zero_values_is_no_fault_and_gets_no_advice(tmp_path):
+    """A flush that is mostly a tail of near-zero values (a clean T5's heads whose output is ~0) is the
+    underflow rule's info, not a warning, and the advisor asks the same definition
+    (``DetectConfig.near_zero_tail``): it is no fault of the recipe in use, so no recipe is advised for it.
+    Here 3 % of each attention output projection's inputs are made ~0 (10**-6 to 10**-20 of themselves)."""
+    from fp8scope.detect import detect
+
+    model = _gpt2()
+    g = torch.Generator().manual_seed(2)
+
+    def tail(mod, args):
+        x = args[0]
+        near_zero = torch.rand(x.shape, generator=g) < 0.03
+        return (torch.where(near_zero, x * 10.0 ** -(6 + 14 * torch.rand(x.shape, generator=g)), x),)
+
+    for blk in model.transformer.h:
+        blk.attn.c_proj.register_forward_pre_hook(tail)
+    run = _train(model, tmp_path, steps=6)
+    rows = per_step(run)
+    table = summed(rows)
+    proj = table[table["layer"].str.endswith("attn.c_proj") & (table["tensor"] == "activation")
+                 & (table["recipe"] == IN_USE)]
+    assert len(proj) == 2 and (proj["underflow_frac"] > 0.02).all() and (proj["deep_share"] > 0.5).all(), proj
+    advice, _ = advise(rows)
+    assert not [a for a in advice if a.layer.endswith("attn.c_proj")], [a.text() for a in advice]
+    ev = detect(tmp_path)
+    uf = ev[(ev["rule"] == "underflow") & ev["layer"].str.endswith("attn.c_proj") & (ev["tensor"] == "activation")]
+    assert len(uf) == 2 and uf["severity"].eq("info").all(), uf
+
+
 # ---- cost --------------------------------------------------------------------------------------
 def test_each_recipe_is_a_constant_number_of_eager_ops_and_one_compiled_kernel_in_the_stats_pass():
     """The recipes are measured in the stats pass itself (one compiled graph per tensor). Eager (the

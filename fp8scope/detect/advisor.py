@@ -32,6 +32,7 @@ from dataclasses import dataclass
 import numpy as np
 import pandas as pd
 
+from fp8scope import derived
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.design_loss import FP8, thresholds
 from fp8scope.schema import base_role
@@ -58,9 +59,10 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
 
     cols = ["step", "layer", "tensor", "recipe", *_SUMS, "clip_ratio"]
     if "recipes" not in run.table_names():
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=[*cols, "underflow_deep"])
     rec_t = _arrow_in_steps(run.table("recipes").select(cols), steps)
-    t = run.table("tensors").select(list(_TENSOR_COLS))
+    t = run.table("tensors")
+    t = t.select([c for c in (*_TENSOR_COLS, "underflow_deep") if c in t.column_names])  # a run logged before it: none
     keep = pc.and_(pc.and_(t["full"], pc.greater_equal(t["rank"], 0)),
                    pc.invert(pc.match_substring(t["tensor"], "@")))
     t = _arrow_in_steps(t.filter(keep), steps)
@@ -82,6 +84,10 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
         t["sq_signal"] = np.where(np.isinf(t["sqnr_db"]), np.nan, t["sq_err"] * 10.0 ** (t["sqnr_db"] / 10.0))
         t["clip_ratio"] = t["amax"] / (t["fp8_max"] * t["scale_inv"])  # derived.amax_over_range
     t["recipe"] = IN_USE
+    # the recipe in use's deep flush (the detector's near-zero tail); the other recipes do not count it
+    t["underflow_deep"] = t["underflow_deep"] if "underflow_deep" in t else np.nan
+    rec["underflow_deep"] = np.nan
+    cols.append("underflow_deep")
     t, rec = t[cols].copy(), rec[cols].copy()
     for c in ("layer", "tensor", "recipe"):  # one set of categories on both sides: the concat stays categorical
         a, b = pd.Categorical(t[c]), pd.Categorical(rec[c])
@@ -129,7 +135,8 @@ def summed(rows: pd.DataFrame) -> pd.DataFrame:
     if rows.empty:
         return rows.assign(underflow_frac=[], overflow_frac=[]).drop(columns=["step"], errors="ignore")
     g = rows.groupby(["layer", "tensor", "recipe"], sort=False, observed=True)
-    out = g[list(_SUMS)].sum(min_count=1).join(g[["clip_ratio"]].max()).reset_index()
+    sums = [*_SUMS, *(["underflow_deep"] if "underflow_deep" in rows else [])]
+    out = g[sums].sum(min_count=1).join(g[["clip_ratio"]].max()).reset_index()
     out = out.astype({"layer": str, "tensor": str, "recipe": str})
     first = {k: i for i, k in enumerate(_run_order(rows))}
     rank = {r: i for i, r in enumerate((IN_USE, *COST_ORDER))}
@@ -143,6 +150,15 @@ def _with_shares(df: pd.DataFrame) -> pd.DataFrame:
     """The derived columns of counts and sums: underflow as a share of the non-zero finite values,
     overflow of the elements (as ``fp8scope.derived``), SQNR from the squares."""
     df = df.copy()
+    if "underflow_deep" in df:  # the share flushed from deep and the shallow part, as fp8scope.derived defines them
+        def get(name):
+            if name == "nonfinite":  # nonzero already leaves them out
+                return np.zeros(len(df))
+            if name == "zeros":
+                return (df["numel"] - df["nonzero"]).to_numpy(dtype=float, na_value=np.nan)
+            return df[name].to_numpy(dtype=float, na_value=np.nan)
+
+        df["deep_share"], df["shallow_frac"] = derived.deep_underflow_share(get), derived.shallow_underflow_fraction(get)
     with np.errstate(divide="ignore", invalid="ignore"):
         df["underflow_frac"] = np.where(df["nonzero"] > 0, df["underflow"] / df["nonzero"], np.nan)
         df["overflow_frac"] = np.where(df["numel"] > 0, df["overflow"] / df["numel"], np.nan)
@@ -155,7 +171,8 @@ _UNDERFLOW, _OVERFLOW, _CLIPPED = 1, 2, 3  # why a row is at fault (0: it is not
 
 def fault_codes(df: pd.DataFrame, cfg: DetectConfig) -> np.ndarray:
     """Why each row of ``df`` (one tensor under one recipe, with its shares) is at fault, as a code:
-    underflow at or above the recipe's threshold for the role, else overflow, else values clipped
+    underflow at or above the recipe's threshold for the role (not a near-zero tail: the rule's info,
+    ``DetectConfig.near_zero_tail``), else overflow, else values clipped
     by the detector's saturation ratio for the role or more (``DetectConfig.sat_warn_ratios``), else
     0. The one definition of a fault, judged for all rows at once (a long run has millions)."""
     if df.empty:
@@ -168,8 +185,11 @@ def fault_codes(df: pd.DataFrame, cfg: DetectConfig) -> np.ndarray:
     under, over = limits[..., 0][pick], limits[..., 1][pick]
     clip_limit = cfg.sat_warn_ratios(np.asarray(roles.categories == "gradient")[pick[1]])
     clip = df["clip_ratio"].to_numpy(dtype=float, na_value=np.nan) if "clip_ratio" in df else np.full(len(df), np.nan)
+    tail = (cfg.near_zero_tail(df["deep_share"].to_numpy(dtype=float, na_value=np.nan),
+                               df["shallow_frac"].to_numpy(dtype=float, na_value=np.nan), under)
+            if "deep_share" in df else np.zeros(len(df), bool))  # a flush of near-zeros: not a fault, as the rule's info
     with np.errstate(invalid="ignore"):
-        return np.select([df["underflow_frac"].to_numpy(dtype=float) >= under,
+        return np.select([(df["underflow_frac"].to_numpy(dtype=float) >= under) & ~tail,
                           df["overflow_frac"].to_numpy(dtype=float) >= over, clip >= clip_limit],
                          [_UNDERFLOW, _OVERFLOW, _CLIPPED], 0).astype(np.int8)
 

@@ -159,6 +159,17 @@ class DetectConfig:
 
         return np.where(is_grad, float(self.sat_grad_warn_ratio), float(self.sat_warn_ratio))
 
+    def near_zero_tail(self, deep_share, shallow, threshold):
+        """Per row, whether a flush is a tail of near-zero values rather than a bulk the scale pressed
+        under: more than ``underflow_deep_share`` of it from 4+ binades under the flush threshold, and
+        what flushed from just below it (``shallow``, a share of the non-zeros) under ``threshold``.
+        NaN (nothing flushed, or no ``underflow_deep`` logged) is not a tail. The one definition, which
+        the underflow rule (info, not a warning) and the recipe advisor's faults ask."""
+        import numpy as np
+
+        with np.errstate(invalid="ignore"):
+            return (np.asarray(deep_share, float) > float(self.underflow_deep_share)) & (np.asarray(shallow, float) < threshold)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["disabled"] = list(self.disabled)

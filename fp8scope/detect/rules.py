@@ -124,7 +124,6 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
     spike, tol, sc = float(cfg.spike_factor), float(cfg.sat_tol), float(cfg.sat_critical_ratio)
     sf, rt, st = float(cfg.sat_warn_fraction), float(cfg.sat_rate_threshold), float(cfg.stale_ratio)
     ufw, ufg, ufc = float(cfg.underflow_warn), float(cfg.underflow_grad_warn), float(cfg.underflow_critical)
-    uds = float(cfg.underflow_deep_share)
     dre, cw, cf, cj = float(cfg.dynamic_range_excess), int(cfg.collapse_window), float(cfg.collapse_factor), float(cfg.collapse_max_jump)
     oz, ob, ow, om = float(cfg.outlier_z), float(cfg.outlier_min_binades), float(cfg.outlier_warn_binades), int(cfg.outlier_min_layers)
     mm, smv = float(cfg.mismatch_factor), float(cfg.share_min_values)
@@ -248,7 +247,7 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             # scale keeps: told, not alarmed. All of it counts at the critical share; a run logged
             # without underflow_deep judges all of it as before
             severity=lambda c: np.select(
-                [c["uf_frac"] >= ufc, (c["uf_deep_share"] > uds) & (c["uf_shallow"] < uf_thr(c))],
+                [c["uf_frac"] >= ufc, cfg.near_zero_tail(c["uf_deep_share"], c["uf_shallow"], uf_thr(c))],
                 ["critical", "info"], "warning"),
             message=lambda r: (
                 f"{_where(r)} ({r['fp8_format']}): {_pct(r['value'])} of non-zero values flush to zero in the cast "
