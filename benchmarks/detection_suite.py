@@ -231,8 +231,8 @@ def _hf_config(arch: str, vocab: int, seq: int, d: int):
     if arch == "bert":  # an encoder (masked LM), post-LayerNorm, GELU
         return transformers.BertConfig(vocab_size=vocab + 1, hidden_size=d, num_hidden_layers=4, num_attention_heads=4,
                                        intermediate_size=4 * d, max_position_embeddings=seq)
-    if arch == "t5":  # T5 v1.1, an encoder-decoder: gated GELU, relative position buckets, RMSNorm without mean, attention
-        # scores not scaled by 1/sqrt(d), so some heads output ~0 (a tail of near-zero values, T5's o inputs)
+    if arch == "t5":  # T5 v1.1, an encoder-decoder: gated GELU, relative position buckets, RMSNorm without mean,
+        # attention scores not scaled by 1/sqrt(d), so some heads output ~0 (a tail of near-zero values, T5's o inputs)
         return transformers.T5Config(vocab_size=vocab + 1, d_model=d, d_kv=d // 4, d_ff=2 * d, num_layers=4,
                                      num_decoder_layers=4, num_heads=4, feed_forward_proj="gated-gelu",
                                      tie_word_embeddings=False, decoder_start_token_id=0, pad_token_id=0)

@@ -119,8 +119,8 @@ def _counting(a: torch.Tensor, masks: int = 2, sums: int = 7):
     """The eager pass's scratch for a float32 matrix ``a``: one block whose first ``masks * a.numel()``
     floats hold 0/1 masks (the general form's two, later its float64 copy for the squared sums),
     and ``parts``, one row per sum (numel, zeros, finite, overflow, underflow or zero, saturated,
-    deep underflow or zero, then the finite form's squared sums) of one sum per row of ``a``; with ``row_sums(values, i)``, which
-    sums a matrix's rows into ``parts[i]``."""
+    deep underflow or zero, then the finite form's squared sums) of one sum per row of ``a``; with
+    ``row_sums(values, i)``, which sums a matrix's rows into ``parts[i]``."""
     rows, cols = a.shape
     n = a.numel()
     block = torch.empty(masks * n + sums * rows, dtype=torch.float32, device=a.device)
@@ -268,7 +268,7 @@ def _make_finite_row(key):
       enough that squares may have underflowed (under ``2**-120`` an element: what underflow can
       lose is then below ``2**-30`` of it), sends the tensor to the general form;
     - the values it reads on the host (the extremes with the scales, then the sums and scalars in
-      one read) make the row in one op, where the general form's row is a cat of eleven device
+      one read) make the row in one op, where the general form's row is a cat of twelve device
       values (some fifty ops on a CPU)."""
     fmt, fmax, sat, (under, deep), dtype8, per_row, has_deq, *_ = _variant(key)
 

@@ -158,7 +158,8 @@ def _with_shares(df: pd.DataFrame) -> pd.DataFrame:
                 return (df["numel"] - df["nonzero"]).to_numpy(dtype=float, na_value=np.nan)
             return df[name].to_numpy(dtype=float, na_value=np.nan)
 
-        df["deep_share"], df["shallow_frac"] = derived.deep_underflow_share(get), derived.shallow_underflow_fraction(get)
+        df["deep_share"] = derived.deep_underflow_share(get)
+        df["shallow_frac"] = derived.shallow_underflow_fraction(get)
     with np.errstate(divide="ignore", invalid="ignore"):
         df["underflow_frac"] = np.where(df["nonzero"] > 0, df["underflow"] / df["nonzero"], np.nan)
         df["overflow_frac"] = np.where(df["numel"] > 0, df["overflow"] / df["numel"], np.nan)
@@ -185,9 +186,10 @@ def fault_codes(df: pd.DataFrame, cfg: DetectConfig) -> np.ndarray:
     under, over = limits[..., 0][pick], limits[..., 1][pick]
     clip_limit = cfg.sat_warn_ratios(np.asarray(roles.categories == "gradient")[pick[1]])
     clip = df["clip_ratio"].to_numpy(dtype=float, na_value=np.nan) if "clip_ratio" in df else np.full(len(df), np.nan)
+    # a flush of near-zeros is not a fault, as it is the rule's info
     tail = (cfg.near_zero_tail(df["deep_share"].to_numpy(dtype=float, na_value=np.nan),
                                df["shallow_frac"].to_numpy(dtype=float, na_value=np.nan), under)
-            if "deep_share" in df else np.zeros(len(df), bool))  # a flush of near-zeros: not a fault, as the rule's info
+            if "deep_share" in df else np.zeros(len(df), bool))
     with np.errstate(invalid="ignore"):
         return np.select([(df["underflow_frac"].to_numpy(dtype=float) >= under) & ~tail,
                           df["overflow_frac"].to_numpy(dtype=float) >= over, clip >= clip_limit],

@@ -168,7 +168,8 @@ class DetectConfig:
         import numpy as np
 
         with np.errstate(invalid="ignore"):
-            return (np.asarray(deep_share, float) > float(self.underflow_deep_share)) & (np.asarray(shallow, float) < threshold)
+            deep = np.asarray(deep_share, float) > float(self.underflow_deep_share)
+            return deep & (np.asarray(shallow, float) < threshold)
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -28,7 +28,8 @@ MAD_FLOOR_BINADES = 0.1
 # columns of the tensors table the detector reads
 TENSOR_COLUMNS = [
     "step", "rank", "layer", "tensor", "order", "fp8_format", "amax", "min_nonzero", "scale", "scale_inv",
-    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow", "underflow_deep", "source", "recipe",
+    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow", "underflow_deep", "source",
+    "recipe",
 ]
 
 
