@@ -124,7 +124,8 @@ EVENT_SCHEMA = pa.schema(
 
 # Other recipes measured on the same tensors (``Monitor(whatif_recipes=...)``, ``capture.stats``):
 # long, one row per (step, tensor, recipe), so a recipe is one more dimension for readers and SQL.
-RECIPE_FIELDS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq_signal", "clip_ratio")
+RECIPE_FIELDS = ("numel", "nonzero", "underflow", "underflow_deep", "overflow", "saturated", "sq_err", "sq_signal",
+                 "clip_ratio")
 RECIPE_SCHEMA = pa.schema(
     [
         ("step", pa.int64()),
@@ -135,6 +136,7 @@ RECIPE_SCHEMA = pa.schema(
         ("numel", pa.int64()),
         ("nonzero", pa.int64()),
         ("underflow", pa.int64()),
+        ("underflow_deep", pa.int64()),  # as the tensors table's (null in a run logged before it existed)
         ("overflow", pa.int64()),
         ("saturated", pa.int64()),
         ("sq_err", pa.float64()),

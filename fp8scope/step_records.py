@@ -229,7 +229,8 @@ def recipe_batch(step: int, rank: int, matrix: np.ndarray, recipe_keys: Sequence
         "layer": pa.array([keys[k].layer for (k, _), _ in rows], type=pa.string()),
         "tensor": pa.array([keys[k].role for (k, _), _ in rows], type=pa.string()),
         "recipe": pa.array([r for (_, r), _ in rows], type=pa.string()),
-        **{name: _int_col(f[name]) for name in ("numel", "nonzero", "underflow", "overflow", "saturated")},
+        **{name: _int_col(f[name])
+           for name in ("numel", "nonzero", "underflow", "underflow_deep", "overflow", "saturated")},
         "sq_err": _float_col(f["sq_err"]),
         "sq_signal": _float_col(f["sq_signal"]),
         "sqnr_db": _float_col(sqnr),

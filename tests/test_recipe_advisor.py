@@ -293,6 +293,23 @@ def test_recipe_stats_counts_agree_with_the_reference(recipe, stats_path):
     assert v["sq_signal"] == pytest.approx(float((np.where(finite, a, 0) ** 2).sum()), rel=1e-9)
 
 
+@pytest.mark.parametrize("recipe", ["current", "bf16"])
+def test_a_recipes_deep_flush_is_counted_under_its_own_formats_threshold(recipe, stats_path):
+    """``underflow_deep`` of another recipe, eagerly and compiled, against a reference written apart: the
+    non-zero values whose scaled magnitude (float32) is at most the element format's flush threshold
+    over 16. Per-tensor current scaling (E4M3, TE's scale ``448 / amax``) on values spread over 16
+    decades; bf16 (no scale; half its smallest subnormal is 2**-134) on float32 subnormals."""
+    x = adversarial()["wide_range" if recipe == "current" else "subnormal"]
+    v = dict(zip(RECIPE_FIELDS, recipe_stats(x, recipe, "activation").tolist()))
+    a = np.abs(x.numpy().astype(np.float32))
+    if recipe == "current":
+        y, deep = a * (np.float32(448.0) / a.max()), get_format("e4m3").underflow_threshold / 16
+    else:
+        y, deep = a, 2.0 ** -134 / 16
+    assert v["underflow_deep"] == ((a > 0) & (y <= deep)).sum()
+    assert 0 < v["underflow_deep"] < v["underflow"], v
+
+
 def test_a_massive_token_flushes_per_tensor_fp8_and_not_block_scales():
     x = adversarial()["massive_token"]
     stats = {r: dict(zip(RECIPE_FIELDS, recipe_stats(x, r, "activation").tolist())) for r in RECIPES}
@@ -410,7 +427,8 @@ def test_a_massive_activation_gets_a_block_recipe_that_removes_its_underflow(tmp
 def test_a_tail_of_near_zero_values_is_no_fault_and_gets_no_advice(tmp_path):
     """A flush that is mostly a tail of near-zero values (a clean T5's heads whose output is ~0) is the
     underflow rule's info, not a warning, and the advisor asks the same definition
-    (``DetectConfig.near_zero_tail``): it is no fault of the recipe in use, so no recipe is advised for it.
+    (``DetectConfig.near_zero_tail``): it is no fault of the recipe in use, so no recipe is advised for it,
+    and none of another recipe that flushes the same tail.
     Here 3 % of each attention output projection's inputs are made ~0 (10**-6 to 10**-20 of themselves)."""
     from fp8scope.detect import detect
 
@@ -430,8 +448,13 @@ def test_a_tail_of_near_zero_values_is_no_fault_and_gets_no_advice(tmp_path):
     proj = table[table["layer"].str.endswith("attn.c_proj") & (table["tensor"] == "activation")
                  & (table["recipe"] == IN_USE)]
     assert len(proj) == 2 and (proj["underflow_frac"] > 0.02).all() and (proj["deep_share"] > 0.5).all(), proj
-    advice, _ = advise(rows)
+    advice, summary = advise(rows)
     assert not [a for a in advice if a.layer.endswith("attn.c_proj")], [a.text() for a in advice]
+    # the other recipes count their deep flush too: per-tensor current scaling flushes the same tail
+    current = table[table["layer"].str.endswith("attn.c_proj") & (table["tensor"] == "activation")
+                    & (table["recipe"] == "current")]
+    assert (current["underflow_frac"] > 0.02).all() and (current["deep_share"] > 0.5).all(), current
+    assert "per-tensor current FP8: safe for every layer's activations, weights, gradients" in summary, summary
     ev = detect(tmp_path)
     uf = ev[(ev["rule"] == "underflow") & ev["layer"].str.endswith("attn.c_proj") & (ev["tensor"] == "activation")]
     assert len(uf) == 2 and uf["severity"].eq("info").all(), uf

@@ -57,12 +57,14 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
     measured no other recipe. Names come back categorical: a long run has millions of rows."""
     import pyarrow.compute as pc
 
-    cols = ["step", "layer", "tensor", "recipe", *_SUMS, "clip_ratio"]
+    cols = ["step", "layer", "tensor", "recipe", *_SUMS, "clip_ratio", "underflow_deep"]
     if "recipes" not in run.table_names():
-        return pd.DataFrame(columns=[*cols, "underflow_deep"])
-    rec_t = _arrow_in_steps(run.table("recipes").select(cols), steps)
+        return pd.DataFrame(columns=cols)
+    # underflow_deep: absent from a run logged before it existed (both tables then judge all of a flush)
+    rec_t = run.table("recipes")
+    rec_t = _arrow_in_steps(rec_t.select([c for c in cols if c in rec_t.column_names]), steps)
     t = run.table("tensors")
-    t = t.select([c for c in (*_TENSOR_COLS, "underflow_deep") if c in t.column_names])  # a run logged before it: none
+    t = t.select([c for c in (*_TENSOR_COLS, "underflow_deep") if c in t.column_names])
     keep = pc.and_(pc.and_(t["full"], pc.greater_equal(t["rank"], 0)),
                    pc.invert(pc.match_substring(t["tensor"], "@")))
     t = _arrow_in_steps(t.filter(keep), steps)
@@ -84,10 +86,9 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
         t["sq_signal"] = np.where(np.isinf(t["sqnr_db"]), np.nan, t["sq_err"] * 10.0 ** (t["sqnr_db"] / 10.0))
         t["clip_ratio"] = t["amax"] / (t["fp8_max"] * t["scale_inv"])  # derived.amax_over_range
     t["recipe"] = IN_USE
-    # the recipe in use's deep flush (the detector's near-zero tail); the other recipes do not count it
-    t["underflow_deep"] = t["underflow_deep"] if "underflow_deep" in t else np.nan
-    rec["underflow_deep"] = np.nan
-    cols.append("underflow_deep")
+    for df in (t, rec):
+        if "underflow_deep" not in df:
+            df["underflow_deep"] = np.nan
     t, rec = t[cols].copy(), rec[cols].copy()
     for c in ("layer", "tensor", "recipe"):  # one set of categories on both sides: the concat stays categorical
         a, b = pd.Categorical(t[c]), pd.Categorical(rec[c])

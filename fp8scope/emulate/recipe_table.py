@@ -29,7 +29,7 @@ from __future__ import annotations
 import torch
 
 from ..formats import recipe_format
-from ..formats import get_format
+from ..formats import DEEP_UNDERFLOW_BINADES, get_format
 from .blocks import (E2M1_MAX, BlockScales, block_amax, e2m1_round, e2m1_round_stochastic, e2m1_stochastic,
                      fp8_block_scaling_blocks, mxfp8_blocks, nvfp4_blocks, torchao_mx_floor_blocks,
                      torchao_rowwise_blocks)
@@ -42,6 +42,11 @@ _E4M3 = recipe_format("E4M3", "forward")
 _HYBRID = {"forward": recipe_format("HYBRID", "forward"), "backward": recipe_format("HYBRID", "backward")}
 _ELEMENTS = {name: get_format(name) for name in ("e4m3", "e5m2")}
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
+# each element format's flush threshold under formats.DEEP_UNDERFLOW_BINADES: the deep flush (a constant
+# here, so that traced code reads a number, not a cached lookup); bf16's flushes under 2**-134, half its
+# smallest subnormal
+_DEEP = {name: get_format(name).deep_underflow_threshold for name in ("e4m3", "e5m2", E2M1)}
+_BF16_DEEP = 2.0 ** -134 / 2.0 ** DEEP_UNDERFLOW_BINADES
 
 
 def scaled(x: torch.Tensor, recipe: str, role: str, columnwise: bool = False) -> tuple[BlockScales | None, str]:
@@ -141,10 +146,10 @@ def counts(x: torch.Tensor, recipe: str, role: str, fused: bool = False) -> torc
     ``capture.stats`` for what each count means). NVFP4 gradients: expected counts and squared error
     under TE's stochastic rounding.
 
-    The six sums are per-element columns (masks, values, or values to square). Eagerly each is
+    The seven sums are per-element columns (masks, values, or values to square). Eagerly each is
     reduced alone, so no stacked copy of the tensor is held; ``fused`` sums each per row and then
     the rows, the form inductor compiles on a GPU (``capture.stats._make_full_fused``: the row sums
-    of all six are one kernel, one pass, and the rows a kernel or two more). The same numbers
+    of all seven are one kernel, one pass, and the rows a kernel or two more). The same numbers
     either way, but for the sums of squares' last bits."""
     blocks, elem = scaled(x, recipe, role)
     a = (x.detach() if blocks is None else blocks.x).float()
@@ -154,12 +159,16 @@ def counts(x: torch.Tensor, recipe: str, role: str, fused: bool = False) -> torc
     if blocks is None:  # bf16: a rounding, no scale
         deq = bf16_rounded(a) if fused else a.to(torch.bfloat16).float()
         q, y, top = deq, m, _BF16_MAX
+        deep = nonzero & (m <= _BF16_DEEP)
     else:
         # a block whose own scale flushed to zero (NVFP4's E4M3 block scale under a tensor scale set by
         # a far larger value) decodes to 0: its values underflow, they are not clipped
         y = torch.where(blocks.scale_inv > 0, m * blocks.scale, 0.0)
         q, deq = quantize(blocks, elem)
         top = E2M1_MAX if elem == E2M1 else _ELEMENTS[elem].max
+        # flushed from 4+ binades under the element format's threshold (capture.stats' underflow_deep); a
+        # block whose scale flushed is not a tail of near-zeros: its values were the scale's to lose
+        deep = nonzero & (y <= _DEEP[elem]) & (blocks.scale_inv > 0)
     clean = torch.nan_to_num(a, nan=0.0, posinf=0.0, neginf=0.0)
     over = y > top if blocks is not None else m > top
     if elem == E2M1 and role == "gradient":
@@ -170,7 +179,7 @@ def counts(x: torch.Tensor, recipe: str, role: str, fused: bool = False) -> torc
         # bf16 has no top code its rounding lands on: nothing saturates (no column to read)
         saturated = (_COUNT, (q.abs() == top) & (m < float("inf"))) if blocks is not None else (_NONE, m)
         sq_err = (_SQUARES, err)
-    columns = [(_COUNT, nonzero), underflow, (_COUNT, over), saturated, sq_err, (_SQUARES, clean)]
+    columns = [(_COUNT, nonzero), underflow, (_COUNT, deep), (_COUNT, over), saturated, sq_err, (_SQUARES, clean)]
     if fused:  # each column per row of x (all in one kernel, a program per block of rows), then the rows
         per_row = [_summand(kind, c).reshape(x.shape[0], -1).sum(1) for kind, c in columns]
         sums = torch.stack(per_row, -1).sum(0)
