@@ -43,8 +43,9 @@ definition, ``emulate.recipe_table.counts`` (the advisor's baselines call it too
 - ``nonzero``: finite non-zero elements (what can underflow); ``underflow``: non-zero before, zero
   when decoded (a zero code, or a block scale that itself flushed to zero: NVFP4's E4M3 block
   scales under a tensor scale set by a huge outlier); ``underflow_deep``: of those, the ones 4+ binades
-  under the element format's threshold (not a block whose scale flushed); ``overflow``: ``|x * scale|`` above the element
-  format's maximum before the cast (a block scale rounded down can push an element past it);
+  under the element format's threshold (not a block whose scale flushed); ``overflow``: ``|x * scale|``
+  above the element format's maximum before the cast (a block scale rounded down can push an element
+  past it);
   ``saturated``: landed on the format's largest magnitude;
 - ``sq_err``, ``sq_signal``: sums of squares of the error and of ``x`` over the finite elements;
 - ``clip_ratio``: the largest ``|x * scale|`` over the format's maximum (above 1: clipped by that much).

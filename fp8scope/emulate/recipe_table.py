@@ -43,10 +43,11 @@ _HYBRID = {"forward": recipe_format("HYBRID", "forward"), "backward": recipe_for
 _ELEMENTS = {name: get_format(name) for name in ("e4m3", "e5m2")}
 _BF16_MAX = float(torch.finfo(torch.bfloat16).max)
 # each element format's flush threshold under formats.DEEP_UNDERFLOW_BINADES: the deep flush (a constant
-# here, so that traced code reads a number, not a cached lookup); bf16's flushes under 2**-134, half its
-# smallest subnormal
+# here, so that traced code reads a number, not a cached lookup); bf16 flushes at half its smallest
+# subnormal (its smallest normal times its epsilon: 2**-133)
 _DEEP = {name: get_format(name).deep_underflow_threshold for name in ("e4m3", "e5m2", E2M1)}
-_BF16_DEEP = 2.0 ** -134 / 2.0 ** DEEP_UNDERFLOW_BINADES
+_BF16_DEEP = (float(torch.finfo(torch.bfloat16).smallest_normal * torch.finfo(torch.bfloat16).eps) / 2
+              / 2.0 ** DEEP_UNDERFLOW_BINADES)
 
 
 def scaled(x: torch.Tensor, recipe: str, role: str, columnwise: bool = False) -> tuple[BlockScales | None, str]:
