@@ -242,12 +242,12 @@ class Monitor:
             self._layer_source[name] = adapter.name
             self.layers.append(name)
             cover.layer(name, module)
-            self.sources[adapter.name] = self.sources.get(adapter.name, 0) + 1
             if self.model_recipe is None and hasattr(getattr(module, "recipe", None), "to_dict"):
                 self.model_recipe = module.recipe  # our emulated layers carry theirs
         if include is not None and not self.layers:
             raise UsageError("no monitored layer matched the `layers` selection")
         self._cover, self.coverage = cover, cover.to_dict()
+        self.sources = self._monitored_sources()
         left = cover.warning(len(self.layers))
         if left:
             self._warn("skipped", left)
@@ -419,12 +419,15 @@ class Monitor:
             self._cover.leave_idle(name, self._unseen.pop(name))
         if not (new or back):
             return
-        # meta.sources: the layers each adapter monitors, less the idle ones
-        self.sources = dict(Counter(src for name, src in self._layer_source.items() if name not in self._idle))
+        self.sources = self._monitored_sources()
         self.coverage = self._cover.to_dict()
         if new:
             self._warn("idle", self._cover.idle_warning(new, IDLE_AFTER))
         self._write_coverage()
+
+    def _monitored_sources(self) -> dict[str, int]:
+        """meta.sources: how many layers each adapter monitors, the idle ones left out."""
+        return dict(Counter(src for name, src in self._layer_source.items() if name not in self._idle))
 
     def _owner(self, layer: str) -> str:
         """The monitored layer a tensor's layer name belongs to (a TE LayerNormMLP's ``<layer>.fc1``)."""

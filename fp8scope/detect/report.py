@@ -556,8 +556,7 @@ def _rule_advice(rep: dict, serious: pd.DataFrame, cfg: DetectConfig) -> list[st
     att = rep.get("attribution") or {}
     surge = att.get("surge")
     if surge:  # not an outlier to keep in BF16: the gradients of many layers jumped at once (blame says so)
-        more = f" and {len(surge) - 3} more" if len(surge) > 3 else ""
-        adv.append(f"The gradients surged at step {att['event']['step']} in {', '.join(surge[:3])}{more}: their delayed "
+        adv.append(f"The gradients surged at step {att['event']['step']} in {len(surge)} layers ({_some(surge)}): their delayed "
                    "scales could not follow a 10x-1000x jump in one step, so FP8 clipped them. The surge comes from the "
                    "backward: look at that step's loss, batch and lr. A BF16 fork from before it (fp8scope.Shadow, "
                    "forks on events) tells whether the clipping made it worse; current scaling follows such a jump at "
