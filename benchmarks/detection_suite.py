@@ -426,7 +426,8 @@ def score(case: Case, run_dir: Path, losses: list[float]) -> dict:
     out = {"case": case.name, "arch": case.arch, "inject": case.inject, "cause": case.cause,
            "warnings": int((ev["severity"] == "warning").sum()), "criticals": int((ev["severity"] == "critical").sum()),
            "first_anomaly": rep["first_anomaly"], "side": (rep.get("attribution") or {}).get("side"),
-           "verdict": rep["verdict"], "whatif_warnings": int(simulated.sum()) if case.whatif_ok else None}
+           "verdict": rep["verdict"], "blame": rep["blame"]["level"], "harm": (rep.get("harm") or {}).get("how"),
+           "whatif_warnings": int(simulated.sum()) if case.whatif_ok else None}
     serious = serious[~simulated]
     if case.cause == "clean":
         out["ok"] = out["warnings"] + out["criticals"] == 0
@@ -515,9 +516,9 @@ def advisor_markdown(results: list[dict]) -> str:
 
 
 def markdown(results: list[dict], steps: int, seconds: float) -> str:
-    header = ("| case | planted | expected | detected (first warning+) | verdict side | forks | lead (steps) | "
+    header = ("| case | planted | expected | detected (first warning+) | verdict side | blame | forks | lead (steps) | "
               "online lag | warn / crit | ok |")
-    rows = [header, "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = [header, "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         det = r.get("detected")
         det_s = "-" if not det else f"{det['rule']} {det.get('layer', '')} {det['tensor']} @ {det['step']}".replace("  ", " ")
@@ -530,7 +531,7 @@ def markdown(results: list[dict], steps: int, seconds: float) -> str:
             exp += ", the fault noted as info"
         forks = ", ".join(v for _, v in r.get("forks") or []) or "-"
         lag = "-" if r.get("max_lag") is None else r["max_lag"]
-        rows.append(f"| {r['case']} | {', '.join(r['inject']) or '-'} | {exp} | {det_s} | {r['side'] or '-'} | {forks} | "
+        rows.append(f"| {r['case']} | {', '.join(r['inject']) or '-'} | {exp} | {det_s} | {r['side'] or '-'} | {r.get('blame') or '-'} | {forks} | "
                     f"{'-' if r.get('lead') is None else r['lead']} | {lag} | {r['warnings']} / {r['criticals']}"
                     f"{'' if not r.get('whatif_warnings') else ' (' + str(r['whatif_warnings']) + ' what-if)'} | "
                     f"{'yes' if r['ok'] else '**no**'} |")

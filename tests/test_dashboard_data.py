@@ -101,7 +101,10 @@ def test_card_culprit_and_blame(runs):
     _, rep = analysis(runs["outlier"])
     assert rep["culprit"]["layer"] == "blocks.2.mlp.down" and rep["culprit"]["tensor"] == "activation"
     assert rep["culprit"]["step"] == 55
-    assert rep["blame"]["level"] == "likely"
+    # a 2-step outlier that FP8 clipped, and the loss of the 13 steps after it did not move
+    assert rep["blame"]["level"] == "symptoms", rep["blame"]
+    assert rep["blame"]["why"].startswith("an FP8 symptom came first (saturation in blocks.2.mlp.down activation at "
+                                          "step 55, critical), and the loss ")
     _, rep = analysis(runs["lr"])
     assert rep["culprit"] is None  # the optimizer side moved first: no tensor to blame
     assert rep["blame"]["level"] == "unlikely" and "lr_change at step 55" in rep["blame"]["why"]

@@ -25,6 +25,7 @@ import pandas as pd
 from fp8scope.detect.config import DetectConfig
 from fp8scope.detect.design_loss import BLOCK_SCALED
 from fp8scope.detect.engine import SIMULATED_CAST
+from fp8scope.detect.harm import training_harm
 from fp8scope.detect.rules import SEVERITY_RANK
 from fp8scope.schema import ROLES, base_role, simulated_casts
 from fp8scope.store.manifest import coverage_of, coverage_text, describe_mode, measured_mode, recipe_text
@@ -84,7 +85,10 @@ def build_report(run, config: DetectConfig | None = None, events: pd.DataFrame |
     rep["attribution"] = attribution(serious, rep["whatif_layers"])
     rep["nan_upstream"] = unmonitored_upstream(manifest, rep["nan_origin"])
     rep["top_layers"] = _top_layers(serious, rep["whatif_layers"])
-    rep["scalars"] = _scalar_context(run, cfg, rep["first_anomaly"])
+    scalars = _scalar_frame(run, cfg)
+    rep["scalars"] = _scalar_context(scalars, cfg, rep["first_anomaly"])
+    rep["harm"] = (training_harm(_series(scalars, cfg.loss_name), serious, rep["attribution"]["event"], cfg)
+                   if rep["attribution"]["side"] == "fp8" else None)
     rep["shadow"] = _shadow_verdict(run, cfg)
     rep["forks"] = forks(run)
     rep["advice"] = _advice(rep, serious, cfg)
@@ -116,12 +120,16 @@ def culprit(rep: dict, serious: pd.DataFrame) -> dict | None:
 
 
 def blame(rep: dict, serious: pd.DataFrame) -> dict:
-    """Is FP8 to blame? ``level``: "clean", "likely", "unlikely" or "unknown", and ``why`` in one sentence.
+    """Is FP8 to blame? ``level``: "clean", "likely", "symptoms", "unlikely" or "unknown", and ``why`` in one
+    sentence.
 
     Evidence in order of strength: BF16 forks from the same state (a fork that recovers in BF16 says FP8;
     one that fails the same way says not FP8), a BF16 replica that also goes non-finite, which side moved
     first (the optimizer side before any FP8 symptom says not FP8), BF16 shadow compares departing from
-    FP8's own usual error, and FP8 symptoms (saturation, underflow, mismatched scales, NaN) first."""
+    FP8's own usual error, and FP8 symptoms (saturation, underflow, mismatched scales, NaN) first. An FP8
+    symptom first whose loss then did not move ("symptoms", ``rep["harm"]``, :mod:`fp8scope.detect.harm`)
+    blames FP8 for nothing yet: it says where FP8 loses precision, not why training failed. A non-finite
+    tensor is harm by itself."""
     if not rep.get("steps"):
         return {"level": "unknown", "why": "no statistics logged yet"}
     done = [f for f in rep.get("forks") or [] if f["verdict"] in ("fp8-induced", "not-fp8")]
@@ -169,8 +177,13 @@ def blame(rep: dict, serious: pd.DataFrame) -> dict:
                                                "flagged before them. A surge comes from the backward (the loss, the "
                                                "model's dynamics) and FP8 clipped it; a BF16 fork from before it "
                                                "(fp8scope.Shadow) tells whether the clipping made it worse"}
-        return {"level": "likely", "why": f"an FP8 symptom came first: {e['rule']} in {e['layer']} {e['tensor']} "
-                                          f"at step {e['step']}".rstrip()}
+        what = f"{e['rule']} in {e['layer']} {e['tensor']} at step {e['step']}"
+        h = rep.get("harm")
+        if h is not None and h["hurt"] is False and e["rule"] not in NON_FINITE:
+            return {"level": "symptoms", "why": f"an FP8 symptom came first ({what}, {e['severity']}), and {h['how']}: "
+                                              "nothing to blame on FP8 yet. A BF16 fork from before it "
+                                              "(fp8scope.Shadow) tells what the symptom costs"}
+        return {"level": "likely", "why": f"an FP8 symptom came first: {what}" + (f", and {h['how']}" if h else "")}
     # no FP8 symptom on a layer that ran FP8 (attribution found none): any left are simulated
     simulated = _simulated(rep, serious)
     if not simulated.empty:
@@ -205,6 +218,7 @@ def _gradient_surge(serious: pd.DataFrame, first: dict, whatif=()) -> list[str]:
 
 
 BLAME_TITLES = {"clean": "No problems flagged", "likely": "FP8 is the likely cause",
+                "symptoms": "FP8 symptoms, no harm seen in the loss",
                 "unlikely": "FP8 is unlikely the cause", "unknown": "FP8's part is unknown"}
 
 
@@ -269,13 +283,22 @@ def _layer_summary(layer: str, tensor: str, rs: list[dict]) -> dict:
     }
 
 
-def _scalar_context(run, cfg: DetectConfig, first: dict | None) -> dict:
+def _scalar_frame(run, cfg: DetectConfig) -> pd.DataFrame | None:
+    """step, name, value of the loss and the grad norm (the mean over ranks); None when the run logs no scalars."""
     if "scalars" not in run.table_names():
+        return None
+    return _mean_per_step(run.table("scalars"), [cfg.loss_name, cfg.grad_norm_name])
+
+
+def _series(df: pd.DataFrame | None, name: str) -> pd.DataFrame | None:
+    return None if df is None else df[df["name"] == name][["step", "value"]]
+
+
+def _scalar_context(df: pd.DataFrame | None, cfg: DetectConfig, first: dict | None) -> dict:
+    if df is None:
         return {}
-    names = [cfg.loss_name, cfg.grad_norm_name]
-    df = _mean_per_step(run.table("scalars"), names)
     out: dict[str, Any] = {}
-    for name in names:
+    for name in (cfg.loss_name, cfg.grad_norm_name):
         s = df[df["name"] == name].sort_values("step")
         if s.empty:
             continue
