@@ -131,14 +131,16 @@ class DetectConfig:
     lr_name: str = "lr"
 
     # fp8_vs_bf16 (detect/shadow_rule.py): a compare's relative error of a layer's output or weight
-    # gradient is >= shadow_factor x the median of that layer's earlier compares (its own FP8 noise;
-    # the first shadow_min_compares compares form the baseline) and >= shadow_rel_err; a warning when it
+    # gradient is >= shadow_factor x the median of that layer's last shadow_window compares that did not
+    # depart (its own recent FP8 noise, which drifts up as the model trains; the first shadow_min_compares
+    # compares form the baseline) and >= shadow_rel_err; a warning when it
     # lasts 2 compares, critical at shadow_critical_factor x, info for one compare (measured on the suite's
     # clean runs: at the end of the lr warm-up every layer's wgrad error jumped 4-11x for one compare)
     shadow_rel_err: float = 0.02
     shadow_factor: float = 4.0
     shadow_critical_factor: float = 20.0
     shadow_min_compares: int = 3
+    shadow_window: int = 8
     # compares before this step are told as info (unless critical): in the suite's clean runs the
     # weight-gradient error jumps 3-7x for a few compares up to step ~80, while delayed scales catch up
     # with a fresh model's gradients

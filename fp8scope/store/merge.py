@@ -183,8 +183,21 @@ class RunData:
                     raise RunError(f"{self.run_dir}: table {name!r} has incompatible schemas across files ({str(e).splitlines()[0]})") from None
                 if t.num_rows and t.column(0).num_chunks > 64 and self.combine_chunks:
                     t = t.combine_chunks()  # many small polls (live run): keep scans chunk-cheap
-                st.merged = dedup_latest_segment(t)
+                st.merged = with_missing_columns(dedup_latest_segment(t), name)
         return st.merged
+
+
+def with_missing_columns(t: pa.Table, name: str) -> pa.Table:
+    """``t`` with the nullable columns of its table's schema that its files predate, as nulls (a run
+    logged before ``underflow_deep`` existed): every reader, SQL included, sees one schema, and a
+    statistic the run never logged reads as missing, never as an error."""
+    schema = TABLE_SCHEMAS.get(name)
+    if schema is None:
+        return t
+    for f in schema:
+        if f.nullable and f.name not in t.column_names:
+            t = t.append_column(f, pa.nulls(t.num_rows, f.type))
+    return t
 
 
 def single_segment(t: pa.Table) -> bool:
