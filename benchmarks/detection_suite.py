@@ -531,7 +531,8 @@ def markdown(results: list[dict], steps: int, seconds: float) -> str:
             exp += ", the fault noted as info"
         forks = ", ".join(v for _, v in r.get("forks") or []) or "-"
         lag = "-" if r.get("max_lag") is None else r["max_lag"]
-        rows.append(f"| {r['case']} | {', '.join(r['inject']) or '-'} | {exp} | {det_s} | {r['side'] or '-'} | {r.get('blame') or '-'} | {forks} | "
+        rows.append(f"| {r['case']} | {', '.join(r['inject']) or '-'} | {exp} | {det_s} | {r['side'] or '-'} | "
+                    f"{r.get('blame') or '-'} | {forks} | "
                     f"{'-' if r.get('lead') is None else r['lead']} | {lag} | {r['warnings']} / {r['criticals']}"
                     f"{'' if not r.get('whatif_warnings') else ' (' + str(r['whatif_warnings']) + ' what-if)'} | "
                     f"{'yes' if r['ok'] else '**no**'} |")

@@ -253,7 +253,8 @@ def fork_verdicts(e: Entry) -> pd.DataFrame | None:
 
 
 TENSOR_SERIES = ["step", "amax", "expected_amax", "range", "scale_inv", "min_nonzero", "overflow_pct",
-                 "underflow_pct", "underflow_shallow_pct", "saturated_pct", "sqnr_db", "nonfinite", "fp8_format", "source", "recipe"]
+                 "underflow_pct", "underflow_shallow_pct", "saturated_pct", "sqnr_db", "nonfinite", "fp8_format",
+                 "source", "recipe"]
 
 
 def tensor_series(e: Entry, layer: str, role: str, max_points: int = MAX_POINTS,

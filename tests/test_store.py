@@ -163,7 +163,8 @@ def test_a_run_an_older_fp8scope_logged_answers_sql_on_the_columns_it_predates(r
     run = load_run(run_dir)
     assert run.table("tensors")["underflow_deep"].null_count == 3 * len(LAYERS) * len(ROLES)
     d = DERIVED["underflow_shallow_pct"]
-    got = run.sql(f"select step, {d.sql} as shallow, {DERIVED['underflow_pct'].sql} as total from tensors order by step")
+    total = DERIVED["underflow_pct"].sql
+    got = run.sql(f"select step, {d.sql} as shallow, {total} as total from tensors order by step")
     assert np.allclose(got["shallow"], got["total"]) and np.allclose(got["total"], 100 * (18 + got["step"]) / 900)
     t = run.table("tensors")
     fn = d.fn(lambda c: t[c].to_numpy(zero_copy_only=False).astype(np.float64))

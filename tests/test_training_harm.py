@@ -57,7 +57,8 @@ def test_a_loss_that_rises_and_stays_up_is_harm_and_two_hard_batches_are_not():
 
 def test_the_loss_rules_events_and_a_non_finite_loss_are_harm():
     df = noisy_loss()
-    for rule, words in (("loss_spike", "the loss spiked at step 220"), ("loss_nonfinite", "the loss went non-finite at step 220"),
+    for rule, words in (("loss_spike", "the loss spiked at step 220"),
+                        ("loss_nonfinite", "the loss went non-finite at step 220"),
                         ("grad_norm_spike", "the grad norm spiked at step 220")):
         h = training_harm(df, ev(220, rule), {"step": 150}, CFG)
         assert h["hurt"] is True and h["how"] == words, h
@@ -115,4 +116,5 @@ def test_a_real_outlier_that_fp8_clips_once_is_no_harm_and_one_that_stays_is(tmp
     assert once["harm"]["hurt"] is False and once["blame"]["level"] == "symptoms", once["blame"]
     assert blame_text(once).startswith("FP8 symptoms, no harm seen in the loss: an FP8 symptom came first (")
     assert stays["harm"]["hurt"] is True and stays["blame"]["level"] == "likely", stays["blame"]
-    assert stays["blame"]["why"].startswith("an FP8 symptom came first: ") and stays["harm"]["how"] in stays["blame"]["why"]
+    why = stays["blame"]["why"]
+    assert why.startswith("an FP8 symptom came first: ") and stays["harm"]["how"] in why, why

@@ -69,8 +69,8 @@ def training_harm(losses: pd.DataFrame | None, serious: pd.DataFrame, since: dic
         if over.any():
             i = int(np.argmax(over))
             return {**out, "hurt": True,
-                    "how": f"the loss rose to {_g(med[i])} by step {int(steps[i])} (median of {HARM_WINDOW} logged steps), "
-                           f"{_g(rise[i])}x its lowest before ({_g(low[i - 1])})"}
+                    "how": f"the loss rose to {_g(med[i])} by step {int(steps[i])} (median of {HARM_WINDOW} logged "
+                           f"steps), {_g(rise[i])}x its lowest before ({_g(low[i - 1])})"}
         if judged.any():
             return {**out, "how": f"the loss has not moved in the {_steps(out['steps_since'])} since (median of the "
                                   f"last {HARM_WINDOW}: {_g(med[-1])}; at most {_g(np.nanmax(rise[judged]))}x its "

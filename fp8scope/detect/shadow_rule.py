@@ -3,7 +3,7 @@
 A compare step measures, per layer, how far the FP8 step's output and weight gradient are from the
 same step re-run in BF16. Healthy FP8 is not within 1 % of BF16: on a clean run the output's
 relative error has a median of a few percent and the weight gradient's up to ~20 %, depending on
-the layer, its recipe and its data. So a layer is judged against *its own* earlier compares:
+the layer, its recipe and its data. So a layer is judged against *its own* recent compares:
 
 - its baseline is the median of the errors of its last ``shadow_window`` compares that did not
   depart (the first ``shadow_min_compares`` compares of a layer only form the baseline and are
@@ -45,8 +45,8 @@ COMPARE_ORDER = 1 << 29  # after a step's tensor events, before its scalar ones
 
 def departures(table: pa.Table | pd.DataFrame, cfg: DetectConfig) -> pd.DataFrame:
     """One row per (compare step, rank, layer, metric): ``err``, ``baseline`` (median of the layer's
-    last ``shadow_window`` errors of that metric that did not depart; NaN while it forms), ``n_prev``, ``departure`` (err / baseline),
-    ``departs`` (bool) and ``fires`` (first departure of an excursion)."""
+    last ``shadow_window`` errors of that metric that did not depart; NaN while it forms), ``n_prev``
+    (the compares in that median), ``departure`` (err / baseline), ``departs`` (bool) and ``fires`` (first departure of an excursion)."""
     import pandas as pd
 
     df = table.to_pandas() if isinstance(table, pa.Table) else table
@@ -65,11 +65,13 @@ def departures(table: pa.Table | pd.DataFrame, cfg: DetectConfig) -> pd.DataFram
     for _, g in long.groupby(["rank", "layer", "metric"], sort=False):
         err = g["err"].to_numpy(float)
         base = np.full(len(err), np.nan)
+        n_base = np.zeros(len(err), np.int64)  # compares in the baseline
         departs = np.zeros(len(err), bool)
         kept: list[float] = []  # the errors of the layer's earlier compares that did not depart
         for i, e in enumerate(err):
             if i >= need and kept:
                 base[i] = np.median(kept[-window:])
+                n_base[i] = min(len(kept), window)
                 departs[i] = e >= factor * base[i] and e >= floor
             if not departs[i]:
                 kept.append(e)
@@ -83,7 +85,7 @@ def departures(table: pa.Table | pd.DataFrame, cfg: DetectConfig) -> pd.DataFram
             m = departs & (run_id == r)
             first = np.flatnonzero(m)[0]
             length[first], worst[first] = int(m.sum()), float(np.nanmax(departure[m]))
-        parts.append(g.assign(baseline=base, n_prev=np.arange(len(err)), departure=departure, departs=departs,
+        parts.append(g.assign(baseline=base, n_prev=n_base, departure=departure, departs=departs,
                               fires=fires, excursion=length, worst=worst))
     out = pd.concat(parts, ignore_index=True)
     return out.sort_values(["step", "rank", "layer", "metric"], kind="stable").reset_index(drop=True)
@@ -108,7 +110,7 @@ def shadow_events(table: pa.Table, cfg: DetectConfig) -> list[dict]:
             sev = "info"  # early training: delayed scales still chase a fresh model's growing gradients
         msg = (f"{r['layer']}: FP8 {r['metric']} differs from the BF16 shadow by {_fmt(100 * r['err'])}% relative "
                f"error, {_fmt(r['departure'])}x this layer's usual {_fmt(100 * r['baseline'])}% (median of its "
-               f"{int(r['n_prev'])} earlier compares)"
+               f"last {int(r['n_prev'])} compares that did not depart)"
                + (f", for {int(r['excursion'])} compares in a row: FP8 hurts this layer here" if lasting
                   else "" if sev == "critical" else ", at this compare only"))
         # a compare is judged after the step's own tensors: at equal steps they sort first (the report's
