@@ -16,7 +16,10 @@ import pyarrow as pa
 from fp8scope.schema import FIELD_INDEX, RECIPE_FIELDS, RECIPE_SCHEMA, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
 from fp8scope.step_payload import CHEAP_FIELDS, TensorKey, nonfinite_flags, widen_cheap_rows
 
-_COUNT_FIELDS = ("numel", "zeros", "nonfinite", "overflow", "underflow", "underflow_deep", "saturated")
+# the integer statistics of each table, from its schema: a count added there is written here too
+_COUNT_FIELDS = tuple(n for n, _ in STAT_FIELDS
+                      if n in TENSOR_SCHEMA.names and pa.types.is_integer(TENSOR_SCHEMA.field(n).type))
+_RECIPE_COUNTS = tuple(n for n in RECIPE_FIELDS if pa.types.is_integer(RECIPE_SCHEMA.field(n).type))
 
 
 def merge_rows(matrix: np.ndarray, key_ids: Sequence[int]) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
@@ -229,8 +232,7 @@ def recipe_batch(step: int, rank: int, matrix: np.ndarray, recipe_keys: Sequence
         "layer": pa.array([keys[k].layer for (k, _), _ in rows], type=pa.string()),
         "tensor": pa.array([keys[k].role for (k, _), _ in rows], type=pa.string()),
         "recipe": pa.array([r for (_, r), _ in rows], type=pa.string()),
-        **{name: _int_col(f[name])
-           for name in ("numel", "nonzero", "underflow", "underflow_deep", "overflow", "saturated")},
+        **{name: _int_col(f[name]) for name in _RECIPE_COUNTS},
         "sq_err": _float_col(f["sq_err"]),
         "sq_signal": _float_col(f["sq_signal"]),
         "sqnr_db": _float_col(sqnr),

@@ -48,7 +48,8 @@ _SUMS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq
 
 
 _TENSOR_COLS = ("step", "rank", "layer", "tensor", "full", "fp8_max", "expected_amax", "scale", "scale_inv", "amax",
-                "numel", "nonfinite", "zeros", "underflow", "overflow", "saturated", "qerr_mse", "sqnr_db")
+                "numel", "nonfinite", "zeros", "underflow", "underflow_deep", "overflow", "saturated", "qerr_mse",
+                "sqnr_db")
 
 
 def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
@@ -60,11 +61,10 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
     cols = ["step", "layer", "tensor", "recipe", *_SUMS, "clip_ratio", "underflow_deep"]
     if "recipes" not in run.table_names():
         return pd.DataFrame(columns=cols)
-    # underflow_deep: absent from a run logged before it existed (both tables then judge all of a flush)
-    rec_t = run.table("recipes")
-    rec_t = _arrow_in_steps(rec_t.select([c for c in cols if c in rec_t.column_names]), steps)
-    t = run.table("tensors")
-    t = t.select([c for c in (*_TENSOR_COLS, "underflow_deep") if c in t.column_names])
+    # underflow_deep: null in a run logged before it existed (the store's readers give it the column;
+    # both tables then judge all of a flush)
+    rec_t = _arrow_in_steps(run.table("recipes").select(cols), steps)
+    t = run.table("tensors").select(list(_TENSOR_COLS))
     keep = pc.and_(pc.and_(t["full"], pc.greater_equal(t["rank"], 0)),
                    pc.invert(pc.match_substring(t["tensor"], "@")))
     t = _arrow_in_steps(t.filter(keep), steps)
@@ -86,9 +86,6 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
         t["sq_signal"] = np.where(np.isinf(t["sqnr_db"]), np.nan, t["sq_err"] * 10.0 ** (t["sqnr_db"] / 10.0))
         t["clip_ratio"] = t["amax"] / (t["fp8_max"] * t["scale_inv"])  # derived.amax_over_range
     t["recipe"] = IN_USE
-    for df in (t, rec):
-        if "underflow_deep" not in df:
-            df["underflow_deep"] = np.nan
     t, rec = t[cols].copy(), rec[cols].copy()
     for c in ("layer", "tensor", "recipe"):  # one set of categories on both sides: the concat stays categorical
         a, b = pd.Categorical(t[c]), pd.Categorical(rec[c])

@@ -330,9 +330,6 @@ def _numeric_columns(t: pa.Table) -> tuple[dict, dict]:
     for name in TENSOR_COLUMNS:
         if name in ("layer", "tensor", "fp8_format", "source", "recipe"):
             continue
-        if name not in t.column_names:  # a run logged before the column existed (underflow_deep)
-            cols[name] = np.full(t.num_rows, np.nan)
-            continue
         col = t.column(name)
         if name in ("step", "rank"):
             cols[name] = col.to_numpy().astype(np.int64, copy=False)
