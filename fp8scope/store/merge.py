@@ -35,6 +35,28 @@ def with_segment_schema(schema: pa.Schema) -> pa.Schema:
     return schema.append(pa.field(SEGMENT, pa.int32()))
 
 
+# The columns that say what a row is about, beyond its (rank, step). A stream without them would
+# merge as rows of nulls that no reader can place (a tensors row with no layer breaks the report).
+KEY_COLUMNS = {"tensors": ("layer", "tensor"), "recipes": ("layer", "tensor", "recipe"), "scalars": ("name",),
+               "events": ("rule",)}
+
+
+def check_stream_schema(file: StreamFile, schema: pa.Schema) -> None:
+    """Refuse, in one line naming the file, a stream that is not its table's: another table's stream
+    under this name (its schema's ``fp8scope.table`` says which), or one without the columns that key
+    the table's rows (hand-made, foreign). Extra columns, and nullable ones a run predates, are fine."""
+    for col in ("step", "rank"):  # every table is keyed by (rank, step)
+        i = schema.get_field_index(col)
+        if i < 0 or not pa.types.is_integer(schema.field(i).type):
+            raise RunError(f"{file.path}: not an fp8scope stream (no integer {col!r} column)")
+    said = (schema.metadata or {}).get(b"fp8scope.table")
+    if said is not None and said != file.table.encode():
+        raise RunError(f"{file.path}: holds the {said.decode(errors='replace')!r} table, not {file.table!r}")
+    for col in KEY_COLUMNS.get(file.table, ()):
+        if col not in schema.names:
+            raise RunError(f"{file.path}: not an fp8scope {file.table} stream (no {col!r} column)")
+
+
 @dataclass
 class _StreamState:
     """One stream file's tail plus the rows read from it so far (zero-copy chunks)."""
@@ -48,12 +70,7 @@ class _StreamState:
     def poll(self) -> bool:
         batches = self.tail.read_new()
         if self.tail.schema is not None and not self.checked:
-            # Every table is keyed by (rank, step): a stream without them (hand-made, foreign) would
-            # merge as null steps and break every reader downstream; refuse it here, in one line.
-            for col in ("step", "rank"):
-                i = self.tail.schema.get_field_index(col)
-                if i < 0 or not pa.types.is_integer(self.tail.schema.field(i).type):
-                    raise RunError(f"{self.file.path}: not an fp8scope stream (no integer {col!r} column)")
+            check_stream_schema(self.file, self.tail.schema)
             self.checked = True
         batches = [b for b in batches if b.num_rows]
         if not batches:
