@@ -86,6 +86,8 @@ def step_batch(step: int, keys, rng, full: bool, spike_layer: int | None) -> pa.
         "underflow": pa.array(uf) if full else pa.nulls(n, pa.int64()),
         # a bulk pressed under flushes evenly below the threshold: 1/16 of it from 4+ binades under
         "underflow_deep": pa.array(rng.binomial(uf, 1 / 16).astype(np.int64)) if full else pa.nulls(n, pa.int64()),
+        # and sits under the normal range several times over what it flushes
+        "below_normal": pa.array(np.minimum(8 * uf, numel).astype(np.int64)) if full else pa.nulls(n, pa.int64()),
         "saturated": counts(1e-5),
         "qerr_mse": pa.array(amax * 1e-4) if full else pa.nulls(n, pa.float64()),
         "sqnr_db": pa.array(rng.normal(30, 1, n)) if full else pa.nulls(n, pa.float64()),

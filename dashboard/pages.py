@@ -328,7 +328,7 @@ def _heatmap_figure(e, stat, role, agg, layer_re, title, last_steps, span, zrang
     fig = F.heatmap(fr, stat=Q.STATS[stat][0].split(",")[0].split("(")[0].strip(), flagged=fl, title=title)
     msg = colour(fig, stat, fr)
     first = int(fr["step"].min())
-    scale_made = ("headroom", "underflow_pct", "underflow_shallow_pct", "sqnr_db", "qerr_log10")
+    scale_made = ("headroom", "underflow_pct", "underflow_shallow_pct", "below_normal_pct", "sqnr_db", "qerr_log10")
     if first == Q.step_span(e)[0] and not last_steps and stat in scale_made:
         # a labelled step, not a scored one: delayed scaling quantizes its first step with the initial scale
         fig.add_annotation(x=first, y=1.0, yref="paper", yanchor="bottom", showarrow=False,
@@ -489,6 +489,7 @@ def tensor_body(app, e, p):
     fig.add_trace(go.Scatter(x=s["step"], y=s["scale_inv"], mode="lines", name="scale_inv"), row=2, col=1)
     for c, n in (("overflow_pct", "overflow %"), ("underflow_pct", "underflow % (of non-zeros)"),
                  ("underflow_shallow_pct", "underflow % pressed under (not a near-zero tail)"),
+                 ("below_normal_pct", "% under the normal range (flushed or subnormal: where the bulk sits)"),
                  ("saturated_pct", "saturation %")):
         d = s[s[c].notna()]
         fig.add_trace(go.Scatter(x=d["step"], y=d[c], mode="lines+markers", name=n, marker={"size": 4}), row=3, col=1)

@@ -253,7 +253,8 @@ def fork_verdicts(e: Entry) -> pd.DataFrame | None:
 
 
 TENSOR_SERIES = ["step", "amax", "expected_amax", "range", "scale_inv", "min_nonzero", "overflow_pct",
-                 "underflow_pct", "underflow_shallow_pct", "saturated_pct", "sqnr_db", "nonfinite", "fp8_format",
+                 "underflow_pct", "underflow_shallow_pct", "below_normal_pct", "saturated_pct", "sqnr_db", "nonfinite",
+                 "fp8_format",
                  "source", "recipe"]
 
 
@@ -280,6 +281,7 @@ def tensor_series(e: Entry, layer: str, role: str, max_points: int = MAX_POINTS,
             "range": red(np.fmin, "range"), "scale_inv": red(np.fmax, "scale_inv"), "min_nonzero": red(np.fmin, "min_nonzero"),
             "overflow_pct": red(np.fmax, "overflow_pct_w"), "underflow_pct": red(np.fmax, "underflow_pct_w"),
             "underflow_shallow_pct": red(np.fmax, "underflow_shallow_pct_w"),
+            "below_normal_pct": red(np.fmax, "below_normal_pct_w"),
             "saturated_pct": red(np.fmax, "saturated_pct_w"), "sqnr_db": red(np.fmin, "sqnr_db_w"),
             "nonfinite": red(np.fmax, "nonfinite_w"), "fp8_format": r.fmt[tid], "source": r.source[tid],
             "recipe": r.recipe[tid]})
@@ -296,6 +298,7 @@ def _tensor_raw(e: Entry, layer: str, role: str, max_points: int, span: tuple[in
                min(fp8_max * scale_inv) as range, max(scale_inv) as scale_inv, min(min_nonzero) as min_nonzero,
                max({D['overflow_pct'].sql}) as overflow_pct, max({D['underflow_pct'].sql}) as underflow_pct,
                max({D['underflow_shallow_pct'].sql}) as underflow_shallow_pct,
+               max({D['below_normal_pct'].sql}) as below_normal_pct,
                max({D['saturated_pct'].sql}) as saturated_pct, min(sqnr_db) as sqnr_db,
                max({D['nonfinite'].sql}) as nonfinite
         from tensors where layer = ? and tensor = ? and step between ? and ? group by 1 order by 1"""

@@ -12,6 +12,7 @@ Definitions that matter:
   the *non-zero finite* values: zeros cannot underflow, and a tensor that is 90 % exact zeros
   (ReLU, padding) is not "90 % fine"; its *shallow* part leaves out the values flushed from deep
   under the threshold (``underflow_deep``), a tail of near-zeros rather than a bulk pressed under;
+  ``below_normal`` says where the bulk sits: the share of the non-zero values under the normal range;
 * headroom in binades, ``log2(fp8_max * scale_inv / amax)``: < 0 means the amax overflowed the
   range the scale in use can represent, large means the scale wastes range (a stale scale);
 * non-finite, NaN or Inf amaxes and empty tensors give NULL / NaN, never 0: a missing value must
@@ -72,6 +73,15 @@ def deep_underflow_share(get: Get) -> np.ndarray:
     return _safe_div(get("underflow_deep"), get("underflow"))
 
 
+def below_normal_fraction(get: Get) -> np.ndarray:
+    """The share of the non-zero finite values that the cast leaves under the format's smallest normal
+    (flushed, or a subnormal with fewer mantissa bits): where the bulk sits. A scale pressed under by
+    an outlier puts a large part of the tensor there; a tail of small values that crosses the flush
+    threshold (GELU's negative tail) a few % more than it flushes. NaN in a run logged before
+    ``below_normal`` existed."""
+    return _safe_div(get("below_normal"), nonzero_finite(get))
+
+
 def overflow_fraction(get: Get) -> np.ndarray:
     return _safe_div(get("overflow"), get("numel"))
 
@@ -114,6 +124,10 @@ DERIVED: dict[str, Derived] = {d.key: d for d in (
             f"100.0 * (underflow - coalesce(underflow_deep, 0)) / {_NZ_SQL}",
             lambda g: 100.0 * shallow_underflow_fraction(g), "max",
             ("underflow", "underflow_deep", "numel", "zeros", "nonfinite")),
+    Derived("below_normal_pct",
+            "% of non-zero values under the normal range (flushed or subnormal): the bulk's precision",
+            f"100.0 * below_normal / {_NZ_SQL}", lambda g: 100.0 * below_normal_fraction(g), "max",
+            ("below_normal", "numel", "zeros", "nonfinite")),
     Derived("saturated_pct", "saturation % of elements", "100.0 * saturated / nullif(numel, 0)",
             lambda g: 100.0 * saturated_fraction(g), "max", ("saturated", "numel")),
     Derived("sqnr_db", "quantization SQNR dB (low = bad)", "sqnr_db", lambda g: g("sqnr_db"), "min", ("sqnr_db",)),

@@ -48,6 +48,11 @@ STAT_FIELDS: tuple[tuple[str, str], ...] = (
     # of those, the ones 4 binades or more under the flush threshold (formats.deep_underflow_threshold):
     # a tail of near-zero values, not a bulk the scale pressed under (detect's underflow rule)
     ("underflow_deep", "sum"),
+    # non-zero, and under the format's smallest normal: flushed, or a subnormal with fewer mantissa bits
+    # than the format's. Where the bulk sits: a scale pressed under by an outlier puts a large part of
+    # the tensor there, a tail of small values that crosses the flush threshold only a few % (the
+    # underflow rule tells the two apart by it)
+    ("below_normal", "sum"),
     ("saturated", "sum"),  # quantized to +-fp8_max (clipped or rounded onto the top code)
     ("sq_err", "sum"),  # sum (dequant(quant(x)) - x)^2 over finite elements
     ("sq_signal", "sum"),  # sum x^2 over finite elements, for SQNR
@@ -58,8 +63,8 @@ STAT_FIELDS: tuple[tuple[str, str], ...] = (
 FIELD_INDEX = {name: i for i, (name, _) in enumerate(STAT_FIELDS)}
 N_FIELDS = len(STAT_FIELDS)
 # Fields that only full stats fill; cheap stats leave them NaN (null in the store).
-FULL_ONLY = ("min_nonzero", "zeros", "nonfinite", "overflow", "underflow", "underflow_deep", "saturated", "sq_err",
-             "sq_signal")
+FULL_ONLY = ("min_nonzero", "zeros", "nonfinite", "overflow", "underflow", "underflow_deep", "below_normal",
+             "saturated", "sq_err", "sq_signal")
 
 TENSOR_SCHEMA = pa.schema(
     [
@@ -89,6 +94,8 @@ TENSOR_SCHEMA = pa.schema(
         ("underflow", pa.int64()),
         # null in a run logged before it existed: readers then judge all of the underflow as shallow
         ("underflow_deep", pa.int64()),
+        # null in a run logged before it existed: the underflow rule then judges the flush as before
+        ("below_normal", pa.int64()),
         ("saturated", pa.int64()),
         ("qerr_mse", pa.float64()),
         ("sqnr_db", pa.float64()),

@@ -33,17 +33,19 @@ N_RECIPE = len(RECIPE_FIELDS)
 # reduction, and each writes its half of this row in place; putting the values in STAT_FIELDS'
 # order on the device took one more kernel launch per tensor, where reordering on the host is free.
 # ``recorded_amax`` (TE's amax, NaN ignored: what a what-if scaling state records) is not logged;
-# the three unused slots (copies of the expected amax) give both halves nine columns, so that the
-# compiled pass's two reductions over the rows read per-row matrices of one shape. The two flush
-# counts hold the zeros too (``|x * scale|`` at or below a threshold: one comparison a pass, where
-# "non-zero and below" takes two); :func:`wide_stats` takes the zeros out on the host.
+# the four unused slots (copies of the expected amax) give both halves ten columns, so that the
+# compiled pass's two reductions over the rows read per-row matrices of one shape. The three
+# counts under a threshold hold the zeros too (``|x * scale|`` at or below the flush thresholds,
+# under the smallest normal: one comparison a pass, where "non-zero and below" takes two);
+# :func:`wide_stats` takes the zeros out on the host.
 WIDE_FIELDS = ("amax", "min_nonzero", "recorded_amax", "scale", "scale_inv", "expected_amax", "unused6", "unused7",
-               "unused8", "numel", "zeros", "nonfinite", "overflow", "underflow_or_zero", "saturated",
-               "underflow_deep_or_zero", "sq_err", "sq_signal")
+               "unused8", "unused9", "numel", "zeros", "nonfinite", "overflow", "underflow_or_zero", "saturated",
+               "underflow_deep_or_zero", "below_normal_or_zero", "sq_err", "sq_signal")
 N_WIDE = len(WIDE_FIELDS)
-N_WIDE_MAX = 9  # the first nine are reduced by a maximum
+N_WIDE_MAX = 10  # the first ten are reduced by a maximum
 WIDE_INDEX = {name: i for i, name in enumerate(WIDE_FIELDS)}
-_ZERO_HOLDERS = {"underflow": "underflow_or_zero", "underflow_deep": "underflow_deep_or_zero"}
+_ZERO_HOLDERS = {"underflow": "underflow_or_zero", "underflow_deep": "underflow_deep_or_zero",
+                 "below_normal": "below_normal_or_zero"}
 _WIDE_TO_STAT = [WIDE_INDEX[_ZERO_HOLDERS.get(name, name)] for name, _ in STAT_FIELDS]
 _FLUSH_STAT = [FIELD_INDEX[name] for name in _ZERO_HOLDERS]
 

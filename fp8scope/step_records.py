@@ -13,7 +13,8 @@ from typing import Sequence
 import numpy as np
 import pyarrow as pa
 
-from fp8scope.schema import FIELD_INDEX, RECIPE_FIELDS, RECIPE_SCHEMA, SCALAR_SCHEMA, STAT_FIELDS, TENSOR_SCHEMA
+from fp8scope.schema import (FIELD_INDEX, FULL_ONLY, RECIPE_FIELDS, RECIPE_SCHEMA, SCALAR_SCHEMA, STAT_FIELDS,
+                             TENSOR_SCHEMA)
 from fp8scope.step_payload import CHEAP_FIELDS, TensorKey, nonfinite_flags, widen_cheap_rows
 
 # the integer statistics of each table, from its schema: a count added there is written here too
@@ -136,9 +137,9 @@ def tensor_batch(
     return pa.RecordBatch.from_arrays([cols[name] for name in TENSOR_SCHEMA.names], schema=TENSOR_SCHEMA)
 
 
-# cheap-step columns that only depend on the row list: built once per row list (see cheap_tensor_batch)
-_CHEAP_NULLS = ("min_nonzero", "zeros", "overflow", "underflow", "underflow_deep", "saturated", "qerr_mse",
-                "sqnr_db")
+# cheap-step columns that only depend on the row list: built once per row list (see cheap_tensor_batch):
+# what only full stats fill (a cheap row's nonfinite is the flag its amax implies), and the error they give
+_CHEAP_NULLS = (*(n for n in FULL_ONLY if n in TENSOR_SCHEMA.names and n != "nonfinite"), "qerr_mse", "sqnr_db")
 
 
 def cheap_tensor_batch(

@@ -93,26 +93,47 @@ def test_eager_full_stats_allocate_five_float32_copies_at_most(dtype, with_deq):
     assert c.bytes / x.numel() <= 21.5, c.bytes / x.numel()
 
 
+@pytest.mark.parametrize("per_row", [False, True])
+@pytest.mark.parametrize("has_deq", [False, True])
+def test_the_general_pass_stays_within_40_ops_whatever_the_size(per_row, has_deq):
+    """The pass an accelerator runs eagerly (where a value cannot be read without a sync), and a CPU for
+    a tensor with a NaN: a bf16 tensor's float32 copy and the general form, at most 40 ops at any size.
+    Its seven counts take four sums (two masks a sum)."""
+    fmt = get_format("e4m3")
+    for shape in ((64, 64), (2048, 1024)):
+        x = torch.randn(*shape, dtype=torch.bfloat16)
+        x[1, 1] = math.nan
+        scale = torch.full((shape[0], 1), 50.0) if per_row else torch.tensor(50.0)
+        scale_inv, expected = 1 / scale, torch.tensor(8.96)
+        deq = (x.float() * 50).to(fmt.dtype).float() / 50 if has_deq else None
+        general = stats_mod._make_general(("cpu", x.dtype, "e4m3", per_row, has_deq))
+        with OpCounter() as c:
+            general(x.to(torch.float32), scale, scale_inv, expected, deq)
+        assert len(c.ops) <= 40, (shape, len(c.ops), c.ops)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("with_deq", [False, True])
 def test_the_cpus_finite_pass_allocates_two_float32_copies(dtype, with_deq):
     """On the CPU a finite tensor's pass (``stats._make_finite_row``) works in one float32 copy (the
     magnitudes, then the scaled magnitudes, the error and its squares) and one mask: 8 bytes per
     element, plus the cast's FP8 copy without a decoded copy and a bf16 tensor's float32 copy. A
-    tensor with a NaN hands its magnitudes to the general form, which allocates no more than alone."""
+    tensor with a NaN hands its magnitudes to the general form, which allocates no more than alone.
+    Beside them: each row's float32 sums (10 a row, 0.1 bytes per element of a row of 384) and a few
+    scalars."""
     fmt = get_format("e4m3")
     x = torch.randn(512, 384, dtype=dtype)
     scale = torch.tensor(2.0)
     deq = (x.float() * 2).to(fmt.dtype).float() / 2 if with_deq else None
-    extra = (0 if with_deq else 1) + (4 if dtype == torch.bfloat16 else 0)
+    extra = (0 if with_deq else 1) + (4 if dtype == torch.bfloat16 else 0) + 10 * 4 / x.shape[1] + 0.01
     stats_mod.stats_call(x, scale, 1 / scale, torch.tensor(4.0), fmt, deq=deq)
     with ByteCounter() as c:
         stats_mod.stats_call(x, scale, 1 / scale, torch.tensor(4.0), fmt, deq=deq)
-    assert c.bytes / x.numel() <= 8 + extra + 0.1, c.bytes / x.numel()
+    assert c.bytes / x.numel() <= 8 + extra, c.bytes / x.numel()
     x[0, 0] = math.nan
     with ByteCounter() as c:
         stats_mod.stats_call(x, scale, 1 / scale, torch.tensor(4.0), fmt, deq=deq)
-    assert c.bytes / x.numel() <= 16 + extra + 0.1, c.bytes / x.numel()
+    assert c.bytes / x.numel() <= 16 + extra, c.bytes / x.numel()
 
 
 def test_the_emulated_layers_operand_allocates_nothing_for_its_amax_and_one_float32_copy_for_its_round_trip():

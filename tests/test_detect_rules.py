@@ -639,8 +639,10 @@ def _underflow_run(tmp_path, drop_deep=False):
     spread over 15 binades under 1e-5, T5 v1.1 trained in emulated FP8: 2.1-2.9 % of its non-zeros
     flushed, 66-89 % of them from 4+ binades under the threshold); and a Gaussian bulk under an
     outlier 2800 times its size, which presses 2.1-2.4 % of it under the threshold, 1/16 of that from
-    4+ binades under it (the suite's outliers: 7-10 %). ``drop_deep``:
-    the stream rewritten without the ``underflow_deep`` column, as an older fp8scope logged it."""
+    4+ binades under it (the suite's outliers: 7-10 %), and a third of it under the normal range; and an
+    MLP's GELU output whose negative tail crosses the flush threshold (2-3 % flushed, as a clean GPT-2's
+    after 600 steps), whose bulk stays in the normal range. ``drop_deep``: the stream rewritten without
+    the ``underflow_deep`` and ``below_normal`` columns, as an older fp8scope logged it."""
     import pyarrow as pa
     import torch
 
@@ -653,9 +655,10 @@ def _underflow_run(tmp_path, drop_deep=False):
 
     fmt = get_format("e4m3")
     keys = [TensorKey("decoder.block.0.layer.0.SelfAttention.o", "activation", "emulated", "e4m3", 448.0, (512, 128)),
-            TensorKey("encoder.block.1.layer.1.DenseReluDense.wo", "activation", "emulated", "e4m3", 448.0, (512, 128))]
+            TensorKey("encoder.block.1.layer.1.DenseReluDense.wo", "activation", "emulated", "e4m3", 448.0, (512, 128)),
+            TensorKey("transformer.h.1.mlp.c_proj", "activation", "emulated", "e4m3", 448.0, (512, 128))]
     gen = torch.Generator().manual_seed(0)
-    history = [[], []]
+    history = [[], [], []]
     with RunWriter(tmp_path, 0) as w:
         for step in range(6):
             head = torch.randn(512, 128, generator=gen)
@@ -664,17 +667,18 @@ def _underflow_run(tmp_path, drop_deep=False):
             head[rows, 32:64] = tiny * torch.randn(48, 32, generator=gen).sign()
             bulk = torch.randn(512, 128, generator=gen)
             bulk[7, 7] = 2800.0 * float(bulk.abs().max())
+            gelu = torch.nn.functional.gelu(2.3 * torch.randn(512, 128, generator=gen))
             m = []
-            for i, x in enumerate((head, bulk)):
+            for i, x in enumerate((head, bulk, gelu)):
                 expected = max(history[i]) if history[i] else float(x.abs().max())
                 history[i].append(float(x.abs().max()))
                 m.append(full_stats(x, 448.0 / expected, expected / 448.0, expected, fmt).numpy())
-            w.write("tensors", tensor_batch(step, 0, np.stack(m), [0, 1], keys, True))
+            w.write("tensors", tensor_batch(step, 0, np.stack(m), [0, 1, 2], keys, True))
     write_manifest(tmp_path, new_manifest(recipe={"kind": "delayed"}, world_size=1))
     if drop_deep:
         (path,) = [p for p in tmp_path.rglob("*tensors*") if p.is_file()]
         table = pa.ipc.open_stream(path.read_bytes()).read_all()
-        old = table.drop_columns(["underflow_deep"])
+        old = table.drop_columns(["underflow_deep", "below_normal"])
         with pa.ipc.new_stream(str(path), old.schema) as out:
             out.write_table(old)
     return keys
@@ -685,25 +689,39 @@ def test_a_tail_of_near_zero_values_that_flushes_is_told_and_a_bulk_pressed_unde
     "FP8 is the likely cause": 2.15 % of its decoder's attention output projection's inputs flushed.
     Those are heads whose output is ~0 (T5 does not scale its attention scores), rows of normal norm:
     they add nothing, no scale keeps them, and they flush from far under the threshold. The bulk an
-    outlier presses under flushes from just below it, and still warns. A run logged before
-    ``underflow_deep`` existed judges all of its underflow as before."""
+    outlier presses under flushes from just below it, and still warns: a third of it sits under the
+    normal range. A clean GPT-2 trained 2,000 steps warned 7 times on its MLP inputs, GELU's negative
+    tail flushing 2.0-2.3 %, with 2.8-2.9 times that under the normal range: a tail that thins out above
+    the threshold, told too. A run logged before ``underflow_deep`` and ``below_normal``
+    existed judges all of its underflow as before."""
     from fp8scope.detect import detect
 
     keys = _underflow_run(tmp_path)
     ev = detect(tmp_path)
     uf = ev[ev["rule"] == "underflow"]
-    head, bulk = uf[uf["layer"] == keys[0].layer], uf[uf["layer"] == keys[1].layer]
+    head, bulk, gelu = (uf[uf["layer"] == k.layer] for k in keys)
     assert len(head) == 1 and head["severity"].eq("info").all(), head  # info: once per tensor
     assert 0.02 <= head["value"].iloc[0] <= 0.04, head["value"]
     assert "a tail of near-zero values" in head["message"].iloc[0], head["message"].iloc[0]
     assert len(bulk) >= 1 and bulk["severity"].eq("warning").all(), bulk
     assert 0.02 <= bulk["value"].min() <= 0.025 and "near-zero" not in bulk["message"].iloc[0]
     assert ev[ev["severity"] != "info"]["layer"].eq(keys[1].layer).all(), ev
+    assert len(gelu) == 1 and gelu["severity"].eq("info").all(), gelu
+    assert 0.02 <= gelu["value"].iloc[0] <= 0.04, gelu["value"]
+    assert "a tail of small values that thins out" in gelu["message"].iloc[0], gelu["message"].iloc[0]
+    from fp8scope import load_run
+
+    # values under the normal range per flushed one: the GELU's tail thins out above the threshold, the
+    # pressed bulk crowds it
+    rows = load_run(tmp_path).sql(
+        "SELECT layer, min(below_normal / underflow) AS lo, max(below_normal / underflow) AS hi FROM tensors "
+        "WHERE step > 0 GROUP BY layer").set_index("layer")
+    assert rows.loc[keys[2].layer, "hi"] < 3 and rows.loc[keys[1].layer, "lo"] > 10, rows
 
     old = _underflow_run(tmp_path / "old", drop_deep=True)
     ev = detect(tmp_path / "old")
     uf = ev[ev["rule"] == "underflow"]
-    assert uf.groupby("layer")["severity"].agg(set).to_dict() == {old[0].layer: {"warning"}, old[1].layer: {"warning"}}
+    assert uf.groupby("layer")["severity"].agg(set).to_dict() == {k.layer: {"warning"} for k in old}
 
 
 def test_a_gradient_surge_that_fp8_clipped_is_not_blamed_on_fp8_without_a_fork():

@@ -50,6 +50,7 @@ def test_hand_made_e4m3_counts():
     assert s["overflow"] == 2  # 500 and inf exceed 448 before the cast
     assert s["saturated"] == 4  # 500, inf, 440 and -432 land on +-448; 431 rounds to 416
     assert s["underflow"] == 1  # 2^-10 is exactly half the smallest subnormal: rounds to 0
+    assert s["below_normal"] == 2  # and 3 * 2^-11 is a subnormal: both under the smallest normal, 2^-6
     assert s["min_nonzero"] == 2.0**-10
     assert s["expected_amax"] == 3.0
 
@@ -71,6 +72,7 @@ def test_e5m2_gradient_underflow_matches_the_cast():
     q = g.to(torch.float8_e5m2).float()
     assert s["underflow"] == int(((g != 0) & (q == 0)).sum())
     assert s["underflow"] > 1000
+    assert s["below_normal"] == int(((g != 0) & (g.abs() < 2.0**-14)).sum())  # under E5M2's smallest normal
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -86,6 +88,8 @@ def test_against_float64_reference(dtype):
     assert s["zeros"] == int((x64 == 0).sum())
     assert s["overflow"] == int((y > 448).sum())
     assert s["underflow"] == int(((y > 0) & (y <= 2.0**-10)).sum())
+    assert s["underflow_deep"] == int(((y > 0) & (y <= 2.0**-14)).sum())
+    assert s["below_normal"] == int(((y > 0) & (y < 2.0**-6)).sum())
     q = (x.float() * scale).clamp(-448, 448).to(torch.float8_e4m3fn).double() / float(scale)
     assert s["sq_err"] == pytest.approx(float(((q - x64) ** 2).sum()), rel=1e-4)
     assert s["min_nonzero"] == pytest.approx(float(x64.abs()[x64 != 0].min()))

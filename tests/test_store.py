@@ -146,22 +146,25 @@ def test_a_run_resumed_by_a_newer_fp8scope_reads_and_detects_across_its_segments
 
 
 def test_a_run_an_older_fp8scope_logged_answers_sql_on_the_columns_it_predates(run_dir: Path):
-    """A run written before ``underflow_deep`` existed, alone: its merged table has the column as nulls, so
-    SQL naming it (the derived statistics of the dashboard, the HTML report and ``export``) runs, and the
-    part of its underflow pressed under is all of it (nothing is known to be deep), in SQL as in numpy."""
+    """A run written before ``underflow_deep`` and ``below_normal`` existed, alone: its merged table has the
+    columns as nulls, so SQL naming them (the derived statistics of the dashboard, the HTML report and
+    ``export``) runs, the part of its underflow pressed under is all of it (nothing is known to be deep),
+    in SQL as in numpy, and the share under the normal range is unknown (null), not 0."""
     from fp8scope.derived import DERIVED
 
-    old = pa.schema([f for f in TENSOR_SCHEMA if f.name != "underflow_deep"], metadata=TENSOR_SCHEMA.metadata)
+    new = ("underflow_deep", "below_normal")
+    old = pa.schema([f for f in TENSOR_SCHEMA if f.name not in new], metadata=TENSOR_SCHEMA.metadata)
     stream_path(run_dir, "tensors", 0, 0).parent.mkdir(parents=True)
     with pa.ipc.new_stream(str(stream_path(run_dir, "tensors", 0, 0)), old) as w:
         for s in range(3):
-            b = tensor_batch(s).drop_columns(["underflow_deep"])
+            b = tensor_batch(s).drop_columns(list(new))
             n = b.num_rows
             for name, v in (("numel", 1000), ("zeros", 100), ("nonfinite", 0), ("underflow", 18 + s)):
                 b = b.set_column(b.schema.get_field_index(name), old.field(name), pa.array([v] * n, pa.int64()))
             w.write_batch(b)
     run = load_run(run_dir)
-    assert run.table("tensors")["underflow_deep"].null_count == 3 * len(LAYERS) * len(ROLES)
+    for name in new:
+        assert run.table("tensors")[name].null_count == 3 * len(LAYERS) * len(ROLES)
     d = DERIVED["underflow_shallow_pct"]
     total = DERIVED["underflow_pct"].sql
     got = run.sql(f"select step, {d.sql} as shallow, {total} as total from tensors order by step")
@@ -169,6 +172,9 @@ def test_a_run_an_older_fp8scope_logged_answers_sql_on_the_columns_it_predates(r
     t = run.table("tensors")
     fn = d.fn(lambda c: t[c].to_numpy(zero_copy_only=False).astype(np.float64))
     assert np.allclose(np.sort(fn), np.sort(got["shallow"].to_numpy()))
+    below = run.sql(f"select {DERIVED['below_normal_pct'].sql} as pct from tensors")["pct"]
+    assert below.isna().all() and np.isnan(DERIVED["below_normal_pct"].fn(
+        lambda c: t[c].to_numpy(zero_copy_only=False).astype(np.float64))).all()
 
 
 def test_filters(run_dir: Path):

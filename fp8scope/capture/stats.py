@@ -9,7 +9,7 @@ arithmetic is one function, compiled once per (device type, dtype, format, scale
 written for the compiler (:func:`_make_full_fused`): 3 Triton kernels and 3 launches per tensor on a
 GPU (``benchmarks/triton_kernels.py`` counts them), one C++ kernel on the CPU. Where a variant is
 not compiled (the CPU's default, ``FP8SCOPE_COMPILE=0``), the eager form runs
-(:func:`_make_full`): at most 38 aten ops whatever the tensor's size, no chunking, computed in place
+(:func:`_make_full`): at most 40 aten ops whatever the tensor's size, no chunking, computed in place
 in a few scratch copies of the tensor; on the CPU a finite tensor's pass skips what it cannot hold
 (:func:`_make_finite_row`: about half the passes and half the scratch).
 
@@ -24,8 +24,12 @@ What each field means:
   above the midpoint below ``fp8_max`` rounds onto the top code (``saturation_floor``).
   ``underflow_deep`` counts the flushed values 4 binades or more under that threshold
   (``formats.deep_underflow_threshold``): a tail of near-zeros, where a bulk pressed under flushes
-  from just below it. Each pass counts "at or below a threshold", zeros included, in one comparison;
-  ``step_payload.wide_stats`` takes the zeros out.
+  from just below it. ``below_normal`` counts the non-zero values under the format's smallest
+  normal (flushed, or a subnormal with fewer mantissa bits): where a tensor's bulk sits. A scale
+  an outlier pressed down puts a large part of the tensor there, where a tail of small values that
+  crosses the flush threshold (GELU's negative tail) puts there a few % more than it flushes. Each
+  pass counts "at or below a threshold" (under, for the normal range), zeros included, in one
+  comparison; ``step_payload.wide_stats`` takes the zeros out.
 - ``sq_err`` and ``sq_signal``: sums of squares of the quantization error and of ``x`` over the
   finite elements, accumulated in float64 (the real cast, decoded back; or the caller's ``deq``);
   the CPU's eager pass over a finite tensor sums each row's float32 squares in float32 first
@@ -94,12 +98,12 @@ def saturation_floor(fmt: Fp8Format) -> float:
 
 def _variant(key):
     """The constants of one variant: (format, fp8_max, saturation floor, (underflow threshold, deep
-    underflow threshold), cast dtype, per_row, has_deq, recipes, role, whole_given)."""
+    underflow threshold, smallest normal), cast dtype, per_row, has_deq, recipes, role, whole_given)."""
     _device, _dtype, fmt_name, per_row, has_deq, *more = key
     recipes, role, whole_given = more if more else ((), None, False)
     fmt = get_format(fmt_name)
     dtype8 = None if has_deq else fmt.dtype  # E2M1 rows come with their decoded values (no torch dtype)
-    under = (fmt.underflow_threshold, fmt.deep_underflow_threshold)
+    under = (fmt.underflow_threshold, fmt.deep_underflow_threshold, fmt.tiny)
     return fmt, fmt.max, saturation_floor(fmt), under, dtype8, per_row, has_deq, recipes, role, whole_given
 
 
@@ -117,12 +121,13 @@ _F32_MAX = torch.finfo(torch.float32).max
 _SQUARES_FLOOR = 2.0 ** -120  # a sum of squares at or above n times this lost < 2**-30 of itself to underflow
 
 
-def _counting(a: torch.Tensor, masks: int = 2, sums: int = 7):
+def _counting(a: torch.Tensor, masks: int = 2, sums: int = 8):
     """The eager pass's scratch for a float32 matrix ``a``: one block whose first ``masks * a.numel()``
     floats hold 0/1 masks (the general form's two, later its float64 copy for the squared sums),
     and ``parts``, one row per sum (numel, zeros, finite, overflow, underflow or zero, saturated,
-    deep underflow or zero, then the finite form's squared sums) of one sum per row of ``a``; with
-    ``row_sums(values, i)``, which sums a matrix's rows into ``parts[i]``."""
+    deep underflow or zero, below normal or zero, then the finite form's squared sums) of one sum
+    per row of ``a``; with ``row_sums(values, i)``, which sums a matrix's rows into ``parts[i]`` (``i``
+    a slice of rows for a stack of matrices: one op for several counts)."""
     rows, cols = a.shape
     n = a.numel()
     block = torch.empty(masks * n + sums * rows, dtype=torch.float32, device=a.device)
@@ -157,7 +162,7 @@ def _wide_row(logged, min_nonzero, recorded, scale, scale_inv, expected, parts, 
         logged.view(one), min_nonzero.view(one), recorded.view(one),  # recorded: for a what-if state
         (scale.amin() if per_row else scale).reshape(one),
         (scale_inv.amax() if per_row else scale_inv).reshape(one),
-        *[expected.reshape(one)] * 4,  # expected, then three unused copies
+        *[expected.reshape(one)] * 5,  # expected, then four unused copies
         counts, sq_err.view(one), sq_signal.view(one),
     ])
 
@@ -167,7 +172,7 @@ def _make_full(key):
     variant with other recipes (``recipes``, the tensor's base ``role``) also measures each of them
     on the same tensor (``emulate.recipe_table.counts``) and returns their vectors as a second
     output: ``whole_given`` when the matrix they read is not ``x`` itself (``x`` is then a view of
-    blocks). ``x`` is a matrix (``stats_call``'s). At most 38 ops whatever the size, each a pass over
+    blocks). ``x`` is a matrix (``stats_call``'s). At most 40 ops whatever the size, each a pass over
     the tensor at most: what runs while the compiled form (:func:`_make_full_fused`, the same
     numbers) is not ready or not wanted.
 
@@ -179,9 +184,10 @@ def _make_full(key):
       fresh tensor-sized temporary is fresh memory from the OS, whose page faults cost more than
       the passes over it; on a GPU it is memory the training may need.
     - Each count is a comparison written as 0/1 float32, summed per row in float32 (exact while a
-      row holds fewer than 2**24 elements; a longer one sums in float64) and over the rows in
-      float64, all six in one reduction. On a CPU a comparison that writes booleans runs several
-      times slower than one that writes float32, and a float sum is faster than ``count_nonzero``
+      row holds fewer than 2**24 elements; a longer one sums in float64; two masks side by side in
+      one sum) and over the rows in float64, all of them in one reduction. On a CPU a comparison
+      that writes booleans runs several times slower than one that writes float32, and a float sum
+      is faster than ``count_nonzero``
       (docs/benchmarks.md).
     - On the CPU a value is read on the host without a sync (the CPU is the host), so the pass
       first asks whether the tensor is finite and runs :func:`_make_finite_row`'s form for one that
@@ -207,8 +213,8 @@ def _make_full(key):
 
 def _make_general(key):
     """The eager pass for any tensor on any device (``a``: the float32 matrix; ``m``, if given, its
-    magnitudes, which it overwrites): at most 38 ops."""
-    fmt, fmax, sat, (under, deep), dtype8, per_row, has_deq, *_ = _variant(key)
+    magnitudes, which it overwrites): at most 38 ops (its seven counts in four sums)."""
+    fmt, fmax, sat, (under, deep, tiny), dtype8, per_row, has_deq, *_ = _variant(key)
 
     def general(a, scale, scale_inv, expected, deq, m=None):
         rows, cols = a.shape
@@ -216,17 +222,23 @@ def _make_general(key):
         m = a.abs() if m is None else m  # the magnitudes (``m``: the finite form's, untouched)
         block, parts, row_sums = _counting(a)
         o1, o2 = block[:n].view(rows, cols), block[n:2 * n].view(rows, cols)  # two 0/1 masks
+        pair = block[:2 * n].view(2, rows, cols)  # both: two counts in one sum (parts' rows i and i + 1)
         logged = m.amax()  # NaN propagates
         parts[0].fill_(cols)
-        row_sums(torch.eq(m, 0, out=o1), 1)
-        row_sums(torch.lt(m, _INF, out=o1), 2)  # the finite elements (NaN compares false): non-finite below
+        torch.eq(m, 0, out=o1)
+        torch.lt(m, _INF, out=o2)  # the finite elements (NaN compares false): non-finite below
+        row_sums(pair, slice(1, 3))
         y = m * scale  # the scaled magnitudes the cast sees
-        row_sums(torch.gt(y, fmax, out=o2), 3)
-        # zero after the cast, the zeros included (NaN compares false; step_payload.wide_stats takes
-        # the zeros out), then the saturated, then those flushed from deep under the threshold
-        row_sums(torch.le(y, under, out=o2), 4)
-        row_sums(torch.gt(y, sat, out=o2), 5)
-        row_sums(torch.le(y, deep, out=o2), 6)
+        # the overflowing, then zero after the cast, the zeros included (NaN compares false;
+        # step_payload.wide_stats takes the zeros out), then the saturated, then those flushed from
+        # deep under the threshold, then those under the normal range
+        torch.gt(y, fmax, out=o1)
+        torch.le(y, under, out=o2)
+        row_sums(pair, slice(3, 5))
+        torch.gt(y, sat, out=o1)
+        torch.le(y, deep, out=o2)
+        row_sums(pair, slice(5, 7))
+        row_sums(torch.lt(y, tiny, out=o2), 7)
         recorded = recorded_amax(m, scratch=True)  # TE's amax (NaN ignored); in m NaN is 0 from here
         zero = torch.eq(m, 0, out=o2.view(-1).view(torch.bool)[:n].view(rows, cols))  # in the free mask's bytes
         min_nonzero = m.masked_fill_(zero, _INF).amin()  # inf if none is non-zero
@@ -272,7 +284,7 @@ def _make_finite_row(key):
     - the values it reads on the host (the extremes with the scales, then the sums and scalars in
       one read) make the row in one op, where the general form's row is a cat of twelve device
       values (some fifty ops on a CPU)."""
-    fmt, fmax, sat, (under, deep), dtype8, per_row, has_deq, *_ = _variant(key)
+    fmt, fmax, sat, (under, deep, tiny), dtype8, per_row, has_deq, *_ = _variant(key)
 
     def finite_row(a, scale, scale_inv, expected, deq):
         rows, cols = a.shape
@@ -288,7 +300,7 @@ def _make_finite_row(key):
             s_hi = s_lo
         if not math.isfinite(peak):
             return None, m  # untouched: the general form's magnitudes
-        block, parts, row_sums = _counting(a, masks=1, sums=9)  # parts' rows that no pass fills are left unread
+        block, parts, row_sums = _counting(a, masks=1, sums=10)  # parts' rows that no pass fills are left unread
         mask = block[:n].view(rows, cols)
         counted = []  # the rows of parts a pass filled (the others' counts are 0)
         if least == 0:  # zeros: count them, and lift them to float32's largest for the smallest non-zero
@@ -304,24 +316,26 @@ def _make_finite_row(key):
             if not top <= limit:  # (a NaN scale is counted)
                 row_sums(torch.gt(y, limit, out=mask), i)
                 counted.append(i)
-        for i, limit in ((4, under), (6, deep)):  # the elements above a flush threshold: the rest flush
+        # the elements above a flush threshold (the rest flush), and those in the normal range (the
+        # rest are under it)
+        for i, limit, above in ((4, under, torch.gt), (6, deep, torch.gt), (7, tiny, torch.ge)):
             if not low > limit:
-                row_sums(torch.gt(y, limit, out=mask), i)
+                row_sums(above(y, limit, out=mask), i)
                 counted.append(i)
         # the quantization error, in y's place: the real cast decoded, or the caller's decoded copy
         err = torch.sub(deq, a, out=y) if has_deq else quantize_dequantize(a, scale, scale_inv, fmt, out=y)[1].sub_(a)
-        row_sums(err.mul_(err), 7)
-        row_sums(torch.mul(a, a, out=mask), 8)
+        row_sums(err.mul_(err), 8)
+        row_sums(torch.mul(a, a, out=mask), 9)
         inv = scale_inv.amax() if per_row else scale_inv
         one = (1,)
         *sums, sq_err, sq_signal, inv, expect = torch.cat([  # every value the row needs, in one read
             parts.sum(-1, dtype=torch.float64), inv.reshape(one), expected.reshape(one)]).tolist()
         if not all(s == 0 and peak == 0 or n * _SQUARES_FLOOR <= s < _INF for s in (sq_err, sq_signal)):
             return None, None  # a non-finite decoded value or scale, a square past float32, or underflow
-        counts = [float(n), *(sums[i] if i in counted else 0.0 for i in range(1, 7))]  # [2], non-finite: none
-        for i in (4, 6):  # flushed or zero (WIDE_FIELDS): none flushes where no pass counted
-            counts[i] = n - sums[i] if i in counted else counts[1]
-        return torch.tensor([peak, least, peak, s_lo, inv, expect, expect, expect, expect, *counts, sq_err, sq_signal],
+        counts = [float(n), *(sums[i] if i in counted else 0.0 for i in range(1, 8))]  # [2], non-finite: none
+        for i in (4, 6, 7):  # flushed or zero, under the normal range or zero (WIDE_FIELDS): only the zeros
+            counts[i] = n - sums[i] if i in counted else counts[1]  # where no pass counted
+        return torch.tensor([peak, least, peak, s_lo, inv, *[expect] * 5, *counts, sq_err, sq_signal],
                             dtype=torch.float64), None  # step_payload.WIDE_FIELDS
 
     return finite_row
@@ -345,7 +359,7 @@ def _make_full_fused(key):
     than the eager form on large tensors (docs/benchmarks.md). Split reductions stay off
     (:func:`_compile_options`): the rows are the split. Eagerly this form would hold every
     per-element column in memory: it is only ever compiled."""
-    _fmt, fmax, sat, (under, deep), dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
+    _fmt, fmax, sat, (under, deep, tiny), dtype8, per_row, has_deq, recipes, role, whole_given = _variant(key)
     f64 = torch.float64
 
     def full_stats(x, scale, scale_inv, expected, deq, whole=None):
@@ -361,15 +375,15 @@ def _make_full_fused(key):
 
         # each row: every value a reduction of its own, all in the first kernel (the scales too, as
         # the extreme of a row of copies, so that they need no kernel of their own)
-        maxed = torch.stack([  # amax .. unused8, WIDE_FIELDS' order; the minima negated
+        maxed = torch.stack([  # amax .. unused9, WIDE_FIELDS' order; the minima negated
             m.amax(1), torch.where(m > 0, m, _INF).amin(1).neg(), recorded_amax(m, dim=1).squeeze(1),
-            each(scale).amin(1).neg(), each(scale_inv).amax(1), *[each(expected).amax(1)] * 4,
+            each(scale).amin(1).neg(), each(scale_inv).amax(1), *[each(expected).amax(1)] * 5,
         ], -1)
         summed = torch.stack([  # numel .. sq_signal
             m.shape[1] - (m < -1.0).sum(1),  # the row's size, counted (never true) to join the kernel
             (m == 0).sum(1), m.shape[1] - (m < _INF).sum(1), (y > fmax).sum(1),
             (y <= under).sum(1),  # zero after the cast, the zeros included (NaN compares false)
-            (y > sat).sum(1), (y <= deep).sum(1), (err * err).sum(1), (clean * clean).sum(1),
+            (y > sat).sum(1), (y <= deep).sum(1), (y < tiny).sum(1), (err * err).sum(1), (clean * clean).sum(1),
         ], -1)
         # then the rows
         maxes, sums = maxed.amax(0), summed.sum(0)
@@ -505,7 +519,7 @@ def stats_call(x, scale, scale_inv, expected_amax, fmt: Fp8Format, deq=None, rec
         row = torch.zeros(N_WIDE, dtype=torch.float64, device=dev)  # WIDE_FIELDS
         row[1] = _INF
         row[3], row[4] = s.amin(), si.amax()
-        row[5:9] = e.amax()
+        row[5:10] = e.amax()
         matrix = torch.zeros(len(recipes), len(RECIPE_FIELDS), dtype=torch.float64, device=dev) if recipes else None
         return row, row[2], matrix
     rows_s, rows_si = _rows_of(s, x), _rows_of(si, x)

@@ -48,8 +48,8 @@ _SUMS = ("numel", "nonzero", "underflow", "overflow", "saturated", "sq_err", "sq
 
 
 _TENSOR_COLS = ("step", "rank", "layer", "tensor", "full", "fp8_max", "expected_amax", "scale", "scale_inv", "amax",
-                "numel", "nonfinite", "zeros", "underflow", "underflow_deep", "overflow", "saturated", "qerr_mse",
-                "sqnr_db")
+                "numel", "nonfinite", "zeros", "underflow", "underflow_deep", "below_normal", "overflow", "saturated",
+                "qerr_mse", "sqnr_db")
 
 
 def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.DataFrame:
@@ -60,7 +60,7 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
 
     cols = ["step", "layer", "tensor", "recipe", *_SUMS, "clip_ratio", "underflow_deep"]
     if "recipes" not in run.table_names():
-        return pd.DataFrame(columns=cols)
+        return pd.DataFrame(columns=[*cols, "below_normal"])
     # underflow_deep: null in a run logged before it existed (the store's readers give it the column;
     # both tables then judge all of a flush)
     rec_t = _arrow_in_steps(run.table("recipes").select(cols), steps)
@@ -86,6 +86,9 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
         t["sq_signal"] = np.where(np.isinf(t["sqnr_db"]), np.nan, t["sq_err"] * 10.0 ** (t["sqnr_db"] / 10.0))
         t["clip_ratio"] = t["amax"] / (t["fp8_max"] * t["scale_inv"])  # derived.amax_over_range
     t["recipe"] = IN_USE
+    # below_normal: the recipe in use's only (the tensors table's); the other recipes judge their flush without it
+    cols.append("below_normal")
+    rec["below_normal"] = np.nan
     t, rec = t[cols].copy(), rec[cols].copy()
     for c in ("layer", "tensor", "recipe"):  # one set of categories on both sides: the concat stays categorical
         a, b = pd.Categorical(t[c]), pd.Categorical(rec[c])
@@ -133,7 +136,7 @@ def summed(rows: pd.DataFrame) -> pd.DataFrame:
     if rows.empty:
         return rows.assign(underflow_frac=[], overflow_frac=[]).drop(columns=["step"], errors="ignore")
     g = rows.groupby(["layer", "tensor", "recipe"], sort=False, observed=True)
-    sums = [*_SUMS, *(["underflow_deep"] if "underflow_deep" in rows else [])]
+    sums = [*_SUMS, *(c for c in ("underflow_deep", "below_normal") if c in rows)]
     out = g[sums].sum(min_count=1).join(g[["clip_ratio"]].max()).reset_index()
     out = out.astype({"layer": str, "tensor": str, "recipe": str})
     first = {k: i for i, k in enumerate(_run_order(rows))}
@@ -158,6 +161,8 @@ def _with_shares(df: pd.DataFrame) -> pd.DataFrame:
 
         df["deep_share"] = derived.deep_underflow_share(get)
         df["shallow_frac"] = derived.shallow_underflow_fraction(get)
+        if "below_normal" in df:
+            df["below_normal_frac"] = derived.below_normal_fraction(get)
     with np.errstate(divide="ignore", invalid="ignore"):
         df["underflow_frac"] = np.where(df["nonzero"] > 0, df["underflow"] / df["nonzero"], np.nan)
         df["overflow_frac"] = np.where(df["numel"] > 0, df["overflow"] / df["numel"], np.nan)
@@ -185,8 +190,11 @@ def fault_codes(df: pd.DataFrame, cfg: DetectConfig) -> np.ndarray:
     clip_limit = cfg.sat_warn_ratios(np.asarray(roles.categories == "gradient")[pick[1]])
     clip = df["clip_ratio"].to_numpy(dtype=float, na_value=np.nan) if "clip_ratio" in df else np.full(len(df), np.nan)
     # a flush of near-zeros is not a fault, as it is the rule's info
-    tail = (cfg.near_zero_tail(df["deep_share"].to_numpy(dtype=float, na_value=np.nan),
-                               df["shallow_frac"].to_numpy(dtype=float, na_value=np.nan), under)
+    def share(name):
+        return df[name].to_numpy(dtype=float, na_value=np.nan) if name in df else np.full(len(df), np.nan)
+
+    tail = (cfg.near_zero_tail(share("deep_share"), share("shallow_frac"), under, share("below_normal_frac"),
+                               share("underflow_frac"))
             if "deep_share" in df else np.zeros(len(df), bool))
     with np.errstate(invalid="ignore"):
         return np.select([(df["underflow_frac"].to_numpy(dtype=float) >= under) & ~tail,

@@ -28,7 +28,8 @@ MAD_FLOOR_BINADES = 0.1
 # columns of the tensors table the detector reads
 TENSOR_COLUMNS = [
     "step", "rank", "layer", "tensor", "order", "fp8_format", "amax", "min_nonzero", "scale", "scale_inv",
-    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow", "underflow_deep", "source",
+    "expected_amax", "fp8_max", "numel", "zeros", "nonfinite", "overflow", "underflow", "underflow_deep",
+    "below_normal", "source",
     "recipe",
 ]
 
@@ -253,6 +254,7 @@ def row_features(src: NumpyColumns, key: np.ndarray, km: KeyMap, cfg: DetectConf
         c["uf_count"] = get("underflow")
         c["uf_shallow"] = derived.shallow_underflow_fraction(get)
         c["uf_deep_share"] = derived.deep_underflow_share(get)
+        c["uf_below_normal"] = derived.below_normal_fraction(get)
         c["ovf_count"] = get("overflow")
         mn = c["min_nonzero"]
         pos = fin & (amax > 0)

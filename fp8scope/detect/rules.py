@@ -244,18 +244,28 @@ def row_rules(cfg: DetectConfig) -> list[RowRule]:
             # threshold; a flush made mostly of values 4+ binades deeper (heads whose output is ~0: T5's
             # attention, 2-3 % of its output projection's inputs, 66-89 % of them deep), whose shallow
             # part stays under the threshold, is a tail of near-zeros that adds nothing and that no
-            # scale keeps: told, not alarmed. All of it counts at the critical share; a run logged
-            # without underflow_deep judges all of it as before
+            # scale keeps: told, not alarmed. So is a flush whose values thin out above the threshold,
+            # the bulk in the normal range (GELU's negative tail: under 3 values under the normal range
+            # per flushed one), where a scale pressed under crowds the range just above the threshold
+            # (5-9 per flushed value in the suite's outliers). All of it counts at the critical
+            # share; a run logged without underflow_deep or below_normal judges all of it as before
             severity=lambda c: np.select(
-                [c["uf_frac"] >= ufc, cfg.near_zero_tail(c["uf_deep_share"], c["uf_shallow"], uf_thr(c))],
+                [c["uf_frac"] >= ufc,
+                 cfg.near_zero_tail(c["uf_deep_share"], c["uf_shallow"], uf_thr(c), c["uf_below_normal"],
+                                    c["uf_frac"])],
                 ["critical", "info"], "warning"),
             message=lambda r: (
                 f"{_where(r)} ({r['fp8_format']}): {_pct(r['value'])} of non-zero values flush to zero in the cast "
                 f"({_count(r['uf_count'])} values; threshold {_pct(r['threshold'])})"
-                + (f"; {_pct(r['value'] - r['uf_shallow'])} flush from {DEEP_UNDERFLOW_BINADES}+ binades under the "
-                   f"threshold and {_pct(r['uf_shallow'])} from just below it: mostly a tail of near-zero values (a "
-                   f"head or channel whose output is ~0), not values the scale pressed under"
-                   if r["severity"] == "info" else "")
+                + (("" if r["severity"] != "info" else
+                    f"; {_pct(r['value'] - r['uf_shallow'])} flush from {DEEP_UNDERFLOW_BINADES}+ binades under the "
+                    f"threshold and {_pct(r['uf_shallow'])} from just below it: mostly a tail of near-zero values (a "
+                    f"head or channel whose output is ~0), not values the scale pressed under"
+                    if cfg.near_zero_tail(r["uf_deep_share"], r["uf_shallow"], r["threshold"]) else
+                    f"; {_pct(r['uf_below_normal'])} of the non-zero values sit under the normal range (flushed or "
+                    f"subnormal), {_fmt(r['uf_below_normal'] / r['value'])}x what flushed: a tail of small values "
+                    f"that thins out above the threshold, not a bulk the scale pressed under (which crowds the range "
+                    f"there)"))
             ),
         ),
         RowRule(
