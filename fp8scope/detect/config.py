@@ -65,7 +65,7 @@ class DetectConfig:
     # (below_normal: flushed or subnormal), and under half of the non-zero values: its values thin out
     # above the flush threshold and the median keeps full precision, where a bulk the scale pressed under
     # crowds the range just above it. GELU's negative tail in a clean GPT-2's MLP input (2,000 steps):
-    # 2.0-2.6 % flushed, 2.8-2.9 values under the normal range per flushed one; the suite's outliers that
+    # 2.0-2.6 % flushed, 2.7-3.0 values under the normal range per flushed one; the suite's outliers that
     # flush 2 % or more: 5.4-9 (a T5's float32-kept MLP input pressed by its own outlier: 5.8-7.1)
     underflow_bulk_ratio: float = 4.0
 
