@@ -155,6 +155,10 @@ RECIPE_SCHEMA = pa.schema(
 )
 
 TABLE_SCHEMAS = {"tensors": TENSOR_SCHEMA, "scalars": SCALAR_SCHEMA, "events": EVENT_SCHEMA, "recipes": RECIPE_SCHEMA}
+# what a row of each table is about, beyond its (rank, step): a stream without these columns cannot be
+# placed by any reader (the store refuses it)
+TABLE_KEYS = {"tensors": ("layer", "tensor"), "recipes": ("layer", "tensor", "recipe"), "scalars": ("name",),
+              "events": ("rule",)}
 
 
 def register_table(name: str, schema: pa.Schema) -> None:

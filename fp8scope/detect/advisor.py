@@ -58,12 +58,13 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
     measured no other recipe. Names come back categorical: a long run has millions of rows."""
     import pyarrow.compute as pc
 
-    cols = ["step", "layer", "tensor", "recipe", *_SUMS, "clip_ratio", "underflow_deep"]
-    if "recipes" not in run.table_names():
-        return pd.DataFrame(columns=[*cols, "below_normal"])
     # underflow_deep: null in a run logged before it existed (the store's readers give it the column;
-    # both tables then judge all of a flush)
-    rec_t = _arrow_in_steps(run.table("recipes").select(cols), steps)
+    # both tables then judge all of a flush). below_normal: the recipe in use's only (the tensors
+    # table's); the other recipes judge their flush without it
+    cols = ["step", "layer", "tensor", "recipe", *_SUMS, "clip_ratio", "underflow_deep", "below_normal"]
+    if "recipes" not in run.table_names():
+        return pd.DataFrame(columns=cols)
+    rec_t = _arrow_in_steps(run.table("recipes").select(cols[:-1]), steps)
     t = run.table("tensors").select(list(_TENSOR_COLS))
     keep = pc.and_(pc.and_(t["full"], pc.greater_equal(t["rank"], 0)),
                    pc.invert(pc.match_substring(t["tensor"], "@")))
@@ -86,8 +87,6 @@ def per_step(run, steps: tuple[int | None, int | None] | None = None) -> pd.Data
         t["sq_signal"] = np.where(np.isinf(t["sqnr_db"]), np.nan, t["sq_err"] * 10.0 ** (t["sqnr_db"] / 10.0))
         t["clip_ratio"] = t["amax"] / (t["fp8_max"] * t["scale_inv"])  # derived.amax_over_range
     t["recipe"] = IN_USE
-    # below_normal: the recipe in use's only (the tensors table's); the other recipes judge their flush without it
-    cols.append("below_normal")
     rec["below_normal"] = np.nan
     t, rec = t[cols].copy(), rec[cols].copy()
     for c in ("layer", "tensor", "recipe"):  # one set of categories on both sides: the concat stays categorical

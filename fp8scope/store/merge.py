@@ -21,7 +21,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from fp8scope.errors import RunError
-from fp8scope.schema import TABLE_SCHEMAS
+from fp8scope.schema import TABLE_KEYS, TABLE_SCHEMAS
 from fp8scope.store.layout import StreamFile, list_parquet_tables, list_streams, parquet_path, relative
 from fp8scope.store.reader import StreamTail
 
@@ -35,16 +35,12 @@ def with_segment_schema(schema: pa.Schema) -> pa.Schema:
     return schema.append(pa.field(SEGMENT, pa.int32()))
 
 
-# The columns that say what a row is about, beyond its (rank, step). A stream without them would
-# merge as rows of nulls that no reader can place (a tensors row with no layer breaks the report).
-KEY_COLUMNS = {"tensors": ("layer", "tensor"), "recipes": ("layer", "tensor", "recipe"), "scalars": ("name",),
-               "events": ("rule",)}
-
-
 def check_stream_schema(file: StreamFile, schema: pa.Schema) -> None:
     """Refuse, in one line naming the file, a stream that is not its table's: another table's stream
     under this name (its schema's ``fp8scope.table`` says which), or one without the columns that key
-    the table's rows (hand-made, foreign). Extra columns, and nullable ones a run predates, are fine."""
+    the table's rows (``schema.TABLE_KEYS``; hand-made, foreign): merged, its rows would be rows of nulls
+    that no reader can place (a tensors row with no layer broke the report). Extra columns, and nullable
+    ones a run predates, are fine."""
     for col in ("step", "rank"):  # every table is keyed by (rank, step)
         i = schema.get_field_index(col)
         if i < 0 or not pa.types.is_integer(schema.field(i).type):
@@ -52,7 +48,7 @@ def check_stream_schema(file: StreamFile, schema: pa.Schema) -> None:
     said = (schema.metadata or {}).get(b"fp8scope.table")
     if said is not None and said != file.table.encode():
         raise RunError(f"{file.path}: holds the {said.decode(errors='replace')!r} table, not {file.table!r}")
-    for col in KEY_COLUMNS.get(file.table, ()):
+    for col in TABLE_KEYS.get(file.table, ()):
         if col not in schema.names:
             raise RunError(f"{file.path}: not an fp8scope {file.table} stream (no {col!r} column)")
 
